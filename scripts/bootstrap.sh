@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Idempotent set-up for `make run` and `make test` on a fresh machine:
+#   1. a .venv with Python 3.11
+#   2. torch==2.13.0 FIRST (any other pin, or an unpinned torch pulled in by another package,
+#      drags in gigabytes of CUDA packages)
+#   3. millstream in editable mode with its extras, re-installed only when pyproject.toml changes
+#   4. a redis-server binary (Debian's package when none is on PATH)
+# A second call checks each step and skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv
+PY="$VENV/bin/python"
+TORCH_PIN="torch==2.13.0"
+say() { printf '[bootstrap] %s\n' "$*"; }
+
+if [ ! -x "$PY" ]; then
+  PYTHON=${PYTHON:-python3.11}
+  command -v "$PYTHON" >/dev/null || PYTHON=python3
+  "$PYTHON" -c 'import sys; assert sys.version_info[:2] >= (3, 11), sys.version' \
+    || { say "need Python >= 3.11 (found $("$PYTHON" --version))"; exit 1; }
+  say "creating $VENV with $("$PYTHON" --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+
+if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  say "installing $TORCH_PIN (CPU build) before anything else"
+  "$PY" -m pip install -q --disable-pip-version-check "$TORCH_PIN"
+fi
+
+STAMP="$VENV/.millstream-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$STAMP" ]; then
+  say "installing millstream (editable) with extras [all,dev]"
+  # Naming the torch pin again keeps pip's resolver from replacing it.
+  "$PY" -m pip install -q --disable-pip-version-check -e '.[all,dev]' "$TORCH_PIN"
+  rm -f "$VENV"/.millstream-*
+  touch "$STAMP"
+fi
+
+if ! command -v redis-server >/dev/null; then
+  say "redis-server not on PATH: installing Debian's redis-server package"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  # The package starts a system service where systemd runs; millstream starts its own.
+fi
+say "ready: $("$PY" --version), torch $("$PY" -c 'import torch; print(torch.__version__)'), $(redis-server --version | cut -d' ' -f1-3)"

@@ -1,0 +1,76 @@
+"""`millstream <command>`: one thin entry per service; heavy imports happen in the command.
+
+Each command maps to `millstream.<pkg>.main:main(argv) -> int`. Errors the user can act on
+(MillstreamError) print one line and exit 1; flag errors exit 2 (argparse).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from millstream.common.errors import MillstreamError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": (
+        "millstream.trainer.main:train",
+        "sync RL training (strictly on-policy, like Miles' train.py)",
+    ),
+    "train-async": (
+        "millstream.trainer.main:train_async",
+        "async RL training (--max-staleness >= 1)",
+    ),
+    "engine": (
+        "millstream.engine.main:main",
+        "CPU/dev inference server speaking SGLang's HTTP API",
+    ),
+    "router": ("millstream.router.main:main", "HTTP router in front of engines"),
+    "rollout": ("millstream.rollout.main:main", "rollout worker: {run}:prompts -> {run}:generated"),
+    "reward": ("millstream.reward.main:main", "reward worker: {run}:generated -> {run}:scored"),
+    "reward-celery": ("millstream.reward.main:celery_worker", "Celery worker running reward tasks"),
+    "trace": ("millstream.common.trace_cli:main", "summarise a run's traces"),
+    "plot": ("millstream.trainer.plot:main", "draw a run's metric curves"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: millstream <command> [flags...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "`millstream <command> --help` lists a command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"millstream: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    target, _ = COMMANDS[name]
+    module_name, func_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and err.name.startswith("millstream"):
+            print(
+                f"millstream: `{name}` is not built yet ({module_name} is missing)", file=sys.stderr
+            )
+            return 2
+        raise
+    try:
+        return int(getattr(module, func_name)(rest) or 0)
+    except MillstreamError as err:
+        print(f"millstream {name}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"millstream {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

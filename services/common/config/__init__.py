@@ -1,0 +1,147 @@
+"""Miles' flags in, one frozen, typed RunConfig out, resolved and validated once.
+
+    cfg = parse_run_config(argv, mode="async")   # exits 2 on any bad flag or combination
+    cfg.rollout.rollout_batch_size               # every knob filled, never mutated again
+
+Groups (one module each): ckpt + megatron (model.py), rollout, eval, perf, algo (GRPO_ARGS),
+optimizer, sglang, reward, logs, and the service flags millstream adds (service.py).
+The resolved config travels to workers through Redis (`store.py`) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .algo import AlgoConfig
+from .errors import ConfigError
+from .eval import EvalConfig
+from .logs import LoggingConfig
+from .model import CkptConfig, MegatronConfig
+from .optimizer import OptimizerConfig
+from .perf import PerfConfig
+from .reward import RewardConfig
+from .rollout import RolloutConfig, resolve_batch_knobs
+from .schema import add_group, from_namespace
+from .service import ConnectionConfig, ServiceConfig
+from .sglang import SglangConfig
+
+__all__ = ["ConfigError", "RunConfig", "build_parser", "parse_run_config", "resolve_run_config"]
+
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mode: str
+    connection: ConnectionConfig
+    service: ServiceConfig
+    ckpt: CkptConfig
+    megatron: MegatronConfig
+    rollout: RolloutConfig
+    eval: EvalConfig
+    perf: PerfConfig
+    algo: AlgoConfig
+    optimizer: OptimizerConfig
+    sglang: SglangConfig
+    reward: RewardConfig
+    logging: LoggingConfig
+
+    @property
+    def run_id(self) -> str:
+        return self.connection.run_id
+
+    @property
+    def run_dir(self) -> str:
+        return self.service.run_dir or f"runs/{self.connection.run_id}"
+
+    @property
+    def max_staleness(self) -> int:
+        """Versions of work admission keeps in flight: 0 in sync mode (strictly on-policy)."""
+        return self.service.max_staleness or 0
+
+
+# (field of RunConfig, group class, title in --help)
+GROUPS: tuple[tuple[str, type, str], ...] = (
+    ("connection", ConnectionConfig, "run and connection"),
+    ("service", ServiceConfig, "millstream services"),
+    ("ckpt", CkptConfig, "model and checkpoints (CKPT_ARGS)"),
+    ("rollout", RolloutConfig, "rollout (ROLLOUT_ARGS)"),
+    ("eval", EvalConfig, "eval (EVAL_ARGS)"),
+    ("reward", RewardConfig, "reward"),
+    ("perf", PerfConfig, "performance (PERF_ARGS)"),
+    ("algo", AlgoConfig, "algorithm (GRPO_ARGS)"),
+    ("optimizer", OptimizerConfig, "optimizer (OPTIMIZER_ARGS)"),
+    ("sglang", SglangConfig, "inference engines (SGLANG_ARGS)"),
+    ("logging", LoggingConfig, "logging"),
+    (
+        "megatron",
+        MegatronConfig,
+        "Megatron model and parallelism (MODEL_ARGS, accepted for Miles scripts)",
+    ),
+)
+
+
+def build_parser(prog: str, description: str = "") -> argparse.ArgumentParser:
+    # allow_abbrev=False: a typo'd or partial flag is an error, never silently another flag.
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        allow_abbrev=False,
+        usage="%(prog)s [FLAGS...]   (`%(prog)s --help` lists every flag by group)",
+    )
+    for _, cls, title in GROUPS:
+        add_group(parser, cls, title)
+    return parser
+
+
+def resolve_run_config(ns: argparse.Namespace, mode: str) -> RunConfig:
+    """Typed groups from parsed flags, with the derived values filled in; ConfigError if invalid."""
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES} (got {mode!r})")
+    groups = {name: from_namespace(cls, ns) for name, cls, _ in GROUPS}
+
+    r = groups["rollout"]
+    rbs, n, gbs, steps = resolve_batch_knobs(
+        r.rollout_batch_size, r.n_samples_per_prompt, r.global_batch_size, r.num_steps_per_rollout
+    )
+    groups["rollout"] = dataclasses.replace(
+        r,
+        rollout_batch_size=rbs,
+        n_samples_per_prompt=n,
+        global_batch_size=gbs,
+        num_steps_per_rollout=steps,
+    )
+
+    s = groups["service"]
+    if mode == "sync":
+        if s.max_staleness:
+            raise ConfigError(
+                f"--max-staleness {s.max_staleness} asks for async training: use `millstream train-async`"
+            )
+        groups["service"] = dataclasses.replace(s, max_staleness=0)
+    else:
+        if s.max_staleness == 0:
+            raise ConfigError("train-async needs --max-staleness >= 1 (0 is `millstream train`)")
+        groups["service"] = dataclasses.replace(s, max_staleness=s.max_staleness or 1)
+
+    if groups["perf"].micro_batch_size > gbs:
+        raise ConfigError(
+            f"--micro-batch-size ({groups['perf'].micro_batch_size}) must be <= --global-batch-size ({gbs})"
+        )
+    return RunConfig(mode=mode, **groups)
+
+
+def parse_run_config(
+    argv: Sequence[str], *, mode: str = "sync", prog: str = "millstream train"
+) -> RunConfig:
+    """Parse a Miles-style command line; on any error print it and exit with status 2."""
+    parser = build_parser(prog)
+    ns = parser.parse_args(list(argv))
+    try:
+        return resolve_run_config(ns, mode)
+    except ConfigError as err:
+        parser.error(str(err))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,25 @@
+"""Performance flags (Miles' PERF_ARGS): micro-batches and dynamic batching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .schema import flag
+
+
+@dataclass(frozen=True)
+class PerfConfig:
+    micro_batch_size: int = flag(1, "samples per micro-batch (gradient accumulation)")
+    use_dynamic_batch_size: bool = flag(
+        False, "pack micro-batches by tokens under --max-tokens-per-gpu"
+    )
+    max_tokens_per_gpu: int | None = flag(None, "token cap of a packed micro-batch")
+    balance_data: bool = flag(False, "even out tokens across data-parallel ranks")
+    log_probs_chunk_size: int = flag(-1, "chunk the logprob computation over the vocab (-1: off)")
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size <= 0:
+            raise ConfigError(f"--micro-batch-size must be > 0 (got {self.micro_batch_size})")
+        if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
+            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu")

@@ -1,0 +1,31 @@
+"""Reward flags: built-in --rm-type, custom functions, remote RM, timeouts and executors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .schema import flag
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    rm_type: str | None = flag(
+        None, "math, deepscaler, dapo, f1, exact, remote_rm; boxed_ prefix allowed"
+    )
+    custom_rm_path: str | None = flag(None, "pkg.mod.fn: your reward (sync or async)")
+    group_rm: bool = flag(False, "the custom reward scores a whole group at once")
+    reward_key: str | None = flag(None, "take this key when a reward returns a dict")
+    rm_url: str | None = flag(None, "remote reward model URL (rm_type remote_rm)")
+    reward_timeout: float = flag(30.0, "seconds per sample")
+    reward_retries: int = flag(1, "retries of a reward that raised or timed out")
+    reward_executor: str = flag("inline", "", choices=("inline", "celery"))
+    reward_max_concurrency: int = flag(64, "groups scored at once per reward worker")
+
+    def __post_init__(self) -> None:
+        if self.rm_type == "remote_rm" and not self.rm_url:
+            raise ConfigError("--rm-type remote_rm needs --rm-url")
+        if self.reward_timeout <= 0:
+            raise ConfigError(f"--reward-timeout must be > 0 (got {self.reward_timeout})")
+        if self.reward_retries < 0:
+            raise ConfigError(f"--reward-retries must be >= 0 (got {self.reward_retries})")

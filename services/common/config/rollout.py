@@ -1,0 +1,164 @@
+"""Rollout flags (Miles' ROLLOUT_ARGS): the data source, sampling, and the four batch knobs.
+
+The four-knob invariant: rollout_batch_size x n_samples_per_prompt =
+global_batch_size x num_steps_per_rollout. `resolve_batch_knobs` fills the one left out
+(n_samples_per_prompt and num_steps_per_rollout default to 1 when fewer than three are given)
+and rejects four that disagree, naming all four values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .schema import flag
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompt_data: str | None = flag(None, "prompt JSONL file")
+    input_key: str = flag("input", "JSONL key of the prompt (text or chat messages)")
+    label_key: str | None = flag(None, "JSONL key of the label the reward compares against")
+    metadata_key: str = flag("metadata", "JSONL key of per-row metadata")
+    tool_key: str | None = flag(None, "JSONL key of tools for the chat template")
+    apply_chat_template: bool = flag(False, "format prompts with the tokenizer's chat template")
+    skip_bad_lines: bool = flag(False, "count and skip malformed JSONL lines instead of failing")
+    rollout_shuffle: bool = flag(False, "shuffle prompts, reshuffled each epoch with seed + epoch")
+    rollout_seed: int = flag(42, "seed for shuffling and sampling")
+    num_rollout: int | None = flag(None, "number of rollouts (training iterations)")
+    num_epoch: int | None = flag(
+        None, "epochs over the prompt data (sets --num-rollout when it is absent)"
+    )
+    rollout_batch_size: int | None = flag(None, "prompts per rollout")
+    n_samples_per_prompt: int | None = flag(None, "responses per prompt (group size); default 1")
+    global_batch_size: int | None = flag(None, "samples per optimizer step")
+    num_steps_per_rollout: int | None = flag(None, "optimizer steps per rollout; default 1")
+    over_sampling_batch_size: int | None = flag(
+        None, "prompts admitted per refill under dynamic sampling"
+    )
+    rollout_max_prompt_len: int | None = flag(None, "skip (and count) longer prompts, in tokens")
+    rollout_max_response_len: int = flag(1024, "max new tokens per response")
+    rollout_temperature: float = flag(1.0, "")
+    rollout_top_p: float = flag(1.0, "")
+    rollout_top_k: int = flag(-1, "-1 disables top-k")
+    rollout_min_p: float = flag(0.0, "")
+    rollout_stop: list[str] | None = flag(None, "stop strings")
+    rollout_stop_token_ids: list[int] | None = flag(None, "stop token ids")
+    rollout_skip_special_tokens: bool = flag(False, "")
+    rollout_max_concurrency: int = flag(64, "in-flight generation requests per rollout worker")
+    rollout_function_path: str | None = flag(
+        None, "pkg.mod.fn: your async generate(group, args, client)"
+    )
+    custom_generate_function_path: str | None = flag(
+        None, "pkg.mod.fn: per-sample generate override"
+    )
+    partial_rollout: bool = flag(
+        False, "resume samples aborted by a weight sync from their partial tokens"
+    )
+    mask_offpolicy_in_partial_rollout: bool = flag(False, "mask the resumed prefix out of the loss")
+    buffer_filter_path: str | None = flag(
+        None, "pkg.mod.fn choosing which partial groups resume first"
+    )
+    dynamic_sampling_filter_path: str | None = flag(
+        None, "pkg.mod.fn(group) -> keep?; built-ins in reward"
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "global_batch_size",
+            "num_steps_per_rollout",
+            "num_rollout",
+            "num_epoch",
+            "over_sampling_batch_size",
+            "rollout_max_prompt_len",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
+        if self.rollout_max_response_len <= 0:
+            raise ConfigError(
+                f"--rollout-max-response-len must be > 0 (got {self.rollout_max_response_len})"
+            )
+        if self.rollout_temperature < 0:
+            raise ConfigError(
+                f"--rollout-temperature must be >= 0 (got {self.rollout_temperature})"
+            )
+        if not 0 < self.rollout_top_p <= 1:
+            raise ConfigError(f"--rollout-top-p must be in (0, 1] (got {self.rollout_top_p})")
+        if self.rollout_max_concurrency <= 0:
+            raise ConfigError(
+                f"--rollout-max-concurrency must be > 0 (got {self.rollout_max_concurrency})"
+            )
+        if (
+            self.over_sampling_batch_size is not None
+            and self.rollout_batch_size is not None
+            and self.over_sampling_batch_size < self.rollout_batch_size
+        ):
+            raise ConfigError(
+                f"--over-sampling-batch-size ({self.over_sampling_batch_size}) must be >= "
+                f"--rollout-batch-size ({self.rollout_batch_size})"
+            )
+
+
+def resolve_batch_knobs(
+    rollout_batch_size: int | None,
+    n_samples_per_prompt: int | None,
+    global_batch_size: int | None,
+    num_steps_per_rollout: int | None,
+) -> tuple[int, int, int, int]:
+    """Return the four knobs with the missing one filled in; ConfigError when impossible."""
+    rbs, n, gbs, steps = (
+        rollout_batch_size,
+        n_samples_per_prompt,
+        global_batch_size,
+        num_steps_per_rollout,
+    )
+
+    def show() -> str:
+        return (
+            f"--rollout-batch-size={rbs} x --n-samples-per-prompt={n} must equal "
+            f"--global-batch-size={gbs} x --num-steps-per-rollout={steps}"
+        )
+
+    if [rbs, n, gbs, steps].count(None) >= 2:
+        if n is None:
+            n = 1
+        if [rbs, n, gbs, steps].count(None) >= 2 and steps is None:
+            steps = 1
+    missing = [v is None for v in (rbs, n, gbs, steps)]
+    if sum(missing) > 1:
+        raise ConfigError("give at least --rollout-batch-size or --global-batch-size: " + show())
+    if rbs is None:
+        if (gbs * steps) % n:
+            raise ConfigError(
+                f"cannot fill --rollout-batch-size: {gbs * steps} is not divisible by {n}; "
+                + show()
+            )
+        rbs = gbs * steps // n
+    elif n is None:
+        if (gbs * steps) % rbs:
+            raise ConfigError(
+                f"cannot fill --n-samples-per-prompt: {gbs * steps} is not divisible by {rbs}; "
+                + show()
+            )
+        n = gbs * steps // rbs
+    elif gbs is None:
+        if (rbs * n) % steps:
+            raise ConfigError(
+                f"cannot fill --global-batch-size: {rbs * n} is not divisible by {steps}; " + show()
+            )
+        gbs = rbs * n // steps
+    elif steps is None:
+        if (rbs * n) % gbs:
+            raise ConfigError(
+                f"cannot fill --num-steps-per-rollout: {rbs * n} is not divisible by {gbs}; "
+                + show()
+            )
+        steps = rbs * n // gbs
+    if rbs * n != gbs * steps:
+        raise ConfigError(
+            "the four batch knobs disagree: " + show() + f" ({rbs * n} != {gbs * steps})"
+        )
+    return rbs, n, gbs, steps

@@ -1,0 +1,65 @@
+"""Service flags millstream adds to Miles': where the run lives and how streams behave.
+
+Rollout and reward workers are started with only --redis-url and --run-id (WorkerConfig);
+everything else they read from the resolved run config in Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .schema import flag
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    run_id: str = flag("millstream", "run id: prefix of every Redis key of the run")
+    redis_url: str | None = flag(
+        None, "Redis URL (redis://[:password@]host:port/db); none: start one"
+    )
+    redis_password: str | None = flag(
+        None, "Redis password, when not in the URL (or REDIS_PASSWORD)"
+    )
+    log_level: str = flag("info", "", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        if not self.run_id or any(c in self.run_id for c in " :{}"):
+            raise ConfigError(
+                f"--run-id must be non-empty without spaces, ':' or braces (got {self.run_id!r})"
+            )
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    run_dir: str | None = flag(None, "logs, traces and metrics go here (default runs/RUN_ID)")
+    router_url: str | None = flag(None, "an existing router; none: start engines and a router")
+    admin_token: str | None = flag(
+        None, "bearer token for admin endpoints (or MILLSTREAM_ADMIN_TOKEN)"
+    )
+    coordinator_port: int = flag(0, "Coordinator gRPC port on trainer rank 0 (0: pick a free one)")
+    num_rollout_workers: int = flag(1, "rollout workers `millstream train` starts locally")
+    num_reward_workers: int = flag(1, "reward workers `millstream train` starts locally")
+    max_staleness: int | None = flag(
+        None, "train-async: policy versions of work in flight (default 1)"
+    )
+    max_weight_staleness: int | None = flag(
+        None, "drop (and count) samples older than this many versions"
+    )
+    claim_idle_ms: int = flag(30_000, "take over a dead consumer's entries after this idle time")
+    max_deliveries: int = flag(5, "dead-letter an entry to {run}:dead after this many deliveries")
+    stream_block_ms: int = flag(1000, "how long a consumer blocks waiting for entries")
+
+    def __post_init__(self) -> None:
+        for name in (
+            "claim_idle_ms",
+            "max_deliveries",
+            "num_rollout_workers",
+            "num_reward_workers",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})"
+                )
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be >= 0 (got {self.max_staleness})")

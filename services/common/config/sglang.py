@@ -1,0 +1,33 @@
+"""Inference flags (Miles' SGLANG_ARGS): how many engines, and the weight-sync transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .schema import flag
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    rollout_num_engines: int = flag(1, "inference engines `millstream train` starts locally")
+    rollout_num_gpus: int | None = flag(None, "accepted for Miles scripts (GPU deployments)")
+    rollout_num_gpus_per_engine: int = flag(1, "")
+    sglang_mem_fraction_static: float | None = flag(None, "passed to real SGLang engines")
+    sglang_server_concurrency: int = flag(512, "")
+    sglang_router_ip: str | None = flag(None, "an existing router (alias of --router-url's host)")
+    sglang_router_port: int | None = flag(None, "")
+    engine_max_running_requests: int = flag(64, "continuous-batching bound of a local engine")
+    update_weight_buffer_size: int = flag(512 * 1024**2, "bytes per weight-sync bucket")
+    pause_mode: str = flag(
+        "abort", "how engines pause for a sync", choices=("abort", "in_place", "retract")
+    )
+    weight_sync_timeout: float = flag(120.0, "seconds for each step of the weight sync")
+
+    def __post_init__(self) -> None:
+        if self.rollout_num_engines <= 0:
+            raise ConfigError(f"--rollout-num-engines must be > 0 (got {self.rollout_num_engines})")
+        if self.update_weight_buffer_size <= 0:
+            raise ConfigError(
+                f"--update-weight-buffer-size must be > 0 (got {self.update_weight_buffer_size})"
+            )

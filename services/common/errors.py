@@ -1,0 +1,10 @@
+"""User-facing errors. The CLI prints their message as `millstream: error: ...` (no traceback
+wall) and exits non-zero; anything else is a bug and keeps its traceback."""
+
+
+class MillstreamError(Exception):
+    """An error the user can act on; the message says what and what to do next."""
+
+
+class ServiceUnavailable(MillstreamError):
+    """A service we depend on (Redis, router, coordinator) cannot be reached."""

@@ -1,0 +1,51 @@
+"""Every Redis key name of a run, in one place. Keys are prefixed by the run id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STREAM_PROMPTS = "prompts"
+STREAM_GENERATED = "generated"
+STREAM_SCORED = "scored"
+STREAM_DEAD = "dead"
+
+GROUP_ROLLOUT = "rollout"
+GROUP_REWARD = "reward"
+GROUP_TRAINER = "trainer"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    run_id: str
+
+    def _key(self, name: str) -> str:
+        return f"{self.run_id}:{name}"
+
+    @property
+    def prompts(self) -> str:
+        return self._key(STREAM_PROMPTS)
+
+    @property
+    def generated(self) -> str:
+        return self._key(STREAM_GENERATED)
+
+    @property
+    def scored(self) -> str:
+        return self._key(STREAM_SCORED)
+
+    @property
+    def dead(self) -> str:
+        return self._key(STREAM_DEAD)
+
+    @property
+    def config(self) -> str:
+        return self._key("config")
+
+    @property
+    def version(self) -> str:
+        """The trainer's policy version (weight syncs done), an integer."""
+        return self._key("version")
+
+    def heartbeat(self, kind: str, name: str) -> str:
+        """A live worker's heartbeat key (expires when the worker stops beating)."""
+        return self._key(f"workers:{kind}:{name}")

@@ -1,0 +1,50 @@
+"""Connect to Redis once, with a clear error naming the URL (never the password)."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
+
+from .errors import ServiceUnavailable
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (
+        f":{parts.port}" if parts.port else ""
+    )
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+async def connect(url: str, password: str | None = None, timeout_s: float = 5.0) -> aioredis.Redis:
+    """An async client that has answered PING; ServiceUnavailable otherwise."""
+    password = password or os.environ.get("REDIS_PASSWORD") or None
+    try:
+        client = aioredis.from_url(
+            url,
+            password=password if urlsplit(url).password is None else None,
+            socket_connect_timeout=timeout_s,
+            health_check_interval=30,
+        )
+    except ValueError as err:
+        raise ServiceUnavailable(f"bad Redis URL {redact(url)!r}: {err}") from None
+    try:
+        await client.ping()
+    except (AuthenticationError, ResponseError) as err:
+        await client.aclose()
+        raise ServiceUnavailable(
+            f"Redis at {redact(url)} refused us: {err} (check --redis-password)"
+        ) from None
+    except (RedisError, OSError) as err:
+        await client.aclose()
+        raise ServiceUnavailable(
+            f"cannot reach Redis at {redact(url)}: {err}. Is redis-server running there? "
+            "Without --redis-url, `millstream train` starts its own."
+        ) from None
+    return client

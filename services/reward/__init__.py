@@ -1,0 +1,1 @@
+"""Reward workers: {run}:generated -> {run}:scored, one terminal verdict per group. Imports no torch."""

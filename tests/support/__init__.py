@@ -1,0 +1,1 @@
+"""Helpers the test tiers share: a real redis-server, free ports, a tiny model, processes."""
