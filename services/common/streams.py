@@ -1,0 +1,372 @@
+"""Redis stream producer and consumer: the envelope, delivery, hand-off and dead-lettering.
+
+Owns the wire format of every stream entry (DESIGN.md section 3): `data` = protobuf bytes,
+`traceparent`/`tracestate` = W3C trace context (may be empty), `v` = schema version. No pickle.
+
+Invariants it keeps:
+
+* At-least-once delivery: an entry leaves a group's pending list only by an ack, and an entry
+  whose consumer died is taken over with XAUTOCLAIM once it has been idle `claim_idle_ms`.
+* Exactly-once hand-off: `Consumer.publish_and_ack` acks the input and publishes the output in
+  one Lua script that publishes only if the ack removed the entry from the pending list. A slow
+  consumer whose entry was taken over (and already handed off by the new owner) publishes
+  nothing, so each input yields at most one output, and at least one because nothing is acked
+  before its output exists.
+* Nothing is lost to dead-lettering: an entry delivered more than `max_deliveries` times, or
+  one that cannot be decoded, is copied to `{run}:dead` with the reason in the same script
+  that acks it.
+* Trimming never removes an entry a consumer group still needs (`trim_safely`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError, Message
+from redis.exceptions import ResponseError
+
+from .errors import MillstreamError
+
+SCHEMA_VERSION = 1
+"""Version of the entry envelope and its protobuf payloads; consumers refuse other versions."""
+
+M = TypeVar("M", bound=Message)
+
+# KEYS: source stream, destination stream. ARGV: group, entry id, then field/value pairs.
+# Publishing only when XACK returned 1 is the exactly-once guard: of all consumers holding the
+# same entry, only the first to hand it off still finds it pending.
+_ACK_AND_ADD = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+end
+return false
+"""
+
+# KEYS: stream. ARGV: group, consumer, entry ids. Resets the idle time of the entries this
+# consumer still owns (JUSTID leaves the delivery counter alone), so a live consumer's long job
+# is not taken over; entries another consumer has claimed meanwhile are left to it.
+_RENEW = """
+local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], '0'}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then args[#args + 1] = ARGV[i] end
+end
+if #args == 5 then return 0 end
+args[#args + 1] = 'JUSTID'
+return #redis.call(unpack(args))
+"""
+
+# KEYS: stream. ARGV: '~' (approximate) or '=' (exact). Returns {min id kept, entries removed},
+# or false when the stream or its groups are missing. Atomic, so a group created or a read
+# made while we compute cannot slip below the bound. Entry ids are compared as (ms, seq) with
+# decimal strings compared by length first, which is exact for any 64-bit value.
+_TRIM = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local function less(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if am ~= bm then
+    if #am ~= #bm then return #am < #bm end
+    return am < bm
+  end
+  if #as ~= #bs then return #as < #bs end
+  return as < bs
+end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return false end
+local min_id = nil
+for _, g in ipairs(groups) do
+  local info = {}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  local needed = info['last-delivered-id']
+  if info['pending'] > 0 then
+    needed = redis.call('XPENDING', KEYS[1], info['name'])[2]
+  end
+  if min_id == nil or less(needed, min_id) then min_id = needed end
+end
+return {min_id, redis.call('XTRIM', KEYS[1], 'MINID', ARGV[1], min_id)}
+"""
+
+
+class PoisonEntry(MillstreamError):
+    """An entry no consumer can ever process; it is dead-lettered at once with `reason`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    """One delivered entry. `data` is None when the entry has no data field (a poison entry)."""
+
+    stream: str
+    id: str
+    data: bytes | None
+    traceparent: str
+    tracestate: str
+    v: str
+    deliveries: int
+    fields: Mapping[bytes, bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def trace_fields(self) -> dict[str, str]:
+        """The trace context fields, for `telemetry.context_from_fields`."""
+        return {"traceparent": self.traceparent, "tracestate": self.tracestate}
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def default_consumer_name(kind: str) -> str:
+    """A consumer name unique to this process: `kind-host-pid`."""
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+def entry_fields(message: Message, trace_fields: Mapping[str, str] | None = None) -> dict:
+    """The fields of a new entry carrying `message`."""
+    trace = trace_fields or {}
+    return {
+        "data": message.SerializeToString(),
+        "traceparent": trace.get("traceparent", ""),
+        "tracestate": trace.get("tracestate", ""),
+        "v": str(SCHEMA_VERSION),
+    }
+
+
+async def publish(
+    redis: aioredis.Redis,
+    stream: str,
+    message: Message,
+    trace_fields: Mapping[str, str] | None = None,
+) -> str:
+    """XADD one message; returns the new entry id."""
+    return _str(await redis.xadd(stream, entry_fields(message, trace_fields)))
+
+
+async def publish_many(
+    redis: aioredis.Redis,
+    stream: str,
+    messages: list[Message],
+    trace_fields: Mapping[str, str] | None = None,
+) -> list[str]:
+    """XADD many messages in one round trip (pipelined, not atomic); returns their ids."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for message in messages:
+            pipe.xadd(stream, entry_fields(message, trace_fields))
+        return [_str(entry_id) for entry_id in await pipe.execute()]
+
+
+def check_envelope(entry: StreamEntry) -> None:
+    """Raise PoisonEntry when the entry lacks data or carries an unknown schema version."""
+    where = f"entry {entry.id} on {entry.stream}"
+    if entry.data is None:
+        raise PoisonEntry(f"{where} has no data field")
+    if entry.v != str(SCHEMA_VERSION):
+        raise PoisonEntry(
+            f"{where} has unknown schema version v={entry.v!r} (this consumer reads "
+            f"v={SCHEMA_VERSION}); upgrade the consumer or re-publish the entry"
+        )
+
+
+def decode(entry: StreamEntry, message_type: type[M]) -> M:
+    """The entry's message, or PoisonEntry saying why it cannot be one."""
+    check_envelope(entry)
+    assert entry.data is not None  # check_envelope raised otherwise
+    try:
+        return message_type.FromString(entry.data)
+    except DecodeError as err:
+        raise PoisonEntry(
+            f"data of entry {entry.id} on {entry.stream} is not a valid "
+            f"{message_type.DESCRIPTOR.full_name}: {err}"
+        ) from err
+
+
+def _to_entry(stream: str, entry_id: bytes | str, fields: dict, deliveries: int) -> StreamEntry:
+    return StreamEntry(
+        stream=stream,
+        id=_str(entry_id),
+        data=fields.get(b"data"),
+        traceparent=_str(fields.get(b"traceparent", b"")),
+        tracestate=_str(fields.get(b"tracestate", b"")),
+        v=_str(fields.get(b"v", b"")),
+        deliveries=deliveries,
+        fields=fields,
+    )
+
+
+async def trim_safely(redis: aioredis.Redis, stream: str, *, approximate: bool = True) -> int:
+    """Trim `stream` below the oldest entry any consumer group still needs; returns how many
+    entries were removed.
+
+    A group needs its oldest pending (delivered, unacked) entry and everything after its
+    last-delivered id; we keep the last-delivered entry itself too, so one extra entry per
+    group may survive, but no entry a group has not acked is ever removed. A stream without
+    groups is never trimmed: a group created later from id 0 would need all of it. With
+    `approximate` (XTRIM MINID ~) Redis removes only whole macro nodes, which is cheap and
+    may leave some acked entries behind.
+    """
+    script = redis.register_script(_TRIM)
+    result = await script(keys=[stream], args=["~" if approximate else "="])
+    return 0 if result is None else int(result[1])
+
+
+class Consumer:
+    """One consumer of one group on one stream; see the module docstring for its guarantees.
+
+    The client must return bytes (decode_responses=False), so protobuf payloads stay intact.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        stream: str,
+        group: str,
+        consumer_name: str,
+        *,
+        claim_idle_ms: int,
+        max_deliveries: int,
+        dead_stream: str,
+        block_ms: int,
+    ):
+        if redis.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError(
+                "stream consumers need a Redis client with decode_responses=False: entry data "
+                "is binary protobuf"
+            )
+        self.redis = redis
+        self.stream = stream
+        self.group = group
+        self.name = consumer_name
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+        self.dead_stream = dead_stream
+        self.block_ms = block_ms
+        self.dead_lettered = 0
+        self._claim_cursor = "0-0"
+        self._ack_and_add = redis.register_script(_ACK_AND_ADD)
+        self._renew = redis.register_script(_RENEW)
+
+    async def ensure_group(self) -> None:
+        """Create the group (and the stream) if missing, reading from the first entry."""
+        try:
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+
+    async def read(self, count: int) -> list[StreamEntry]:
+        """Up to `count` entries: first those taken over from idle consumers, then new ones.
+
+        Taken-over entries delivered more than `max_deliveries` times are dead-lettered here
+        and not returned. Blocks up to `block_ms` only when nothing was taken over.
+        """
+        if count <= 0:
+            return []
+        entries = [e for e in await self._claim(count) if not await self._over_delivered(e)]
+        if len(entries) < count:
+            block = None if entries or self.block_ms <= 0 else self.block_ms
+            entries += await self._read_new(count - len(entries), block)
+        return entries
+
+    async def _claim(self, count: int) -> list[StreamEntry]:
+        next_cursor, claimed, *_deleted = await self.redis.xautoclaim(
+            self.stream,
+            self.group,
+            self.name,
+            min_idle_time=self.claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        # The cursor walks the pending list across calls; "0-0" means it wrapped around.
+        self._claim_cursor = _str(next_cursor)
+        # Entries deleted from the stream while pending come back without fields (Redis 6.2)
+        # or in the third element (7.0+), and Redis drops them from the pending list itself.
+        claimed = [(entry_id, fields) for entry_id, fields in claimed if fields is not None]
+        if not claimed:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id, _ in claimed:
+                pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1)
+            pending = await pipe.execute()
+        # An entry acked by its previous owner between the claim and XPENDING has no row: skip.
+        return [
+            _to_entry(self.stream, entry_id, fields, int(rows[0]["times_delivered"]))
+            for (entry_id, fields), rows in zip(claimed, pending, strict=True)
+            if rows
+        ]
+
+    async def _over_delivered(self, entry: StreamEntry) -> bool:
+        if entry.deliveries <= self.max_deliveries:
+            return False
+        await self.dead_letter(
+            entry,
+            f"delivered {entry.deliveries} times, more than --max-deliveries "
+            f"{self.max_deliveries}; every attempt failed or its consumer died",
+        )
+        return True
+
+    async def _read_new(self, count: int, block: int | None) -> list[StreamEntry]:
+        response = await self.redis.xreadgroup(
+            self.group, self.name, {self.stream: ">"}, count=count, block=block
+        )
+        if not response:
+            return []
+        batches = response.values() if isinstance(response, dict) else [r[1] for r in response]
+        return [
+            _to_entry(self.stream, entry_id, fields, 1)
+            for batch in batches
+            for entry_id, fields in (batch[0] if isinstance(response, dict) else batch)
+        ]
+
+    async def ack(self, entry: StreamEntry) -> bool:
+        """XACK; False when the entry was no longer pending (someone else acked it)."""
+        return await self.redis.xack(self.stream, self.group, entry.id) == 1
+
+    async def publish_and_ack(
+        self,
+        out_stream: str,
+        message: Message,
+        trace_fields: Mapping[str, str] | None,
+        entry: StreamEntry,
+    ) -> str | None:
+        """Ack `entry` and publish `message` to `out_stream` atomically; None (and nothing
+        published) when the entry was already acked by another consumer that took it over."""
+        return await self._guarded_add(out_stream, entry_fields(message, trace_fields), entry)
+
+    async def dead_letter(self, entry: StreamEntry, reason: str) -> str | None:
+        """Copy the raw entry with the reason to the dead stream and ack it, atomically.
+        None when another consumer had already acked it (then it is not dead)."""
+        fields: dict[bytes | str, bytes | str] = dict(entry.fields)
+        fields.update(
+            source_stream=entry.stream,
+            source_id=entry.id,
+            group=self.group,
+            reason=reason,
+            deliveries=str(entry.deliveries),
+        )
+        dead_id = await self._guarded_add(self.dead_stream, fields, entry)
+        if dead_id is not None:
+            self.dead_lettered += 1
+        return dead_id
+
+    async def _guarded_add(self, out_stream: str, fields: Mapping, entry: StreamEntry) -> str | None:
+        args: list[bytes | str] = [self.group, entry.id]
+        for key, value in fields.items():
+            args += [key, value]
+        new_id = await self._ack_and_add(keys=[self.stream, out_stream], args=args)
+        return None if new_id is None else _str(new_id)
+
+    async def renew(self, entries: list[StreamEntry]) -> int:
+        """Reset the idle time of entries this consumer still owns, so a live consumer's long
+        jobs are not taken over; returns how many were renewed."""
+        if not entries:
+            return 0
+        args = [self.group, self.name, *(entry.id for entry in entries)]
+        return int(await self._renew(keys=[self.stream], args=args))

@@ -1,0 +1,154 @@
+"""Tracing for every service: one trace per prompt group, across processes (DESIGN.md section 7).
+
+Where spans go, decided once per process from the environment by `setup_tracing`:
+  1. OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set (compose ships a collector + Jaeger);
+  2. else JSONL files under `{run_dir}/traces/` when a run dir is given (one file per process,
+     one span per line; `millstream trace` reads them);
+  3. else nothing: the no-op tracer, zero cost.
+
+Context crosses process boundaries as W3C trace context (`traceparent`/`tracestate`) in three
+carriers: stream entry fields, HTTP headers and gRPC metadata. Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+TRACE_FIELDS = ("traceparent", "tracestate")
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Appends finished spans to one JSONL file, one object per span."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans]
+        with self._lock:
+            if self._file.closed:
+                return SpanExportResult.FAILURE
+            self._file.writelines(lines)
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
+    ctx = span.get_span_context()
+    return {
+        "name": span.name,
+        "service": span.resource.attributes.get("service.name"),
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_span_id": f"{span.parent.span_id:016x}" if span.parent else None,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": dict(span.attributes or {}),
+        "links": [
+            {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}"}
+            for link in span.links
+        ],
+        "events": [{"name": e.name, "ts_ns": e.timestamp} for e in span.events],
+    }
+
+
+def make_provider(service_name: str, run_dir: str | Path | None = None) -> TracerProvider | None:
+    """A provider exporting as the environment says (see module docstring), or None."""
+    resource = Resource.create({"service.name": service_name, "service.instance.id": str(os.getpid())})
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporter: SpanExporter = OTLPSpanExporter()
+    elif run_dir is not None:
+        exporter = JsonlSpanExporter(Path(run_dir) / "traces" / f"{service_name}-{os.getpid()}.jsonl")
+    else:
+        return None
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+    return provider
+
+
+def setup_tracing(service_name: str, run_dir: str | Path | None = None) -> TracerProvider | None:
+    """Install this process's tracer provider (once, from `main`). Returns it for shutdown."""
+    provider = make_provider(service_name, run_dir)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
+    return provider
+
+
+def shutdown_tracing(provider: TracerProvider | None) -> None:
+    """Flush and close the exporter; call from `main`'s finally."""
+    if provider is not None:
+        provider.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _carrier(items: Iterable[tuple[str | bytes, str | bytes]]) -> dict[str, str]:
+    return {_text(k).lower(): _text(v) for k, v in items if _text(k).lower() in TRACE_FIELDS}
+
+
+def inject_fields(fields: dict[str, Any] | None = None, context: Any = None) -> dict[str, Any]:
+    """Add traceparent/tracestate of `context` (default: current) to a stream entry's fields."""
+    fields = {} if fields is None else fields
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    for key in TRACE_FIELDS:
+        fields[key] = carrier.get(key, "")
+    return fields
+
+
+def context_from_fields(fields: Mapping[Any, Any]) -> otel_context.Context:
+    """The remote parent context carried by a stream entry's fields (str or bytes keys)."""
+    return _PROPAGATOR.extract(_carrier((k, v) for k, v in fields.items() if v))
+
+
+def inject_headers(headers: dict[str, str] | None = None, context: Any = None) -> dict[str, str]:
+    """Add W3C trace headers of `context` (default: current) to outgoing HTTP headers."""
+    headers = {} if headers is None else headers
+    _PROPAGATOR.inject(headers, context=context)
+    return headers
+
+
+def context_from_headers(headers: Mapping[str, str]) -> otel_context.Context:
+    """The remote parent context of an incoming HTTP request (header names any case)."""
+    return _PROPAGATOR.extract(_carrier(headers.items()))
+
+
+def grpc_metadata(context: Any = None) -> list[tuple[str, str]]:
+    """Outgoing gRPC metadata carrying the trace context (keys are lowercase, as gRPC wants)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return sorted(carrier.items())
+
+
+def context_from_grpc_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
+    """The remote parent context of an incoming gRPC call (`context.invocation_metadata()`)."""
+    return _PROPAGATOR.extract(_carrier(metadata or ()))

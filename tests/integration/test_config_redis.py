@@ -1,0 +1,99 @@
+"""The resolved config travels through Redis: workers start with only --redis-url and --run-id."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from millstream.common.config import parse_run_config
+from millstream.common.config import store as config_store
+from millstream.common.errors import MillstreamError, ServiceUnavailable
+from millstream.common.redis_conn import connect
+from tests.support.redis_server import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_config_round_trip_through_redis(redis_url):
+    cfg = parse_run_config(["--run-id", "rt", "--rollout-batch-size", "3", "--n-samples-per-prompt", "4"], mode="async")
+
+    async def go():
+        redis = await connect(redis_url)
+        try:
+            await config_store.publish(redis, cfg)
+            return await config_store.load(redis, "rt")
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(go()) == cfg
+
+
+def test_trainer_cli_publishes_config_for_workers(redis_url, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "millstream.cli", "train", "--run-id", "cli", "--redis-url", redis_url,
+         "--rollout-batch-size", "2", "--num-steps-per-rollout", "1", "--global-batch-size", "4", "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+    async def go():
+        redis = await connect(redis_url)
+        try:
+            return await config_store.load(redis, "cli")
+        finally:
+            await redis.aclose()
+
+    cfg = asyncio.run(go())
+    assert cfg.rollout.n_samples_per_prompt == 2 and cfg.run_id == "cli"
+
+
+def test_missing_config_is_a_clear_error(redis_url):
+    async def go():
+        redis = await connect(redis_url)
+        try:
+            await config_store.load(redis, "nobody", wait_s=0.3)
+        finally:
+            await redis.aclose()
+
+    with pytest.raises(MillstreamError, match="nobody:config"):
+        asyncio.run(go())
+
+
+def test_unreachable_redis_names_the_url_without_password():
+    url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
+    with pytest.raises(ServiceUnavailable) as err:
+        asyncio.run(connect(url, timeout_s=1))
+    assert f"127.0.0.1:{url.rsplit(':', 1)[1].split('/')[0]}" in str(err.value)
+    assert "s3cret" not in str(err.value)
+
+
+def test_trainer_cli_with_unreachable_redis_exits_1_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "millstream.cli", "train", "--redis-url", f"redis://127.0.0.1:{free_port()}",
+         "--rollout-batch-size", "2", "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "cannot reach Redis at redis://127.0.0.1:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_password_protected_redis(tmp_path):
+    from tests.support.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, password="pw")
+    try:
+        bare = server.url.replace(":pw@", "")
+        with pytest.raises(ServiceUnavailable, match="refused"):
+            asyncio.run(connect(bare))
+
+        async def ok():
+            redis = await connect(bare, password="pw")
+            await redis.aclose()
+
+        asyncio.run(ok())
+    finally:
+        server.stop()

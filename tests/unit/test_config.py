@@ -1,0 +1,152 @@
+"""Config: Miles' flags parse, the four-knob invariant, clear errors with exit status 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from millstream.common.config import ConfigError, parse_run_config
+from millstream.common.config import store as config_store
+from millstream.common.config.rollout import resolve_batch_knobs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        # (rollout_batch_size, n_samples, global_batch_size, num_steps): one knob missing each
+        ((None, 8, 64, 2), (16, 8, 64, 2)),
+        ((16, None, 64, 2), (16, 8, 64, 2)),
+        ((16, 8, None, 2), (16, 8, 64, 2)),
+        ((16, 8, 64, None), (16, 8, 64, 2)),
+        # fewer than three: n_samples and num_steps default to 1
+        ((16, 8, None, None), (16, 8, 128, 1)),
+        ((16, None, None, None), (16, 1, 16, 1)),
+        ((None, 4, 32, None), (8, 4, 32, 1)),
+        ((4, 8, 16, 2), (4, 8, 16, 2)),
+    ],
+)
+def test_four_knobs_fill_the_missing_one(given, expected):
+    assert resolve_batch_knobs(*given) == expected
+
+
+def test_four_knobs_that_disagree_name_all_four_values():
+    with pytest.raises(ConfigError) as err:
+        resolve_batch_knobs(4, 8, 16, 3)
+    msg = str(err.value)
+    for part in ("--rollout-batch-size=4", "--n-samples-per-prompt=8", "--global-batch-size=16", "--num-steps-per-rollout=3"):
+        assert part in msg
+
+
+@pytest.mark.parametrize(
+    "given",
+    [(5, 3, None, 2), (None, 3, 10, None), (7, None, 16, 1), (None, None, None, None)],
+)
+def test_four_knobs_impossible_fill_is_an_error(given):
+    with pytest.raises(ConfigError):
+        resolve_batch_knobs(*given)
+
+
+def _run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "millstream.cli", *args, "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+
+
+def test_train_exits_2_on_knob_mismatch_with_a_clear_message(tmp_path):
+    proc = _run_cli(
+        "train", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8",
+        "--global-batch-size", "16", "--num-steps-per-rollout", "3", tmp_path=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--global-batch-size=16" in proc.stderr and "--num-steps-per-rollout=3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.splitlines()) <= 3, proc.stderr
+
+
+def test_unknown_flag_exits_2_naming_it(tmp_path):
+    proc = _run_cli("train", "--rollout-batch-size", "4", "--rollout-batch-sise", "4", tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert "--rollout-batch-sise" in proc.stderr
+
+
+def test_abbreviated_flag_is_not_accepted(tmp_path):
+    proc = _run_cli("train", "--rollout-batch", "4", tmp_path=tmp_path)
+    assert proc.returncode == 2
+
+
+def test_train_writes_the_resolved_config(tmp_path):
+    proc = _run_cli("train", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cfg = config_store.loads((tmp_path / "run" / "config.json").read_text())
+    assert (cfg.rollout.global_batch_size, cfg.rollout.num_steps_per_rollout) == (32, 1)
+    assert cfg.mode == "sync" and cfg.max_staleness == 0
+
+
+def test_sync_mode_rejects_staleness_and_async_defaults_to_one():
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run_config(["--rollout-batch-size", "2", "--max-staleness", "2"], mode="sync")
+    assert exit_info.value.code == 2
+    cfg = parse_run_config(["--rollout-batch-size", "2"], mode="async")
+    assert cfg.max_staleness == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--rollout-batch-size", "0"],
+        ["--rollout-batch-size", "2", "--eval-prompt-data", "aime"],
+        ["--rollout-batch-size", "2", "--rm-type", "remote_rm"],
+        ["--rollout-batch-size", "2", "--kl-loss-coef", "0.1"],
+        ["--rollout-batch-size", "2", "--tis-clip-low", "3"],
+        ["--rollout-batch-size", "2", "--use-dynamic-batch-size"],
+        ["--rollout-batch-size", "2", "--micro-batch-size", "4"],
+        ["--rollout-batch-size", "2", "--rollout-temperature", "-1"],
+        ["--rollout-batch-size", "2", "--kl-loss-type", "k9"],
+    ],
+)
+def test_bad_combinations_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run_config(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_config_is_frozen():
+    cfg = parse_run_config(["--rollout-batch-size", "2"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rollout.rollout_batch_size = 3  # type: ignore[misc]
+
+
+def test_miles_launch_script_parses_unchanged():
+    script = REPO / "examples" / "miles_compat" / "run-qwen3-4B.sh"
+    out = subprocess.run(
+        ["bash", str(script)], env={**os.environ, "MILLSTREAM_PRINT_ARGS": "1"},
+        capture_output=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    argv = out.decode().split("\0")[:-1]
+    cfg = parse_run_config(argv, mode="async", prog="millstream train-async")
+    assert cfg.rollout.global_batch_size == 256 and cfg.rollout.num_steps_per_rollout == 1
+    assert cfg.algo.eps_clip_high == 0.28 and cfg.algo.kl_loss_type == "low_var_kl"
+    assert cfg.eval.datasets() == {"aime": "/root/aime-2024/aime-2024.jsonl"}
+    assert cfg.megatron.tensor_model_parallel_size == 2 and cfg.megatron.qk_layernorm
+    assert cfg.optimizer.adam_beta2 == 0.98 and cfg.perf.max_tokens_per_gpu == 9216
+
+
+def test_json_round_trip_is_exact():
+    cfg = parse_run_config(
+        ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-stop", "</s>", "\n\n",
+         "--eval-prompt-data", "a", "a.jsonl", "--rollout-stop-token-ids", "1", "2"],
+        mode="async",
+    )  # fmt: skip
+    assert config_store.loads(config_store.dumps(cfg)) == cfg

@@ -1,0 +1,84 @@
+"""Trace context survives every carrier: stream fields, HTTP headers, gRPC metadata; JSONL export."""
+
+from __future__ import annotations
+
+import json
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from millstream.common import telemetry
+
+
+def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def _parent_child(inject, extract) -> None:
+    provider, exporter = _provider()
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("producer") as producer:
+        carrier = inject()
+    with tracer.start_as_current_span("consumer", context=extract(carrier)):
+        pass
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["consumer"].parent.span_id == producer.get_span_context().span_id
+    assert spans["consumer"].context.trace_id == producer.get_span_context().trace_id
+
+
+def test_stream_fields_carry_the_parent_even_as_bytes():
+    def extract(fields):
+        as_bytes = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+        return telemetry.context_from_fields(as_bytes)
+
+    _parent_child(lambda: telemetry.inject_fields({"data": b"x"}), extract)
+
+
+def test_http_headers_carry_the_parent_in_any_case():
+    def extract(headers):
+        return telemetry.context_from_headers({k.title(): v for k, v in headers.items()})
+
+    _parent_child(telemetry.inject_headers, extract)
+
+
+def test_grpc_metadata_carries_the_parent():
+    _parent_child(telemetry.grpc_metadata, telemetry.context_from_grpc_metadata)
+
+
+def test_no_context_means_a_new_root():
+    provider, exporter = _provider()
+    with provider.get_tracer("t").start_as_current_span("root", context=telemetry.context_from_fields({})):
+        pass
+    assert exporter.get_finished_spans()[0].parent is None
+
+
+def test_jsonl_export_when_a_run_dir_is_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    provider = telemetry.make_provider("svc", tmp_path)
+    assert provider is not None
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("outer"), tracer.start_as_current_span("inner") as inner:
+        inner.set_attribute("group_id", "g1")
+    provider.shutdown()
+    (path,) = (tmp_path / "traces").glob("svc-*.jsonl")
+    spans = {d["name"]: d for d in map(json.loads, path.read_text().splitlines())}
+    assert spans["inner"]["parent_span_id"] == spans["outer"]["span_id"]
+    assert spans["inner"]["attributes"] == {"group_id": "g1"} and spans["inner"]["service"] == "svc"
+
+
+def test_no_exporter_without_endpoint_or_run_dir(monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    assert telemetry.make_provider("svc", None) is None
+
+
+def test_otlp_when_the_endpoint_is_set(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    provider = telemetry.make_provider("svc", None)
+    assert provider is not None
+    processor = provider._active_span_processor._span_processors[0]
+    assert type(processor.span_exporter).__name__ == "OTLPSpanExporter"
+    provider.shutdown()
