@@ -1,0 +1,33 @@
+"""Load a user's function from `pkg.mod.fn` (or `pkg.mod:fn`), with an error naming the path.
+
+Security rule: paths come only from the run config the trainer published (flags), never from
+a stream entry or a gRPC request, so a message on the wire cannot make a worker import code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from millstream.common.errors import MillstreamError
+
+
+def load_function(path: str, what: str) -> Callable[..., Any]:
+    """The callable at `path`; MillstreamError naming `what` (the flag) and the path otherwise."""
+    module_name, sep, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise MillstreamError(f"{what} {path!r} must look like pkg.module.function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise MillstreamError(
+            f"{what} {path!r}: cannot import module {module_name!r} ({err}); is it on PYTHONPATH "
+            "of every reward worker (and Celery worker)?"
+        ) from err
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise MillstreamError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
+    if not callable(fn):
+        raise MillstreamError(f"{what} {path!r} is a {type(fn).__name__}, not a function")
+    return fn

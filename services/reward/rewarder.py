@@ -1,0 +1,162 @@
+"""One attempt at a reward: which function runs for a sample, and how it runs.
+
+The reward of a sample comes from, in order: `--custom-rm-path` (your `fn(sample, cfg)`, or
+with `--group-rm` your `fn(samples, cfg) -> list`), the sample's metadata `rm_type`, then
+`--rm-type`. Functions may be sync or async and may return a number or a dict (`to_reward`
+reads `--reward-key`). The RunConfig is passed as `cfg`, like Miles passes `args`.
+
+Sync code (your sync function, the rule-based built-ins, which may sit in sympy for a long
+time) runs in a daemon thread per call, at most `max_threads` at once, so the event loop keeps
+serving other groups and a hung verifier can neither block the process from exiting nor be
+waited for past `--reward-timeout`: the scorer stops waiting, and the thread is abandoned,
+keeping its slot until it returns (`ThreadRunner.alive` counts live threads). A thread pool
+would not do: its threads are joined at exit, so one hung verifier would block shutdown.
+Timeouts and retries live in the scorer, around an attempt, identically for every executor;
+this module only runs one attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from millstream.common.config import RunConfig
+from millstream.common.errors import MillstreamError
+from millstream.common.types import Sample
+
+from .math_utils import last_boxed
+from .plugins import load_function
+from .remote_rm import RemoteRM
+from .rm_hub import REMOTE, rule_reward, split_rm_type, to_reward
+
+T = TypeVar("T")
+
+
+def check_reward_config(cfg: RunConfig) -> None:
+    """Fail at start-up, not on the first sample, on a reward config that cannot work.
+    Loads no user code (a Celery-backed reward worker need not import it)."""
+    r = cfg.reward
+    if r.group_rm and not r.custom_rm_path:
+        raise MillstreamError("--group-rm scores with your function: set --custom-rm-path too")
+    if r.rm_type:
+        split_rm_type(r.rm_type)
+
+
+class ThreadRunner:
+    """Runs a sync callable in its own daemon thread; at most `max_threads` at once."""
+
+    def __init__(self, max_threads: int):
+        self.max_threads = max_threads
+        self._slots: asyncio.Semaphore | None = None
+        self._lock = threading.Lock()
+        self.alive = 0
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_threads)
+        slots = self._slots
+        await slots.acquire()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, err: BaseException | None) -> None:
+            slots.release()
+            if done.cancelled():
+                return
+            if err is not None:
+                done.set_exception(err)
+            else:
+                done.set_result(result)  # type: ignore[arg-type]
+
+        def body() -> None:
+            with self._lock:
+                self.alive += 1
+            try:
+                result, err = fn(*args), None
+            except BaseException as exc:  # handed to the awaiting coroutine, not swallowed
+                result, err = None, exc
+            finally:
+                with self._lock:
+                    self.alive -= 1
+            # A closed loop (RuntimeError) means nobody is waiting for this answer any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, result, err)
+
+        threading.Thread(target=body, name="reward-fn", daemon=True).start()
+        return await done
+
+
+class Rewarder:
+    """Computes raw rewards for one run config; see the module docstring."""
+
+    def __init__(self, cfg: RunConfig, *, max_threads: int = 32):
+        check_reward_config(cfg)
+        r = cfg.reward
+        self.cfg = cfg
+        self.reward_key = r.reward_key
+        self.group_rm = r.group_rm
+        self.custom = (
+            load_function(r.custom_rm_path, "--custom-rm-path") if r.custom_rm_path else None
+        )
+        self.remote = RemoteRM(r.rm_url, r.reward_timeout) if r.rm_url else None
+        self.threads = ThreadRunner(max_threads)
+
+    async def sample_reward(self, sample: Sample, prompt: str) -> float:
+        """One attempt at one sample's reward."""
+        if self.custom is not None:
+            return to_reward(await self._call(self.custom, sample, self.cfg), self.reward_key)
+        rm_type = self._rm_type(sample)
+        boxed, base = split_rm_type(rm_type)
+        if base == REMOTE:
+            if self.remote is None:
+                raise MillstreamError(f"rm_type {rm_type!r} needs --rm-url in the run config")
+            response = sample.response_text
+            if boxed:
+                response = last_boxed(response) or ""
+            value = await self.remote(sample, prompt, response)
+            return to_reward(value, self.reward_key)
+        value = await self.threads.run(rule_reward, rm_type, sample.response_text, sample.label)
+        return to_reward(value, self.reward_key)
+
+    async def group_rewards(self, samples: Sequence[Sample]) -> list[float]:
+        """One attempt at a whole group's rewards with the `--group-rm` function."""
+        assert self.custom is not None
+        values = await self._call(self.custom, list(samples), self.cfg)
+        if not isinstance(values, list | tuple) or len(values) != len(samples):
+            got = f"{len(values)} values" if isinstance(values, list | tuple) else repr(values)
+            raise ValueError(
+                f"group reward must return a list of {len(samples)} rewards (got {got})"
+            )
+        return [to_reward(v, self.reward_key) for v in values]
+
+    def _rm_type(self, sample: Sample) -> str:
+        if sample.metadata_json:
+            try:
+                meta = json.loads(sample.metadata_json)
+            except ValueError:
+                meta = None
+            if isinstance(meta, dict) and isinstance(meta.get("rm_type"), str) and meta["rm_type"]:
+                return meta["rm_type"]
+        if not self.cfg.reward.rm_type:
+            raise MillstreamError(
+                "no reward configured: set --rm-type or --custom-rm-path in the run config "
+                "(or rm_type in the sample metadata)"
+            )
+        return self.cfg.reward.rm_type
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004 - async callable objects
+        ):
+            return await fn(*args)
+        out = await self.threads.run(fn, *args)
+        return await out if inspect.isawaitable(out) else out
+
+    async def aclose(self) -> None:
+        if self.remote is not None:
+            await self.remote.aclose()

@@ -1,0 +1,161 @@
+"""SampleGroup in, exactly one ScoredGroup out: kept, filtered or failed, with a reason.
+
+Owns the verdict of a group. The invariant: an infrastructure failure is never a reward.
+
+* A group the rollout gave up on (`failure_reason` set), a group without samples, or one
+  with a sample the rollout marked FAILED is passed through as FAILED, unscored.
+* Every sample is scored concurrently (or the whole group at once with `--group-rm`). One
+  attempt is bounded by `--reward-timeout` (per sample; a group reward gets it per sample of
+  the group). An attempt that raises or times out is retried `--reward-retries` times with
+  a short exponential backoff; when the last attempt fails too, the other samples' work is
+  cancelled and the WHOLE group is FAILED with a reason naming the sample and the error.
+  No sample of a failed group carries a made-up reward.
+* Otherwise rewards are filled in and, for training groups, the dynamic-sampling filter
+  decides: KEPT, or FILTERED with the filter's reason. A filter that raises fails the group.
+* `timings["reward"]` holds the seconds this took.
+
+The executor runs one attempt (inline: the Rewarder in this process; celery: a task on a
+Celery worker); timeouts, retries and verdicts are the same for both. `stats` counts groups
+by verdict and attempts that failed, timed out and were retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from millstream.common.config import RunConfig
+from millstream.common.types import Sample, SampleGroup, SampleStatus, ScoredGroup, Verdict
+
+from .filters import FilterOutput, apply_filter, resolve_filter
+
+log = logging.getLogger("millstream.reward")
+
+_BACKOFF_S = 0.1
+_VERDICT_NAMES = {
+    Verdict.VERDICT_KEPT: "kept",
+    Verdict.VERDICT_FILTERED: "filtered",
+    Verdict.VERDICT_FAILED: "failed",
+}
+_BACKOFF_MAX_S = 2.0
+
+
+class Executor(Protocol):
+    async def sample_reward(self, sample: Sample, prompt: str) -> float: ...
+
+    async def group_rewards(self, samples: Sequence[Sample]) -> list[float]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RewardFailure(Exception):
+    """A reward attempt failed every time it was tried; the message names what and why."""
+
+
+class GroupScorer:
+    def __init__(self, cfg: RunConfig, executor: Executor):
+        self.cfg = cfg
+        self.executor = executor
+        self.timeout_s = cfg.reward.reward_timeout
+        self.retries = cfg.reward.reward_retries
+        path = cfg.rollout.dynamic_sampling_filter_path
+        self.filter_path = path
+        self.filter = resolve_filter(path) if path else None
+        self.stats: Counter[str] = Counter()
+
+    async def score(self, group: SampleGroup) -> ScoredGroup:
+        """The one terminal message for `group` (a copy; the input is not modified)."""
+        started = time.monotonic()
+        out = SampleGroup()
+        out.CopyFrom(group)
+        verdict, reason = await self._judge(out)
+        out.timings["reward"] = time.monotonic() - started
+        self.stats[_VERDICT_NAMES[verdict]] += 1
+        if verdict == Verdict.VERDICT_FAILED:
+            log.warning("group %s failed: %s", group.prompt.group_id, reason)
+        return ScoredGroup(group=out, verdict=verdict, reason=reason)
+
+    async def _judge(self, group: SampleGroup) -> tuple[int, str]:
+        if group.failure_reason:
+            return Verdict.VERDICT_FAILED, group.failure_reason
+        if not group.samples:
+            return Verdict.VERDICT_FAILED, "group has no samples to score"
+        for s in group.samples:
+            if s.status == SampleStatus.SAMPLE_STATUS_FAILED:
+                why = s.failure_reason or "no reason given"
+                return Verdict.VERDICT_FAILED, f"sample {s.index} failed in rollout: {why}"
+        try:
+            rewards = await self._rewards(group)
+        except RewardFailure as err:
+            return Verdict.VERDICT_FAILED, str(err)
+        for sample, reward in zip(group.samples, rewards, strict=True):
+            sample.reward = reward
+        if self.filter is None or group.prompt.is_eval:
+            return Verdict.VERDICT_KEPT, ""
+        try:
+            decision = await apply_filter(self.filter, group.samples, self.cfg)
+        except Exception as err:
+            return (
+                Verdict.VERDICT_FAILED,
+                f"dynamic-sampling filter {self.filter_path} raised {type(err).__name__}: {err}",
+            )
+        return _filter_verdict(decision)
+
+    async def _rewards(self, group: SampleGroup) -> list[float]:
+        prompt = group.prompt.prompt_text
+        gid = group.prompt.group_id
+        if self.cfg.reward.group_rm:
+            return await self._attempts(
+                gid,
+                "group reward",
+                lambda: self.executor.group_rewards(group.samples),
+                self.timeout_s * len(group.samples),
+            )
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                jobs = [
+                    tasks.create_task(
+                        self._attempts(
+                            gid,
+                            f"sample {s.index}",
+                            lambda s=s: self.executor.sample_reward(s, prompt),
+                            self.timeout_s,
+                        )
+                    )
+                    for s in group.samples
+                ]
+        except* RewardFailure as failures:
+            raise failures.exceptions[0] from None
+        return [job.result() for job in jobs]
+
+    async def _attempts(
+        self, gid: str, what: str, attempt: Callable[[], Awaitable[Any]], timeout_s: float
+    ) -> Any:
+        tries = self.retries + 1
+        for n in range(1, tries + 1):
+            try:
+                return await asyncio.wait_for(attempt(), timeout_s)
+            except TimeoutError:
+                self.stats["reward_timeouts"] += 1
+                error = f"timed out after {timeout_s:g} s (--reward-timeout)"
+            except Exception as err:
+                self.stats["reward_errors"] += 1
+                error = f"raised {type(err).__name__}: {err}"
+            if n < tries:
+                self.stats["reward_retries"] += 1
+                log.info(
+                    "group %s %s: reward %s; retry %d of %d", gid, what, error, n, self.retries
+                )
+                await asyncio.sleep(min(_BACKOFF_S * 2 ** (n - 1), _BACKOFF_MAX_S))
+        attempts = "1 attempt" if tries == 1 else f"{tries} attempts"
+        raise RewardFailure(f"{what}: reward {error} ({attempts}, --reward-retries {self.retries})")
+
+
+def _filter_verdict(decision: FilterOutput) -> tuple[int, str]:
+    if decision.keep:
+        return Verdict.VERDICT_KEPT, ""
+    return Verdict.VERDICT_FILTERED, decision.reason or "dropped by the dynamic-sampling filter"

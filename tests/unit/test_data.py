@@ -1,0 +1,83 @@
+"""The prompt data source: keys, chat template, shuffling per epoch, resumable position, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from millstream.common.errors import MillstreamError
+from millstream.trainer.data import PromptDataSource
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tests.support.tiny_model import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_rows_keys_and_labels(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [{"q": "1+1=", "a": 2, "m": {"k": 1}}, {"q": "2+2=", "a": "4"}])
+    src = PromptDataSource(path, tokenizer, input_key="q", label_key="a", metadata_key="m")
+    (row, epoch), (row2, _) = src.take(2)
+    assert (row.prompt_text, row.label, row.metadata, epoch) == ("1+1=", "2", {"k": 1}, 0)
+    assert tokenizer.decode(row.prompt_token_ids) == "1+1=" and row2.label == "4"
+
+
+def test_chat_template_for_strings_and_messages(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [{"input": "hi"}, {"input": [{"role": "user", "content": "yo"}]}])
+    src = PromptDataSource(path, tokenizer, apply_chat_template=True)
+    texts = [row.prompt_text for row, _ in src.take(2)]
+    assert texts == ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|im_start|>user\nyo<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def test_shuffle_is_per_epoch_and_deterministic(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [{"input": str(i)} for i in range(20)])
+    a = PromptDataSource(path, tokenizer, shuffle=True, seed=7)
+    b = PromptDataSource(path, tokenizer, shuffle=True, seed=7)
+    first = [r.data_index for r, _ in a.take(20)]
+    second = [r.data_index for r, e in a.take(20)]
+    assert sorted(first) == list(range(20)) and first != list(range(20)) and first != second
+    assert [r.data_index for r, _ in b.take(40)] == first + second
+
+
+def test_position_resumes_exactly(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [{"input": str(i)} for i in range(10)])
+    a = PromptDataSource(path, tokenizer, shuffle=True, seed=1)
+    a.take(13)
+    state = a.state_dict()
+    expected = [(r.data_index, e) for r, e in a.take(9)]
+    b = PromptDataSource(path, tokenizer, shuffle=True, seed=1)
+    b.load_state_dict(state)
+    assert [(r.data_index, e) for r, e in b.take(9)] == expected
+
+
+def test_malformed_line_names_file_and_line(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [{"input": "ok"}, "{not json", {"input": "ok2"}])
+    with pytest.raises(MillstreamError, match=r"p\.jsonl:2: .*--skip-bad-lines"):
+        PromptDataSource(path, tokenizer)
+    src = PromptDataSource(path, tokenizer, skip_bad_lines=True)
+    assert (src.stats.rows, src.stats.bad_lines, src.stats.bad_line_numbers) == (2, 1, [2])
+
+
+def test_missing_input_key_names_the_key(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    with pytest.raises(MillstreamError, match=r"p\.jsonl:1: .*'input'"):
+        PromptDataSource(path, tokenizer)
+
+
+def test_long_prompts_are_skipped_and_counted(tmp_path, tokenizer):
+    path = _write(tmp_path / "p.jsonl", [{"input": "short"}, {"input": "x" * 50}])
+    src = PromptDataSource(path, tokenizer, max_prompt_len=10)
+    assert (src.stats.rows, src.stats.skipped_long) == (1, 1)
+
+
+def test_missing_file_is_a_clear_error(tmp_path, tokenizer):
+    with pytest.raises(MillstreamError, match="does not exist"):
+        PromptDataSource(tmp_path / "nope.jsonl", tokenizer)
