@@ -60,7 +60,8 @@ class RolloutConfig:
         None, "pkg.mod.fn choosing which partial groups resume first"
     )
     dynamic_sampling_filter_path: str | None = flag(
-        None, "pkg.mod.fn(group) -> keep?; built-ins in reward"
+        None,
+        "pkg.mod.fn(samples, cfg) -> keep; built-ins: check_reward_nonzero_std, check_no_aborted",
     )
 
     def __post_init__(self) -> None:
