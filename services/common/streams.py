@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -153,7 +153,7 @@ async def publish(
 async def publish_many(
     redis: aioredis.Redis,
     stream: str,
-    messages: list[Message],
+    messages: Iterable[Message],
     trace_fields: Mapping[str, str] | None = None,
 ) -> list[str]:
     """XADD many messages in one round trip (pipelined, not atomic); returns their ids."""
@@ -221,6 +221,8 @@ class Consumer:
     """One consumer of one group on one stream; see the module docstring for its guarantees.
 
     The client must return bytes (decode_responses=False), so protobuf payloads stay intact.
+    `block_ms` must stay below the client's socket timeout (redis-py 8 defaults it to 5 s),
+    or a blocking read with nothing to deliver fails with a TimeoutError.
     """
 
     def __init__(
@@ -318,11 +320,14 @@ class Consumer:
         )
         if not response:
             return []
-        batches = response.values() if isinstance(response, dict) else [r[1] for r in response]
+        if isinstance(response, dict):  # RESP3: {stream: [entries]}
+            batches = [batch[0] for batch in response.values()]
+        else:  # RESP2: [[stream, entries]]
+            batches = [batch for _stream, batch in response]
         return [
             _to_entry(self.stream, entry_id, fields, 1)
             for batch in batches
-            for entry_id, fields in (batch[0] if isinstance(response, dict) else batch)
+            for entry_id, fields in batch
         ]
 
     async def ack(self, entry: StreamEntry) -> bool:
@@ -356,7 +361,9 @@ class Consumer:
             self.dead_lettered += 1
         return dead_id
 
-    async def _guarded_add(self, out_stream: str, fields: Mapping, entry: StreamEntry) -> str | None:
+    async def _guarded_add(
+        self, out_stream: str, fields: Mapping, entry: StreamEntry
+    ) -> str | None:
         args: list[bytes | str] = [self.group, entry.id]
         for key, value in fields.items():
             args += [key, value]

@@ -1,0 +1,190 @@
+"""The engine's HTTP app: SGLang's native /generate and info endpoints, plus error shape.
+
+Errors. Every client mistake is a 4xx with the body SGLang's OpenAI layer uses,
+`{"object": "error", "message": ..., "type": "BadRequestError", "param": ..., "code": 400}`,
+where the message names the offending field (`sampling_params.top_k: ...`). Malformed JSON
+and unknown fields are 400s too (pydantic models forbid extras), never 5xx.
+
+Tracing: /generate runs in an `engine.generate` span whose parent is the W3C context of the
+request headers, so a prompt group's trace crosses rollout worker -> router -> engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from millstream.common.telemetry import context_from_headers, tracer
+
+from .control_api import router as control_router
+from .core import EngineCore
+from .generation import Job, job_from_generate, output_of, stream_outputs, submit, wait_done
+from .openai_api import router as openai_router
+from .protocol import GenerateReqIn
+from .scheduler import RequestError
+
+router = APIRouter()
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    body = {"object": "error", "message": message, "type": kind, "param": param, "code": status}
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """One line naming each offending field, e.g. `sampling_params.top_k: ...`."""
+    found: list[tuple[str, str]] = []
+    for item in err.errors():
+        if item.get("type") == "json_invalid":
+            detail = (item.get("ctx") or {}).get("error", "malformed")
+            pos = item.get("loc", ("body", "?"))[-1]
+            return f"body: invalid JSON at character {pos} ({detail})", None
+        # Union members appear in loc as type names ("list[int]"); they name no field.
+        loc = [str(x) for x in item.get("loc", ()) if x != "body" and not str(x).endswith("]")]
+        found.append((".".join(loc), item.get("msg", "invalid")))
+    # For a union (`x` may be an object or a list), keep the branch that got furthest.
+    fields = [f for f, _ in found]
+    kept = [(f, m) for f, m in found if not any(g.startswith(f + ".") for g in fields if f)]
+    parts = dict.fromkeys(f"{f or 'body'}: {m}" for f, m in kept)
+    return "; ".join(parts), (kept[0][0] or None) if kept else None
+
+
+class JSONBodyMiddleware:
+    """Treat every POST body as JSON, whatever Content-Type the client sent (`curl -d`
+    sends a form type); the models then validate it."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+def core_of(request: Request) -> EngineCore:
+    return request.app.state.core
+
+
+@router.post("/generate")
+async def generate(req: GenerateReqIn, request: Request) -> Any:
+    core = core_of(request)
+    span_ctx = context_from_headers(dict(request.headers))
+    job = job_from_generate(core, req)
+    if req.stream:
+        submit(core, job)
+        chunks = _traced_stream(core, job, span_ctx)
+        return StreamingResponse(chunks, media_type="text/event-stream")
+    with tracer("millstream.engine").start_as_current_span(
+        "engine.generate", context=span_ctx
+    ) as span:
+        span.set_attribute("engine.num_sequences", len(job.items))
+        submit(core, job)
+        await wait_done(core, job, request.receive)
+        outputs = [output_of(core, item, job.text_in_logprobs) for item in job.items]
+        span.set_attribute("engine.completion_tokens", sum(len(s.output_ids) for s in job.seqs))
+        span.set_attribute(
+            "engine.finish_reasons", [str(o["meta_info"]["finish_reason"]) for o in outputs]
+        )
+    return outputs if job.as_list else outputs[0]
+
+
+async def _traced_stream(core: EngineCore, job: Job, span_ctx: Any) -> AsyncIterator[str]:
+    # A manual span: a "current" span would attach a context in one task and detach it in
+    # another, since the response body is iterated outside this handler.
+    span = tracer("millstream.engine").start_span("engine.generate", context=span_ctx)
+    span.set_attribute("engine.stream", True)
+    span.set_attribute("engine.num_sequences", len(job.items))
+    try:
+        async for chunk in stream_outputs(core, job):
+            yield chunk
+    finally:
+        span.set_attribute("engine.completion_tokens", sum(len(s.output_ids) for s in job.seqs))
+        span.end()
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """A one-token generation; 200 at once while paused (a paused engine is not broken)."""
+    core = core_of(request)
+    if core.scheduler.paused:
+        return Response(status_code=200)
+    req = GenerateReqIn(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    job = job_from_generate(core, req)
+    submit(core, job)
+    try:
+        await asyncio.wait_for(wait_done(core, job), timeout=20)
+    except TimeoutError:
+        core.scheduler.abort(job.seqs[0].rid)
+        return error_response("health_generate: no token within 20 s", status=503)
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    core = core_of(request)
+    return {
+        "model_path": core.runner.model_path,
+        "tokenizer_path": core.runner.model_path,
+        "served_model_name": core.config.model_name,
+        "is_generation": True,
+        "weight_version": core.weight_version,
+        "context_length": core.scheduler.context_length,
+        "vocab_size": core.runner.vocab_size,
+        "eos_token_ids": sorted(core.runner.eos_token_ids),
+        "dtype": core.config.dtype,
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    core = core_of(request)
+    config = {k: v for k, v in vars(core.config).items() if k != "admin_token"}
+    state = core.scheduler.info()
+    return {
+        **config,
+        "version": "millstream-engine",
+        "weight_version": core.weight_version,
+        "weight_update_groups": core.groups.names,
+        "uptime_s": time.time() - core.started_at,
+        "scheduler": state,
+        "internal_states": [state],
+    }
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> dict[str, str]:
+    return {"weight_version": core_of(request).weight_version}
+
+
+def create_app(core: EngineCore) -> FastAPI:
+    app = FastAPI(title="millstream engine", docs_url=None, redoc_url=None)
+    app.state.core = core
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        message, field = _validation_message(err)
+        return error_response(message, param=field)
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(_: Request, err: RequestError) -> JSONResponse:
+        return error_response(str(err))
+
+    app.add_middleware(JSONBodyMiddleware)
+    app.include_router(router)
+    app.include_router(control_router)
+    app.include_router(openai_router)
+    return app

@@ -1,0 +1,88 @@
+"""`millstream engine` flags, parsed once into a frozen EngineConfig.
+
+Flag names follow SGLang's server args where one exists (--model-path, --max-running-requests,
+--max-total-tokens, --context-length, --weight-version, --served-model-name), so a launch
+script for a real SGLang server reads the same. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from millstream.common.config.errors import ConfigError
+from millstream.common.config.schema import add_group, flag, from_namespace
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = flag(None, "Hugging Face model directory (required; no download)")
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(30000, "port to listen on")
+    served_model_name: str | None = flag(None, "model name in OpenAI responses (default: path)")
+    max_running_requests: int = flag(64, "most requests decoding together in the running batch")
+    max_total_tokens: int | None = flag(
+        None, "most KV tokens (prompt + max_new_tokens) reserved by the running batch"
+    )
+    context_length: int | None = flag(None, "longest prompt + output (default: the model's)")
+    dtype: str = flag("float32", "model dtype", choices=DTYPES)
+    weight_version: str = flag("default", "weight version reported until the first update")
+    weight_update_timeout: float = flag(
+        300.0, "seconds an update-group init or a distributed weight update may take"
+    )
+    register_with: str | None = flag(None, "router URL: add this engine on start, remove on exit")
+    admin_token: str | None = flag(
+        None, "bearer token for the router's admin endpoints (or MILLSTREAM_ADMIN_TOKEN)"
+    )
+    seed: int = flag(0, "seed of the engine's RNG (seeds unseeded requests)")
+    log_level: str = flag("info", "", choices=("debug", "info", "warning", "error"))
+    run_dir: str | None = flag(None, "traces go to RUN_DIR/traces when no OTLP endpoint is set")
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ConfigError("--model-path is required (a Hugging Face model directory)")
+        for name in ("max_running_requests", "max_total_tokens", "context_length"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535 (got {self.port})")
+        if self.weight_update_timeout <= 0:
+            raise ConfigError(
+                f"--weight-update-timeout must be > 0 (got {self.weight_update_timeout})"
+            )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or str(self.model_path)
+
+
+def build_parser(prog: str = "millstream engine") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="CPU/dev inference server speaking SGLang's HTTP API",
+        # A typo'd or partial flag is an error, never silently another flag.
+        allow_abbrev=False,
+    )
+    add_group(parser, EngineConfig, "engine")
+    return parser
+
+
+def parse_engine_config(argv: Sequence[str], prog: str = "millstream engine") -> EngineConfig:
+    parser = build_parser(prog)
+    ns = parser.parse_args(list(argv))
+    if not hasattr(ns, "admin_token") and os.environ.get("MILLSTREAM_ADMIN_TOKEN"):
+        ns.admin_token = os.environ["MILLSTREAM_ADMIN_TOKEN"]
+    try:
+        return from_namespace(EngineConfig, ns)
+    except ConfigError as err:
+        parser.error(str(err))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,193 @@
+"""Control endpoints: abort, pause/continue, flush, and the weight updates (SGLang's API).
+
+Every control call becomes a scheduler command that runs between two decode steps (see
+scheduler.py), awaited without blocking the event loop. Blocking work — joining a process
+group, receiving a broadcast, decoding or reading safetensors — runs in a worker thread
+under `asyncio.wait_for(..., --weight-update-timeout)`, so a trainer that never shows up
+yields `{"success": false, "message": "... timed out ..."}` instead of a hung request.
+Weight endpoints answer `{"success": bool, "message": str}` with 200 or 400, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from .core import EngineCore
+from .protocol import (
+    AbortReqIn,
+    ContinueGenerationReqIn,
+    DestroyWeightsUpdateGroupReqIn,
+    FlushCacheReqIn,
+    InitWeightsUpdateGroupReqIn,
+    PauseGenerationReqIn,
+    UpdateWeightFromDiskReqIn,
+    UpdateWeightsFromDistributedReqIn,
+    UpdateWeightsFromTensorReqIn,
+)
+from .scheduler import RequestError
+from .weights import decode_tensor_blobs, read_safetensors_dir
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def _core(request: Request) -> EngineCore:
+    return request.app.state.core
+
+
+def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
+    body = {"success": success, "message": message, **extra}
+    return JSONResponse(body, status_code=200 if success else 400)
+
+
+async def _in_thread(core: EngineCore, what: str, fn: Callable[[], Any]) -> Any:
+    timeout = core.config.weight_update_timeout
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(fn), timeout)
+    except TimeoutError as err:
+        raise RequestError(
+            f"{what} timed out after {timeout:g} s (--weight-update-timeout); is the "
+            "trainer side (rank 0) running the same step?"
+        ) from err
+
+
+async def _weights_call(what: str, work: Callable[[], Any]) -> JSONResponse:
+    """Run a weight endpoint's body; failures become success=false with the reason."""
+    try:
+        message = await work()
+    except RequestError as err:
+        log.warning("%s failed: %s", what, err)
+        return _result(False, f"{what}: {err}")
+    except Exception as err:  # gloo/NCCL errors: report them, keep serving
+        log.exception("%s failed", what)
+        return _result(False, f"{what}: {type(err).__name__}: {err}")
+    return _result(True, message)
+
+
+@router.post("/abort_request")
+async def abort_request(req: AbortReqIn, request: Request) -> dict[str, Any]:
+    if not req.abort_all and not req.rid:
+        raise RequestError("rid: give a request id, or abort_all: true")
+    future = _core(request).scheduler.abort(req.rid or None, abort_all=req.abort_all)
+    return {"success": True, "num_aborted": await asyncio.wrap_future(future)}
+
+
+@router.post("/pause_generation")
+async def pause_generation(req: PauseGenerationReqIn, request: Request) -> dict[str, Any]:
+    count = await asyncio.wrap_future(_core(request).scheduler.pause(req.mode))
+    return {
+        "success": True,
+        "status": "ok",
+        "message": f"Generation paused (mode {req.mode}).",
+        "num_paused_requests": count,
+    }
+
+
+@router.post("/continue_generation")
+async def continue_generation(
+    request: Request, req: ContinueGenerationReqIn | None = None
+) -> dict[str, Any]:
+    await asyncio.wrap_future(_core(request).scheduler.resume())
+    return {"success": True, "status": "ok", "message": "Generation continued."}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request, req: FlushCacheReqIn | None = None) -> dict[str, Any]:
+    # Nothing to flush: without a prefix cache, a request's KV lives only while it runs.
+    return {"success": True, "message": "Cache flushed (this engine keeps no prefix cache)."}
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(
+    req: InitWeightsUpdateGroupReqIn, request: Request
+) -> JSONResponse:
+    core = _core(request)
+
+    async def work() -> str:
+        await _in_thread(
+            core,
+            "joining the update group",
+            lambda: core.groups.init(
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
+                req.group_name,
+                req.backend,
+            ),
+        )
+        return f"joined {req.group_name!r} as rank {req.rank_offset} of {req.world_size}"
+
+    return await _weights_call("init_weights_update_group", work)
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(
+    req: DestroyWeightsUpdateGroupReqIn, request: Request
+) -> JSONResponse:
+    core = _core(request)
+
+    async def work() -> str:
+        await _in_thread(
+            core, "leaving the update group", lambda: core.groups.destroy(req.group_name)
+        )
+        return f"left {req.group_name!r}"
+
+    return await _weights_call("destroy_weights_update_group", work)
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(
+    req: UpdateWeightsFromDistributedReqIn, request: Request
+) -> JSONResponse:
+    core = _core(request)
+
+    async def work() -> str:
+        core.loader.check_specs(req.names, req.shapes)
+        tensors = await _in_thread(
+            core,
+            f"receiving {len(req.names)} tensors",
+            lambda: core.groups.receive(req.group_name, req.names, req.dtypes, req.shapes),
+        )
+        await core.apply_weights(tensors, req.weight_version, req.abort_all_requests)
+        return f"updated {len(tensors)} tensors; weight_version {core.weight_version}"
+
+    return await _weights_call("update_weights_from_distributed", work)
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(
+    req: UpdateWeightsFromTensorReqIn, request: Request
+) -> JSONResponse:
+    core = _core(request)
+
+    async def work() -> str:
+        tensors = await _in_thread(
+            core, "decoding tensors", lambda: decode_tensor_blobs(req.serialized_named_tensors)
+        )
+        await core.apply_weights(tensors, req.weight_version, req.abort_all_requests)
+        return f"updated {len(tensors)} tensors; weight_version {core.weight_version}"
+
+    return await _weights_call("update_weights_from_tensor", work)
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(
+    req: UpdateWeightFromDiskReqIn, request: Request
+) -> JSONResponse:
+    core = _core(request)
+
+    async def work() -> str:
+        tensors = await _in_thread(
+            core, f"reading {req.model_path}", lambda: read_safetensors_dir(req.model_path)
+        )
+        await core.apply_weights(tensors, req.weight_version, req.abort_all_requests)
+        return f"loaded {len(tensors)} tensors from {req.model_path}; weight_version {core.weight_version}"
+
+    return await _weights_call("update_weights_from_disk", work)

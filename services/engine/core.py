@@ -1,0 +1,63 @@
+"""The engine's components, built once from EngineConfig and shared by every route.
+
+EngineCore owns the model runner, the scheduler thread, the weight update groups and the
+engine RNG (which seeds requests that carry no sampling_seed, so a whole engine run is
+reproducible under --seed). Routes get it from `app.state.core`; nothing is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .weights import NamedTensors, UpdateGroups, WeightLoader
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        assert config.model_path is not None
+        self.config = config
+        self.runner = ModelRunner(config.model_path, config.dtype)
+        self.scheduler = Scheduler(
+            self.runner,
+            max_running_requests=config.max_running_requests,
+            max_total_tokens=config.max_total_tokens,
+            context_length=config.context_length,
+            weight_version=config.weight_version,
+        )
+        self.groups = UpdateGroups(config.weight_update_timeout)
+        self.loader = WeightLoader(self.runner.model)
+        self.started_at = time.time()
+        self._rng = random.Random(config.seed)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.runner.tokenizer
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    def fresh_seed(self) -> int:
+        return self._rng.getrandbits(63)
+
+    async def apply_weights(
+        self, tensors: NamedTensors, weight_version: str | None, abort_all: bool
+    ) -> None:
+        """Check `tensors` against the model, then copy them in between two steps."""
+        self.loader.check(tensors)
+        future = self.scheduler.update_weights(
+            lambda: self.loader.copy_in(tensors), weight_version, abort_all
+        )
+        await asyncio.wrap_future(future)

@@ -1,0 +1,242 @@
+"""From a /generate body to scheduler Sequences, and from Sequences back to SGLang's output.
+
+Expansion (SGLang's order): a batch of P prompts with n samples each becomes P * n sequences,
+grouped by prompt (index = i * n + j); the response is a list whenever the input is a batch
+or n > 1, else one object. Copy j of a request seeded with `sampling_seed` s draws from a
+generator seeded s + j: reproducible, yet the n samples of one prompt differ (GRPO needs
+that). Requests without a seed get one from the engine RNG (--seed).
+
+Output object: {text, output_ids, meta_info} with meta_info id, finish_reason (object or
+null while streaming), prompt_tokens, completion_tokens, cached_tokens, weight_version,
+e2e_latency and, with return_logprob, output_token_logprobs = [[logprob, token_id, text]]
+(text only with return_text_in_logprobs, else null, as SGLang). Streaming sends the
+cumulative object so far as `data: {json}` server-sent events, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .core import EngineCore
+from .protocol import GenerateReqIn, SamplingParamsIn
+from .sampling import SamplingParams
+from .scheduler import RequestError
+from .sequence import Sequence, output_text
+
+
+class Waiter:
+    """Wakes one asyncio task whenever the scheduler thread touches one of its sequences."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+
+    def __call__(self, _: Sequence) -> None:
+        # A closed loop raises RuntimeError: nobody waits for this request any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
+
+
+@dataclass
+class Item:
+    seq: Sequence
+    return_logprob: bool
+
+
+@dataclass
+class Job:
+    items: list[Item]
+    waiter: Waiter
+    as_list: bool
+    text_in_logprobs: bool = False
+
+    @property
+    def done(self) -> bool:
+        return all(item.seq.done for item in self.items)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [item.seq for item in self.items]
+
+
+def per_prompt(value: Any, count: int, name: str, default: Any) -> list[Any]:
+    """A scalar applies to every prompt; a list must have one entry per prompt."""
+    if value is None:
+        return [default] * count
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise RequestError(f"{name}: {len(value)} entries for {count} prompts")
+    return value
+
+
+def resolve_params(p: SamplingParamsIn, prompt_len: int, context_length: int) -> SamplingParams:
+    room = max(context_length - prompt_len, 0)
+    max_new = room if p.max_new_tokens is None else p.max_new_tokens
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        stop=p.stop_list,
+        stop_token_ids=frozenset(p.stop_token_ids or ()),
+        ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+        no_stop_trim=p.no_stop_trim,
+        sampling_seed=p.sampling_seed,
+    )
+
+
+def make_job(
+    core: EngineCore,
+    prompts: list[list[int]],
+    params: list[SamplingParamsIn],
+    rids: list[str | None],
+    return_logprob: list[bool],
+    *,
+    force_list: bool,
+) -> Job:
+    waiter = Waiter()
+    items: list[Item] = []
+    for prompt, p, rid, logprob in zip(prompts, params, rids, return_logprob, strict=True):
+        resolved = resolve_params(p, len(prompt), core.scheduler.context_length)
+        base = rid or uuid.uuid4().hex
+        for j in range(p.n):
+            seed = core.fresh_seed() if p.sampling_seed is None else p.sampling_seed + j
+            seq = Sequence(
+                rid=base if p.n == 1 else f"{base}-{j}",
+                prompt_ids=list(prompt),
+                params=resolved,
+                generator=torch.Generator().manual_seed(seed),
+                notify=waiter,
+                request_rid=rid,
+            )
+            items.append(Item(seq, logprob))
+    as_list = force_list or any(p.n > 1 for p in params)
+    return Job(items, waiter, as_list)
+
+
+def job_from_generate(core: EngineCore, req: GenerateReqIn) -> Job:
+    if req.text is not None:
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        prompts = [core.tokenizer.encode(t) for t in texts]
+    else:
+        ids = req.input_ids or []
+        prompts = ids if req.is_batch else [ids]  # type: ignore[list-item]
+    count = len(prompts)
+    params = per_prompt(req.sampling_params, count, "sampling_params", SamplingParamsIn())
+    if isinstance(req.rid, str) and req.is_batch:
+        rids: list[str | None] = [f"{req.rid}-{i}" for i in range(count)]
+    else:
+        rids = per_prompt(req.rid, count, "rid", None)
+    logprob = per_prompt(req.return_logprob, count, "return_logprob", False)
+    job = make_job(core, prompts, params, rids, logprob, force_list=req.is_batch)
+    job.text_in_logprobs = req.return_text_in_logprobs
+    return job
+
+
+def output_of(core: EngineCore, item: Item, text_in_logprobs: bool) -> dict[str, Any]:
+    seq = item.seq
+    done = seq.done  # read before the lists: they are complete once finish is set
+    n = len(seq.output_ids) if done else len(seq.output_logprobs)
+    ids = seq.output_ids[:n]
+    end = seq.finished_at if done and seq.finished_at is not None else time.perf_counter()
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "finish_reason": seq.finish.to_json() if done and seq.finish else None,
+        "prompt_tokens": len(seq.prompt_ids),
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "weight_version": seq.weight_version if done else core.weight_version,
+        "e2e_latency": end - seq.created_at,
+    }
+    if item.return_logprob:
+        tok = core.tokenizer
+        meta["output_token_logprobs"] = [
+            [lp, tid, tok.decode([tid]) if text_in_logprobs else None]
+            for lp, tid in zip(seq.output_logprobs[:n], ids, strict=True)
+        ]
+    text = output_text(core.tokenizer, seq, None if done else n)
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def submit(core: EngineCore, job: Job) -> None:
+    core.scheduler.submit(job.seqs)
+
+
+def abort_unfinished(core: EngineCore, job: Job) -> None:
+    for seq in job.seqs:
+        if not seq.done:
+            core.scheduler.abort(seq.rid)
+
+
+async def wait_done(core: EngineCore, job: Job, receive: Any | None = None) -> None:
+    """Wait until every sequence finished; abort them if the client goes away first.
+
+    `receive` is the request's ASGI receive: after the body was read, its next message is
+    `http.disconnect`, so a task awaiting it learns when the client hangs up."""
+    watcher = asyncio.create_task(_watch_disconnect(core, job, receive)) if receive else None
+    try:
+        while not job.done:
+            await job.waiter.wait()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def _watch_disconnect(core: EngineCore, job: Job, receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            abort_unfinished(core, job)
+            return
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def updates(core: EngineCore, job: Job) -> AsyncIterator[tuple[int, Item, bool]]:
+    """(index, item, done) each time a sequence grew or finished, until all finished.
+    Unfinished sequences are aborted when the consumer stops early (client gone)."""
+    sent = [0] * len(job.items)
+    closed = [False] * len(job.items)
+    try:
+        while True:
+            for i, item in enumerate(job.items):
+                if closed[i]:
+                    continue
+                done = item.seq.done
+                count = len(item.seq.output_logprobs)
+                if count > sent[i] or done:
+                    sent[i], closed[i] = count, done
+                    yield i, item, done
+            if all(closed):
+                return
+            await job.waiter.wait()
+    finally:
+        abort_unfinished(core, job)
+
+
+async def stream_outputs(core: EngineCore, job: Job) -> AsyncIterator[str]:
+    """SGLang-style SSE: the cumulative output of a sequence each time it grew."""
+    async for index, item, _ in updates(core, job):
+        out = output_of(core, item, job.text_in_logprobs)
+        if job.as_list:
+            out["index"] = index
+        yield sse(out)
+    yield "data: [DONE]\n\n"

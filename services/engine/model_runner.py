@@ -1,0 +1,98 @@
+"""Load a Hugging Face model directory and run the forward passes the scheduler needs.
+
+Loading is local only (`local_files_only=True`): a missing or incomplete directory is an
+error that names the path, never a download. The model is put in eval mode with gradients
+off; the scheduler thread runs every forward under `torch.inference_mode`.
+
+Only full-attention decoders are supported: the running batch moves a row's cached tokens
+between cache columns (kv_batch.py), which sliding-window caches do not allow.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from millstream.common.errors import MillstreamError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class ModelRunner:
+    """The model, its tokenizer, and the prefill forward (decode lives in RunningBatch)."""
+
+    def __init__(self, model_path: str, dtype: str = "float32"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        from transformers.utils import logging as hf_logging
+
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise MillstreamError(
+                f"--model-path {model_path}: no config.json there; "
+                "pass a Hugging Face model directory (config, safetensors, tokenizer files)"
+            )
+        hf_logging.disable_progress_bar()
+        self.model_path = str(path)
+        self.dtype = DTYPES[dtype]
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=self.dtype
+            )
+        except OSError as err:
+            raise MillstreamError(f"--model-path {model_path}: cannot load: {err}") from err
+        self.model = model.eval().requires_grad_(False)
+        self._cache_class = DynamicCache
+        probe = DynamicCache(config=self.model.config)
+        if any(getattr(layer, "is_sliding", False) for layer in probe.layers):
+            raise MillstreamError(
+                f"--model-path {model_path}: sliding-window attention is not supported by "
+                "the CPU engine (it needs a full-attention decoder)"
+            )
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        self.vocab_size = int(self.model.config.vocab_size)
+        log.info(
+            "loaded %s (%s, %.1fM parameters, vocab %d, eos %s)",
+            path,
+            dtype,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            self.vocab_size,
+            sorted(self.eos_token_ids),
+        )
+
+    def new_cache(self) -> Any:
+        return self._cache_class(config=self.model.config)
+
+    @torch.inference_mode()
+    def prefill(self, prefixes: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Prefill equal-length prefixes together (no padding needed).
+
+        Returns (cache, mask_BT of ones, logits_BV at each row's last position)."""
+        lengths = {len(p) for p in prefixes}
+        assert len(lengths) == 1, f"prefill needs equal lengths, got {sorted(lengths)}"
+        input_ids_BT = torch.tensor(prefixes)
+        cache = self.new_cache()
+        out = self.model(
+            input_ids=input_ids_BT, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
+        mask_BT = torch.ones_like(input_ids_BT)
+        return cache, mask_BT, out.logits[:, -1, :]

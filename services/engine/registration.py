@@ -1,0 +1,85 @@
+"""--register-with ROUTER_URL: announce this engine to a router, and withdraw it on exit.
+
+Miles' router API: `POST {router}/add_worker?url=http://host:port` once the engine listens,
+`POST {router}/remove_worker?url=...` on shutdown, with `Authorization: Bearer TOKEN` when
+an admin token is set. Registration retries with backoff (a router started alongside may
+not listen yet) and raises ServiceUnavailable with the router's last answer if it never
+succeeds; withdrawal is tried a few times and only logged, since the engine is exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from millstream.common.errors import ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def _headers(admin_token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+
+
+async def _post(router_url: str, path: str, worker_url: str, admin_token: str | None) -> None:
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        resp = await client.post(
+            f"{router_url.rstrip('/')}/{path}",
+            params={"url": worker_url},
+            headers=_headers(admin_token),
+        )
+    if resp.status_code >= 400:
+        raise httpx.HTTPStatusError(
+            f"{resp.status_code} {resp.text[:200]}", request=resp.request, response=resp
+        )
+
+
+async def register(
+    router_url: str,
+    worker_url: str,
+    admin_token: str | None,
+    attempts: int = 5,
+    delay_s: float = 0.5,
+) -> None:
+    last: Exception | None = None
+    for attempt in range(1, attempts + 1):
+        try:
+            await _post(router_url, "add_worker", worker_url, admin_token)
+            log.info("registered %s with router %s", worker_url, router_url)
+            return
+        except httpx.HTTPError as err:
+            last = err
+            log.warning(
+                "registering with router %s failed (attempt %d/%d): %s",
+                router_url,
+                attempt,
+                attempts,
+                err,
+            )
+            await asyncio.sleep(delay_s * attempt)
+    raise ServiceUnavailable(
+        f"--register-with {router_url}: add_worker failed {attempts} times ({last}); "
+        "check the router is up and the admin token matches"
+    )
+
+
+async def unregister(
+    router_url: str, worker_url: str, admin_token: str | None, attempts: int = 3
+) -> None:
+    for attempt in range(1, attempts + 1):
+        try:
+            await _post(router_url, "remove_worker", worker_url, admin_token)
+            log.info("removed %s from router %s", worker_url, router_url)
+            return
+        except httpx.HTTPError as err:
+            log.warning(
+                "removing %s from router %s failed (attempt %d/%d): %s",
+                worker_url,
+                router_url,
+                attempt,
+                attempts,
+                err,
+            )
+            await asyncio.sleep(0.2 * attempt)

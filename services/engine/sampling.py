@@ -1,0 +1,96 @@
+"""Next-token sampling for a batch of rows, each with its own parameters and RNG.
+
+Logprob (SGLang's default): the reported logprob of a token is
+    log_softmax(logits / T)[token],  T = temperature (T = 1 for greedy, temperature < 1e-6),
+taken BEFORE top-k / top-p / min-p truncation, so a trainer can recompute it from a plain
+forward pass over prompt + response.
+
+Sampling: greedy rows take the argmax of the raw logits. Other rows draw from
+softmax(logits / T) restricted to the tokens that survive all three filters
+    top_k:  the k most likely (-1: off),
+    top_p:  the smallest prefix of the sorted distribution whose mass reaches p (the first
+            token always survives),
+    min_p:  tokens with p >= min_p * p_max,
+renormalised. Every row draws with its own torch.Generator, so a request seeded with
+`sampling_seed` samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_TEMPERATURE = 1e-6
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One sequence's resolved sampling parameters (SGLang's names and defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _filter_probs(probs_BV: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Zero the tokens top-k / top-p / min-p remove; returns probabilities in sorted order
+    together with the sort index (so row b's j-th column is token order_BV[b, j])."""
+    vocab = probs_BV.shape[-1]
+    top_k_B = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_p_B = torch.tensor([p.top_p for p in params], dtype=probs_BV.dtype)
+    min_p_B = torch.tensor([p.min_p for p in params], dtype=probs_BV.dtype)
+    sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+    rank_V = torch.arange(vocab)
+    keep_BV = rank_V[None, :] < top_k_B[:, None]
+    mass_before_BV = sorted_BV.cumsum(dim=-1) - sorted_BV
+    keep_BV &= mass_before_BV < top_p_B[:, None]
+    keep_BV &= sorted_BV >= min_p_B[:, None] * sorted_BV[:, :1]
+    keep_BV[:, 0] = True
+    return torch.where(keep_BV, sorted_BV, torch.zeros_like(sorted_BV)), order_BV
+
+
+def sample_next(
+    logits_BV: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> tuple[list[int], list[float]]:
+    """Sample one token per row; returns (token ids, their logprobs as defined above)."""
+    logits_BV = logits_BV.float()
+    temps_B = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+    logp_BV = torch.log_softmax(logits_BV / temps_B[:, None], dim=-1)
+    tokens = logits_BV.argmax(dim=-1).tolist()
+
+    sampled = [b for b, p in enumerate(params) if not p.greedy]
+    truncated = [b for b in sampled if params[b].truncates]
+    plain = [b for b in sampled if not params[b].truncates]
+    for b in plain:
+        probs_V = logp_BV[b].exp()
+        tokens[b] = int(torch.multinomial(probs_V, 1, generator=generators[b]))
+    if truncated:
+        rows = torch.tensor(truncated)
+        kept_BV, order_BV = _filter_probs(logp_BV[rows].exp(), [params[b] for b in truncated])
+        for i, b in enumerate(truncated):
+            choice = int(torch.multinomial(kept_BV[i], 1, generator=generators[b]))
+            tokens[b] = int(order_BV[i, choice])
+
+    token_B = torch.tensor(tokens)
+    logprobs = logp_BV.gather(-1, token_B[:, None])[:, 0].tolist()
+    return tokens, logprobs

@@ -1,0 +1,316 @@
+"""Continuous batching: one thread owns the model, the queue and the running batch.
+
+Ownership. Every mutation of scheduler state happens on the scheduler thread. Other threads
+(the HTTP event loop, weight receivers) talk to it through `_commands`: a command is a
+function run on the scheduler thread BETWEEN steps, with a concurrent Future for its result.
+So no step ever sees half-updated weights or a half-removed row, without a lock held across
+a forward pass.
+
+One step (`_step`):
+  1. admit waiting sequences while the batch has room (--max-running-requests rows and,
+     when set, --max-total-tokens reserved as prompt + max_new_tokens per row);
+  2. prefill them, grouped by prefix length so each group needs no padding; a new sequence
+     samples its first token from the prefill logits, a retracted one (output so far kept)
+     re-prefills prompt + output[:-1] and samples nothing;
+  3. merge survivors into the running batch (counted in `joined_running_batch` when the
+     batch was already decoding: continuous batching);
+  4. one decode step for every row; finished rows leave the batch at once.
+
+Pause modes (SGLang's /pause_generation): "abort" aborts everything in flight and waiting;
+"in_place" stops stepping and keeps the batch and its KV cache; "retract" drops the KV cache
+and puts running sequences back at the head of the queue, to be re-prefilled on continue.
+While paused, new requests queue up and run after /continue_generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .kv_batch import RunningBatch
+from .model_runner import ModelRunner
+from .sampling import sample_next
+from .sequence import FinishReason, Sequence, StopChecker
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the offending input."""
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    prefill_batches: int = 0
+    joined_running_batch: int = 0
+    finished: int = 0
+    aborted: int = 0
+    generated_tokens: int = 0
+    retracted: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_running_requests: int = 64,
+        max_total_tokens: int | None = None,
+        context_length: int | None = None,
+        weight_version: str = "default",
+    ):
+        self.runner = runner
+        self.max_running_requests = max_running_requests
+        self.max_total_tokens = max_total_tokens
+        self.context_length = context_length or runner.context_length
+        self.weight_version = weight_version
+        self.stats = SchedulerStats()
+        self.paused = False
+        self._stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids)
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._waiting: deque[Sequence] = deque()
+        self._batch = RunningBatch()
+        self._prefilling: list[Sequence] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
+
+    # ---- any thread -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self._thread.is_alive():
+            return
+        self.call(self._shutdown).result(timeout)
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the scheduler thread between two steps; its result in a Future."""
+        future: Future[Any] = Future()
+        self._commands.put((fn, future))
+        return future
+
+    def validate(self, seq: Sequence) -> None:
+        """Reject what can never run, with a message naming the input (RequestError)."""
+        n_prompt = len(seq.prompt_ids)
+        if n_prompt == 0:
+            raise RequestError("input_ids: the prompt is empty")
+        bad = [t for t in seq.prompt_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise RequestError(
+                f"input_ids: token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.runner.vocab_size})"
+            )
+        if n_prompt >= self.context_length:
+            raise RequestError(
+                f"input_ids: the prompt has {n_prompt} tokens, the context length is "
+                f"{self.context_length}"
+            )
+        if self.max_total_tokens is not None and seq.reserved_tokens > self.max_total_tokens:
+            raise RequestError(
+                f"sampling_params.max_new_tokens: prompt ({n_prompt}) + max_new_tokens "
+                f"({seq.params.max_new_tokens}) exceeds --max-total-tokens "
+                f"{self.max_total_tokens}"
+            )
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.validate(seq)
+        self.call(lambda: self._waiting.extend(seqs))
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> Future[int]:
+        message = "aborted by /abort_request"
+        return self.call(
+            lambda: self._abort(
+                lambda s: abort_all or (bool(rid) and rid in (s.rid, s.request_rid)), message
+            )
+        )
+
+    def pause(self, mode: str) -> Future[int]:
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode: must be one of {list(PAUSE_MODES)} (got {mode!r})")
+        return self.call(lambda: self._pause(mode))
+
+    def resume(self) -> Future[None]:
+        return self.call(lambda: setattr(self, "paused", False))
+
+    def update_weights(
+        self, copy_in: Callable[[], None], weight_version: str | None, abort_all: bool = False
+    ) -> Future[None]:
+        """Run `copy_in` between two steps; the version changes in the same command, so
+        every token sampled afterwards reports the new one."""
+
+        def run() -> None:
+            if abort_all:
+                self._abort(lambda _: True, "aborted for a weight update")
+            copy_in()
+            if weight_version is not None:
+                self.weight_version = weight_version
+
+        return self.call(run)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "num_running_reqs": len(self._batch),
+            "num_waiting_reqs": len(self._waiting),
+            "paused": self.paused,
+            "max_running_requests": self.max_running_requests,
+            "kv_cache_columns": self._batch.width,
+            **vars(self.stats),
+        }
+
+    # ---- scheduler thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping:
+                busy = not self.paused and (self._batch.seqs or self._waiting)
+                self._drain_commands(block=not busy)
+                if self._stopping or self.paused:
+                    continue
+                try:
+                    self._step()
+                except Exception as err:  # a failed step fails its requests, not the server
+                    log.exception("scheduler step failed")
+                    self._fail_running(f"engine error: {type(err).__name__}: {err}")
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as err:
+                    future.set_exception(err)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        admitted = self._admit()
+        if admitted:
+            self._prefilling = admitted
+            self._prefill(admitted)
+            self._prefilling = []
+        if self._batch.seqs:
+            logits_BV = self._batch.decode(self.runner.model)
+            self._append_sampled(self._batch.seqs, logits_BV)
+            self._batch.keep([i for i, s in enumerate(self._batch.seqs) if not s.done])
+        self.stats.steps += 1
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        reserved = sum(s.reserved_tokens for s in self._batch.seqs)
+        while self._waiting and len(self._batch) + len(admitted) < self.max_running_requests:
+            seq = self._waiting[0]
+            # A request alone always fits (validate() checked it); others wait for room.
+            if (
+                self.max_total_tokens is not None
+                and (admitted or self._batch.seqs)
+                and reserved + seq.reserved_tokens > self.max_total_tokens
+            ):
+                break
+            self._waiting.popleft()
+            if seq.params.max_new_tokens == 0:
+                self._finish(seq, FinishReason("length", length=0))
+                continue
+            admitted.append(seq)
+            reserved += seq.reserved_tokens
+        return admitted
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        was_decoding = bool(self._batch.seqs)
+        groups: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            groups.setdefault(len(seq.prefix_ids()), []).append(seq)
+        for group in groups.values():
+            cache, mask_BT, logits_BV = self.runner.prefill([s.prefix_ids() for s in group])
+            fresh = [i for i, s in enumerate(group) if not s.output_ids]
+            if fresh:
+                self._append_sampled([group[i] for i in fresh], logits_BV[fresh])
+            rows = [i for i, s in enumerate(group) if not s.done]
+            if len(rows) < len(group):
+                index_B = torch.tensor(rows, dtype=torch.long)
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[index_B], layer.values[index_B]
+                mask_BT = mask_BT[index_B]
+            if was_decoding:
+                self.stats.joined_running_batch += len(rows)
+            self._batch.add([group[i] for i in rows], cache, mask_BT)
+            self.stats.prefill_batches += 1
+
+    def _append_sampled(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> None:
+        tokens, logprobs = sample_next(
+            logits_BV, [s.params for s in seqs], [s.generator for s in seqs]
+        )
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.output_ids.append(token)
+            seq.output_logprobs.append(logprob)
+            self.stats.generated_tokens += 1
+            reason = self._stop_checker.check(seq)
+            if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length:
+                reason = FinishReason("length", length=len(seq.output_ids))
+            if reason is not None:
+                self._finish(seq, reason)
+            else:
+                seq.notify(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.set_finished(reason, self.weight_version)
+        if reason.type == "abort":
+            self.stats.aborted += 1
+        else:
+            self.stats.finished += 1
+        seq.notify(seq)
+
+    def _abort(self, match: Callable[[Sequence], bool], message: str) -> int:
+        hit = [s for s in self._waiting if match(s)]
+        self._waiting = deque(s for s in self._waiting if not match(s))
+        rows = [i for i, s in enumerate(self._batch.seqs) if not match(s)]
+        hit += [s for s in self._batch.seqs if match(s)]
+        self._batch.keep(rows)
+        for seq in hit:
+            self._finish(seq, FinishReason("abort", message=message))
+        return len(hit)
+
+    def _pause(self, mode: str) -> int:
+        self.paused = True
+        if mode == "abort":
+            return self._abort(lambda _: True, "aborted by /pause_generation (mode abort)")
+        if mode == "retract":
+            retracted = self._batch.seqs
+            self._batch.clear()
+            self._waiting.extendleft(reversed(retracted))
+            self.stats.retracted += len(retracted)
+            return len(retracted)
+        return 0
+
+    def _fail_running(self, message: str) -> None:
+        failed = self._batch.seqs + [
+            s for s in self._prefilling if not s.done and s not in self._batch.seqs
+        ]
+        self._batch.clear()
+        self._prefilling = []
+        for seq in failed:
+            self._finish(seq, FinishReason("abort", message=message))
+
+    def _shutdown(self) -> None:
+        self._abort(lambda _: True, "the engine is shutting down")
+        self._stopping = True

@@ -1,0 +1,202 @@
+"""New weights for a running engine: update groups, receiving, decoding, and loading.
+
+Update groups (`/init_weights_update_group`). The trainer's rank 0 and every engine rank form
+a process group of their own, separate from any default group, so one process can hold
+several (one per group_name). The rendezvous is the one SGLang's `init_custom_process_group`
+does, so a trainer written for SGLang engines works unchanged against this one:
+    store = TCPStore(master_address, master_port), hosted by rank 0 (the trainer);
+    PrefixStore(group_name, store);
+    torch's `_new_process_group_helper(world_size, rank, [], backend, store, group_name)`.
+The engine's rank is `rank_offset` (a CPU engine has one rank). gloo on CPU, nccl only
+where CUDA exists. Every collective has the group's timeout (--weight-update-timeout).
+
+Distributed update (`/update_weights_from_distributed`): for each (name, dtype, shape), in
+order, receive `broadcast(src=0)` into a fresh tensor. Receiving happens off the scheduler
+thread, so decoding goes on meanwhile; the copy into the model's parameters then runs as ONE
+scheduler command between two steps, so no step ever sees half of an update, and the
+weight version changes in the same command.
+
+`/update_weights_from_tensor` differs from SGLang on purpose: SGLang pickles tensors, and
+nothing on our wire is pickled (DESIGN.md section 3). `serialized_named_tensors` here is a
+list of base64 strings, each a safetensors blob (`safetensors.torch.save({name: tensor})`),
+decoded without executing anything.
+
+`/update_weights_from_disk` reads every `*.safetensors` file in `model_path`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import inspect
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .scheduler import RequestError
+
+log = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    name = text.removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise RequestError(f"dtypes: {text!r} is not a torch dtype (e.g. 'bfloat16')")
+    return dtype
+
+
+@dataclass
+class _Group:
+    pg: Any
+    rank: int
+    world_size: int
+    device: torch.device
+    timeout: timedelta
+
+
+def _new_group(
+    address: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout: timedelta
+) -> Any:
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = PrefixStore(name, store)
+    # The helper's options keyword was renamed across torch versions.
+    params = inspect.signature(_new_process_group_helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=name,
+        timeout=timeout,
+        **{options: None},
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class UpdateGroups:
+    """Named process groups this engine receives weights on. Blocking methods: call them
+    from a worker thread, never the event loop."""
+
+    def __init__(self, timeout_s: float):
+        self._timeout = timedelta(seconds=timeout_s)
+        self._groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._groups)
+
+    def init(
+        self, address: str, port: int, rank: int, world_size: int, name: str, backend: str
+    ) -> None:
+        if name in self._groups:
+            raise RequestError(f"group_name: {name!r} exists; destroy it first")
+        if rank >= world_size:
+            raise RequestError(f"rank_offset: {rank} must be < world_size {world_size}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RequestError("backend: nccl needs CUDA and this engine runs on CPU; use gloo")
+        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        pg = _new_group(address, port, rank, world_size, name, backend, self._timeout)
+        self._groups[name] = _Group(pg, rank, world_size, device, self._timeout)
+        log.info(
+            "joined weight update group %r as rank %d of %d (%s)", name, rank, world_size, backend
+        )
+
+    def destroy(self, name: str) -> None:
+        group = self._groups.pop(name, None)
+        if group is None:
+            raise RequestError(f"group_name: no update group {name!r} (have {self.names})")
+        torch.distributed.destroy_process_group(group.pg)
+        log.info("left weight update group %r", name)
+
+    def receive(
+        self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> NamedTensors:
+        group = self._groups.get(name)
+        if group is None:
+            raise RequestError(f"group_name: no update group {name!r} (have {self.names})")
+        specs = [(n, parse_dtype(d), s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        out: NamedTensors = []
+        # Two updates interleaving their broadcasts on one group would corrupt both.
+        with self._lock:
+            for tensor_name, dtype, shape in specs:
+                tensor = torch.empty(shape, dtype=dtype, device=group.device)
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank = 0
+                group.pg.broadcast([tensor], opts).wait(group.timeout)
+                out.append((tensor_name, tensor.cpu()))
+        return out
+
+
+def decode_tensor_blobs(blobs: list[str]) -> NamedTensors:
+    from safetensors.torch import load as load_safetensors
+
+    out: NamedTensors = []
+    for i, blob in enumerate(blobs):
+        try:
+            raw = base64.b64decode(blob, validate=True)
+            out.extend(load_safetensors(raw).items())
+        except (binascii.Error, ValueError, RuntimeError) as err:
+            raise RequestError(
+                f"serialized_named_tensors[{i}]: not a base64 safetensors blob ({err})"
+            ) from err
+    return out
+
+
+def read_safetensors_dir(model_path: str) -> NamedTensors:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise RequestError(f"model_path: no *.safetensors files in {model_path}")
+    out: NamedTensors = []
+    for file in files:
+        out.extend(load_file(file).items())
+    return out
+
+
+class WeightLoader:
+    """Checks named tensors against the model and copies them in (scheduler thread)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+
+    def check_specs(self, names: list[str], shapes: list[list[int]]) -> None:
+        unknown = [n for n in names if n not in self._params]
+        if unknown:
+            raise RequestError(f"names: not parameters of this model: {unknown[:5]}")
+        for name, shape in zip(names, shapes, strict=True):
+            if list(self._params[name].shape) != list(shape):
+                raise RequestError(
+                    f"shapes: {name} is {list(self._params[name].shape)} here, got {shape}"
+                )
+
+    def check(self, tensors: NamedTensors) -> None:
+        self.check_specs([n for n, _ in tensors], [list(t.shape) for _, t in tensors])
+
+    def copy_in(self, tensors: NamedTensors) -> None:
+        with torch.no_grad():
+            for name, tensor in tensors:
+                self._params[name].copy_(tensor)

@@ -1,0 +1,372 @@
+"""A real engine process on loopback, driven over HTTP the way rollout workers and the
+trainer's coordinator drive SGLang: /generate, control endpoints, OpenAI endpoints, errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.support.engine_proc import EngineProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+LONG = {"max_new_tokens": 900, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    proc = EngineProcess(tiny_model_dir, tmp_path_factory.mktemp("engine-http"), "--seed", "3")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(engine: EngineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine.url, timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(8) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
+
+
+def post(client: httpx.Client, path: str, body: Any, engine: EngineProcess | None = None) -> Any:
+    resp = client.post(path, json=body)
+    tail = engine.log_tail() if engine else ""
+    assert resp.status_code == 200, f"{path} -> {resp.status_code} {resp.text}\n{tail}"
+    return resp.json()
+
+
+def info(client: httpx.Client) -> dict[str, Any]:
+    return client.get("/get_server_info").json()["scheduler"]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def logprobs_of(out: dict[str, Any]) -> list[float]:
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def full_forward_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits_TV = model(input_ids=torch.tensor([prompt + output])).logits[0]
+    logp_TV = torch.log_softmax(logits_TV, dim=-1)[len(prompt) - 1 : -1]
+    return logp_TV.gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def test_concurrent_requests_join_the_running_batch_and_logprobs_match_a_full_forward(
+    client: httpx.Client, engine: EngineProcess, pool: ThreadPoolExecutor, reference
+):
+    joined_before = info(client)["joined_running_batch"]
+    prompts = [list(b"Once upon a time"), list(b"Hi"), list(b"x" * 40), list(b"0123456789")]
+    lengths = [120, 30, 20, 25]
+
+    def one(i: int, params: dict[str, Any]) -> Future:
+        body = {
+            "input_ids": prompts[i],
+            "sampling_params": {"max_new_tokens": lengths[i], "ignore_eos": True, **params},
+            "return_logprob": True,
+        }
+        return pool.submit(post, client, "/generate", body, engine)
+
+    for params in ({"temperature": 0}, {"temperature": 1.0, "sampling_seed": 5}):
+        futures = [one(0, params)]
+        wait_for(lambda: info(client)["num_running_reqs"] == 1)
+        futures += [one(i, params) for i in (1, 2, 3)]
+        for i, future in enumerate(futures):
+            out = future.result(60)
+            meta = out["meta_info"]
+            assert meta["finish_reason"] == {"type": "length", "length": lengths[i]}
+            assert meta["prompt_tokens"] == len(prompts[i])
+            assert meta["completion_tokens"] == lengths[i] == len(out["output_ids"])
+            assert meta["weight_version"] == "default"
+            assert meta["e2e_latency"] > 0
+            assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+            expected = full_forward_logprobs(reference, prompts[i], out["output_ids"])
+            assert torch.allclose(torch.tensor(logprobs_of(out)), expected, atol=1e-4)
+    assert info(client)["joined_running_batch"] - joined_before >= 3
+
+
+def test_batch_input_and_n_give_a_list_in_sglang_order(client: httpx.Client):
+    body = {
+        "input_ids": [list(b"ab"), list(b"cde")],
+        "sampling_params": {"max_new_tokens": 3, "n": 2, "sampling_seed": 1},
+        "rid": ["p", "q"],
+    }
+    outs = post(client, "/generate", body)
+    assert [o["meta_info"]["id"] for o in outs] == ["p-0", "p-1", "q-0", "q-1"]
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [2, 2, 3, 3]
+    assert outs[0]["output_ids"] != outs[1]["output_ids"], "n samples must differ"
+    again = post(client, "/generate", body)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+
+    single = post(client, "/generate", {"input_ids": list(b"ab"), "sampling_params": {"n": 1}})
+    assert isinstance(single, dict)
+
+
+def test_sampling_params_over_http(client: httpx.Client):
+    base = {"text": "Tell me", "sampling_params": {"max_new_tokens": 48, "sampling_seed": 9}}
+    free = post(client, "/generate", base)
+    assert free["meta_info"]["finish_reason"]["type"] == "length"
+    text = free["text"]
+    cut, stop = next((i, c) for i, c in enumerate(text) if i >= 2 and c.isascii() and c.isalnum())
+
+    def gen(**params: Any) -> dict[str, Any]:
+        body = json.loads(json.dumps(base))
+        body["sampling_params"].update(params)
+        return post(client, "/generate", body)
+
+    trimmed = gen(stop=[stop])
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert trimmed["text"] == text[:cut]
+    assert gen(stop=stop, no_stop_trim=True)["text"] == text[: cut + 1]
+
+    token = free["output_ids"][5]
+    by_token = gen(stop_token_ids=[token])
+    first = free["output_ids"].index(token)
+    assert by_token["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    assert by_token["output_ids"] == free["output_ids"][: first + 1]
+    assert gen(stop_token_ids=[token], ignore_eos=True)["output_ids"] == free["output_ids"]
+
+    short = gen(max_new_tokens=4)
+    assert short["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert short["output_ids"] == free["output_ids"][:4]
+    assert gen(sampling_seed=10)["output_ids"] != free["output_ids"]
+
+    greedy = gen(temperature=0, top_k=5, top_p=0.5, min_p=0.1)
+    assert greedy["output_ids"] == gen(temperature=0)["output_ids"]
+
+
+def test_streaming_sends_cumulative_chunks_then_done(client: httpx.Client):
+    body = {
+        "input_ids": list(b"stream"),
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        "return_logprob": True,
+        "stream": True,
+    }
+    with client.stream("POST", "/generate", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    ids = [c["output_ids"] for c in chunks]
+    assert all(a == b[: len(a)] for a, b in itertools.pairwise(ids)), "not cumulative"
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    plain = post(client, "/generate", {**body, "stream": False})
+    assert ids[-1] == plain["output_ids"]
+
+
+def test_abort_by_rid_and_abort_all_return_partial_output(
+    client: httpx.Client, pool: ThreadPoolExecutor
+):
+    def start(rid: str) -> Future:
+        body = {"input_ids": list(b"abort me"), "sampling_params": LONG, "rid": rid}
+        return pool.submit(post, client, "/generate", body)
+
+    one = start("victim")
+    wait_for(lambda: info(client)["num_running_reqs"] == 1)
+    time.sleep(0.2)
+    assert post(client, "/abort_request", {"rid": "victim"})["num_aborted"] == 1
+    out = one.result(30)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < out["meta_info"]["completion_tokens"] < 900
+    assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
+
+    many = [start(f"all-{i}") for i in range(3)]
+    wait_for(lambda: info(client)["num_running_reqs"] == 3)
+    assert post(client, "/abort_request", {"abort_all": True})["num_aborted"] == 3
+    for future in many:
+        assert future.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_a_client_that_hangs_up_has_its_request_aborted(client: httpx.Client, engine):
+    aborted = info(client)["aborted"]
+    body = {"input_ids": list(b"gone"), "sampling_params": LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{engine.url}/generate", json=body, timeout=0.5)
+    wait_for(lambda: info(client)["aborted"] == aborted + 1)
+    wait_for(lambda: info(client)["num_running_reqs"] == 0)
+
+
+def test_pause_abort_in_place_and_continue(client: httpx.Client, pool: ThreadPoolExecutor):
+    body = {"input_ids": list(b"pause"), "sampling_params": LONG}
+    running = pool.submit(post, client, "/generate", body)
+    wait_for(lambda: info(client)["num_running_reqs"] == 1)
+    assert post(client, "/pause_generation", {"mode": "abort"})["num_paused_requests"] == 1
+    assert running.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
+
+    short = {"input_ids": list(b"later"), "sampling_params": {"max_new_tokens": 5}}
+    queued = pool.submit(post, client, "/generate", short)
+    wait_for(lambda: info(client)["num_waiting_reqs"] == 1)
+    time.sleep(0.3)
+    assert not queued.done(), "a request ran while paused"
+    post(client, "/continue_generation", {})
+    assert queued.result(30)["meta_info"]["completion_tokens"] == 5
+
+    medium = {
+        "input_ids": list(b"keep"),
+        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+    }
+    kept = pool.submit(post, client, "/generate", medium)
+    wait_for(lambda: info(client)["num_running_reqs"] == 1)
+    post(client, "/pause_generation", {"mode": "in_place"})
+    state = info(client)
+    assert state["paused"] and state["num_running_reqs"] == 1
+    time.sleep(0.3)
+    assert not kept.done()
+    post(client, "/continue_generation", {})
+    assert kept.result(60)["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}}, "max_tokens"),
+        ("/generate", {"input_ids": [1], "bogus": True}, "bogus"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+        ("/generate", {"input_ids": "abc"}, "input_ids"),
+        ("/generate", {"input_ids": []}, "input_ids"),
+        ("/generate", {"input_ids": [1, 99999]}, "vocabulary"),
+        ("/generate", {"input_ids": [1] * 2000}, "context length"),
+        ("/generate", {"sampling_params": {}}, "text or input_ids"),
+        (
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}},
+            "not supported",
+        ),
+        ("/generate", {"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
+        ("/abort_request", {}, "rid"),
+        ("/pause_generation", {"mode": "sideways"}, "mode"),
+        ("/init_weights_update_group", {"master_address": "x"}, "master_port"),
+        ("/update_weights_from_distributed", {"names": ["a"], "dtypes": [], "shapes": []}, "names"),
+        ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+    ],
+)
+def test_bad_requests_get_a_4xx_naming_the_input(client: httpx.Client, path, body, field):
+    resp = client.post(path, json=body)
+    assert 400 <= resp.status_code < 500, resp.text
+    assert field in resp.json()["message"], resp.text
+
+
+def test_malformed_json_is_a_400(client: httpx.Client):
+    resp = client.post(
+        "/generate", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 400
+    assert "invalid JSON" in resp.json()["message"]
+
+
+def test_weight_updates_with_bad_inputs_fail_with_success_false(client: httpx.Client):
+    resp = client.post(
+        "/update_weights_from_distributed",
+        json={"names": ["nope"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
+    )
+    assert resp.status_code == 400
+    assert resp.json()["success"] is False and "nope" in resp.json()["message"]
+    resp = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["!!"]})
+    assert resp.json()["success"] is False and "base64" in resp.json()["message"]
+    resp = client.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
+    assert resp.json()["success"] is False and "/nonexistent" in resp.json()["message"]
+    resp = client.post("/destroy_weights_update_group", json={"group_name": "none"})
+    assert resp.json()["success"] is False
+    if not torch.cuda.is_available():
+        init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+        resp = client.post("/init_weights_update_group", json={**init, "backend": "nccl"})
+        assert resp.json()["success"] is False and "use gloo" in resp.json()["message"]
+
+
+def test_info_and_health_endpoints(client: httpx.Client, tiny_model_dir: Path):
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    model = client.get("/get_model_info").json()
+    assert model["model_path"] == str(tiny_model_dir) and model["is_generation"] is True
+    server = client.get("/get_server_info").json()
+    assert server["max_running_requests"] == 64 and "admin_token" not in server
+    assert client.get("/get_weight_version").json() == {"weight_version": "default"}
+    assert client.post("/flush_cache").json()["success"] is True
+
+
+def test_openai_endpoints_answer_with_openai_shapes(client: httpx.Client, tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == str(tiny_model_dir)
+
+    comp = post(
+        client, "/v1/completions", {"prompt": "Hello", "max_tokens": 5, "logprobs": 1, "n": 2}
+    )
+    assert comp["object"] == "text_completion" and comp["id"].startswith("cmpl-")
+    assert [c["index"] for c in comp["choices"]] == [0, 1]
+    assert comp["choices"][0]["finish_reason"] in ("stop", "length")
+    assert len(comp["choices"][0]["logprobs"]["token_logprobs"]) <= 5
+    assert comp["usage"]["prompt_tokens"] == 5
+    assert comp["usage"]["total_tokens"] == 5 + comp["usage"]["completion_tokens"]
+
+    chat_body = {
+        "model": "anything",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    chat = post(client, "/v1/chat/completions", chat_body)
+    assert chat["object"] == "chat.completion"
+    choice = chat["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(
+        choice["message"]["content"], str
+    )
+    assert len(choice["logprobs"]["content"]) == chat["usage"]["completion_tokens"]
+    template = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    expected_prompt = tokenizer.encode(template, add_special_tokens=False)
+    assert chat["usage"]["prompt_tokens"] == len(expected_prompt)
+
+    stream_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=stream_body) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["usage"] == chat["usage"]
+    streamed = "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1])
+    assert streamed == choice["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+    comp_body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=comp_body) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = post(client, "/v1/completions", {**comp_body, "stream": False})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]

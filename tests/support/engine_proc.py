@@ -1,0 +1,89 @@
+"""A real `millstream engine` process on a free loopback port, for integration tests.
+
+Starts `python -m millstream.cli engine --model-path DIR --port P [extra flags]`, waits for
+/health, and stops it with SIGTERM (then SIGKILL). Its output goes to a log file whose tail
+is put in every failure message, so a test that fails says why the engine did.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.support.redis_server import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class EngineProcess:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_dir: Path,
+        *extra_args: str,
+        startup_timeout_s: float = 60.0,
+    ):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"engine-{self.port}.log"
+        args = [
+            sys.executable,
+            "-m",
+            "millstream.cli",
+            "engine",
+            "--model-path",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            *extra_args,
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env
+        )
+        try:
+            self._wait_healthy(startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text()[-chars:]
+        except OSError:
+            return "(no engine log)"
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"engine exited with {self.proc.returncode} during startup:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"engine not healthy within {timeout_s}s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
