@@ -154,12 +154,19 @@ async def publish_many(
     redis: aioredis.Redis,
     stream: str,
     messages: Iterable[Message],
-    trace_fields: Mapping[str, str] | None = None,
+    trace_fields: Mapping[str, str] | list[Mapping[str, str]] | None = None,
 ) -> list[str]:
-    """XADD many messages in one round trip (pipelined, not atomic); returns their ids."""
+    """XADD many messages in one round trip (pipelined, not atomic); returns their ids.
+
+    `trace_fields` is one context for all, or a list with one per message (one trace each).
+    """
+    messages = list(messages)
+    per_message = trace_fields if isinstance(trace_fields, list) else [trace_fields] * len(messages)
+    if len(per_message) != len(messages):
+        raise ValueError(f"{len(messages)} messages but {len(per_message)} trace contexts")
     async with redis.pipeline(transaction=False) as pipe:
-        for message in messages:
-            pipe.xadd(stream, entry_fields(message, trace_fields))
+        for message, trace in zip(messages, per_message, strict=True):
+            pipe.xadd(stream, entry_fields(message, trace))
         return [_str(entry_id) for entry_id in await pipe.execute()]
 
 

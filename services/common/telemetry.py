@@ -75,13 +75,17 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
 
 def make_provider(service_name: str, run_dir: str | Path | None = None) -> TracerProvider | None:
     """A provider exporting as the environment says (see module docstring), or None."""
-    resource = Resource.create({"service.name": service_name, "service.instance.id": str(os.getpid())})
+    resource = Resource.create(
+        {"service.name": service_name, "service.instance.id": str(os.getpid())}
+    )
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         exporter: SpanExporter = OTLPSpanExporter()
     elif run_dir is not None:
-        exporter = JsonlSpanExporter(Path(run_dir) / "traces" / f"{service_name}-{os.getpid()}.jsonl")
+        exporter = JsonlSpanExporter(
+            Path(run_dir) / "traces" / f"{service_name}-{os.getpid()}.jsonl"
+        )
     else:
         return None
     provider = TracerProvider(resource=resource)
@@ -149,6 +153,8 @@ def grpc_metadata(context: Any = None) -> list[tuple[str, str]]:
     return sorted(carrier.items())
 
 
-def context_from_grpc_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
+def context_from_grpc_metadata(
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+) -> otel_context.Context:
     """The remote parent context of an incoming gRPC call (`context.invocation_metadata()`)."""
     return _PROPAGATOR.extract(_carrier(metadata or ()))

@@ -79,14 +79,15 @@ def main(argv: Sequence[str]) -> int:
 
     from .core import EngineCore
 
-    # uvicorn re-raises the signal that stopped it once it is done; with the default
-    # SIGTERM action that would kill us before the cleanup below.
-    signal.signal(signal.SIGTERM, lambda *_: None)
     provider = setup_tracing("millstream-engine", config.run_dir)
     core = None
     try:
         core = EngineCore(config)
         core.start()
+        # uvicorn re-raises the signal that stopped it once it is done; with the default
+        # SIGTERM action that would kill us before the cleanup below. Installed only now, so a
+        # SIGTERM while the model loads still ends the process at once.
+        signal.signal(signal.SIGTERM, lambda *_: None)
         asyncio.run(_serve(core, config))
     finally:
         if core is not None:

@@ -119,7 +119,9 @@ class PromptDataSource:
         elif isinstance(prompt, str):
             text = prompt
         else:
-            raise TypeError(f"{input_key!r} is a {type(prompt).__name__}: pass --apply-chat-template for messages")
+            raise TypeError(
+                f"{input_key!r} is a {type(prompt).__name__}: pass --apply-chat-template for messages"
+            )
         ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
         metadata = obj.get(metadata_key) or {}
         if not isinstance(metadata, dict):
@@ -145,7 +147,11 @@ class PromptDataSource:
         return out
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.position.epoch, "offset": self.position.offset, "rows": len(self.rows)}
+        return {
+            "epoch": self.position.epoch,
+            "offset": self.position.offset,
+            "rows": len(self.rows),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["rows"] != len(self.rows):

@@ -1,46 +1,63 @@
-"""`millstream train` / `millstream train-async`.
+"""`millstream train` (strictly on-policy) and `millstream train-async` (--max-staleness >= 1).
 
-For now (the foundation issue) this parses and validates every flag, publishes the resolved
-config to Redis when --redis-url is given, and writes it to the run dir. The training loop
-lands with the trainer issue.
+Thin entry: parse and validate flags (exit 2 on bad ones), start what is missing (a private
+Redis, engines, router and workers, unless --redis-url/--router-url say where they are),
+publish the resolved config, build the trainer's parts (resuming from --load when it holds a
+checkpoint), train, print the summary, and stop everything in `finally`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from millstream.common.config import RunConfig, parse_run_config
+from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
-from millstream.common.redis_conn import connect, redact
+from millstream.common.redis_conn import connect
+from millstream.common.telemetry import setup_tracing, shutdown_tracing
+
+log = logging.getLogger("millstream.trainer")
 
 
-async def _publish(cfg: RunConfig) -> None:
-    assert cfg.connection.redis_url
-    redis = await connect(cfg.connection.redis_url, cfg.connection.redis_password)
-    try:
-        await config_store.publish(redis, cfg)
-    finally:
-        await redis.aclose()
+def check_trainer_flags(cfg: RunConfig) -> None:
+    """What the trainer itself needs beyond the generic validation."""
+    if not (cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load):
+        raise ConfigError("the trainer needs --hf-checkpoint (or --ref-load): the starting model")
+    if not cfg.rollout.prompt_data:
+        raise ConfigError("the trainer needs --prompt-data: a JSONL file of prompts")
+    if not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
+        raise ConfigError("the trainer needs --rm-type or --custom-rm-path: how samples are scored")
+    if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
+        raise ConfigError("the trainer needs --num-rollout or --num-epoch: how long to train")
+    if cfg.ckpt.train_backend != "torch":
+        raise ConfigError(f"--train-backend {cfg.ckpt.train_backend} is not built yet (torch is)")
+    if cfg.rollout.n_samples_per_prompt < 2 and not cfg.algo.disable_grpo_std_normalization:
+        raise ConfigError(
+            f"GRPO needs --n-samples-per-prompt >= 2 (got {cfg.rollout.n_samples_per_prompt}), "
+            "or --disable-grpo-std-normalization"
+        )
 
 
 def _run(argv: Sequence[str], mode: str, prog: str) -> int:
     cfg = parse_run_config(argv, mode=mode, prog=prog)
-    r = cfg.rollout
-    print(
-        f"[trainer] {cfg.mode} run {cfg.run_id!r}: rollout_batch_size={r.rollout_batch_size} "
-        f"n_samples_per_prompt={r.n_samples_per_prompt} global_batch_size={r.global_batch_size} "
-        f"num_steps_per_rollout={r.num_steps_per_rollout} max_staleness={cfg.max_staleness}"
+    try:
+        check_trainer_flags(cfg)
+    except ConfigError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.connection.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    path = config_store.write_file(cfg, cfg.run_dir)
-    print(f"[trainer] resolved config written to {path}")
-    if cfg.connection.redis_url:
-        asyncio.run(_publish(cfg))
-        print(
-            f"[trainer] resolved config published to {redact(cfg.connection.redis_url)} as {cfg.run_id}:config"
-        )
-    print("[trainer] the training loop is not built yet (trainer issue); flags are valid")
-    return 0
+    provider = setup_tracing("trainer", cfg.run_dir)
+    try:
+        return asyncio.run(train_with_cluster(cfg))
+    finally:
+        shutdown_tracing(provider)
 
 
 def train(argv: Sequence[str]) -> int:
@@ -49,3 +66,70 @@ def train(argv: Sequence[str]) -> int:
 
 def train_async(argv: Sequence[str]) -> int:
     return _run(argv, "async", "millstream train-async")
+
+
+async def train_with_cluster(cfg: RunConfig) -> int:
+    from .launcher import LocalCluster
+
+    cluster = LocalCluster(cfg)
+    try:
+        urls = await cluster.start_infra()
+        cfg = urls.apply(cfg)
+        redis = await connect(cfg.connection.redis_url, cfg.connection.redis_password)  # type: ignore[arg-type]
+        try:
+            await config_store.publish(redis, cfg)
+            config_store.write_file(cfg, cfg.run_dir)
+            await cluster.start_workers()
+            return await train_loop(cfg, redis, cluster)
+        finally:
+            await redis.aclose()
+    finally:
+        cluster.stop()
+
+
+async def train_loop(cfg: RunConfig, redis: object, cluster: object) -> int:
+    from .build import build_trainer
+
+    trainer, closers = await build_trainer(cfg, redis)
+    try:
+        run = asyncio.create_task(trainer.run(), name="trainer")
+        watch = asyncio.create_task(cluster.watch(), name="watchdog")  # type: ignore[attr-defined]
+        done, _ = await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch in done and not run.done():
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            watch.result()  # raises: which service died, with the tail of its log
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        run.result()
+    finally:
+        for close in reversed(closers):
+            await close()
+    print_summary(trainer, Path(cfg.run_dir))
+    return 0
+
+
+def print_summary(trainer: object, run_dir: Path) -> None:
+    t = trainer  # the Trainer; typed loosely to keep this module's imports light
+    c = t.p.admission.counts  # type: ignore[attr-defined]
+    counts = {
+        k: getattr(c, k)
+        for k in ("admitted", "trained", "filtered", "failed", "dropped_stale", "dropped_at_end")
+    }
+    counts["in_flight_lost"] = len(t.p.admission.in_flight)  # type: ignore[attr-defined]
+    counts["duplicates_ignored"] = t.p.buffer.duplicates  # type: ignore[attr-defined]
+    print(
+        "[trainer] terminal states: " + " ".join(f"{k}={v}" for k, v in counts.items())
+        + f" (admitted == trained + filtered + failed + dropped: {c.admitted == c.terminal})"
+    )  # fmt: skip
+    curve = [(it, round(secs, 1), m) for it, secs, m in t.eval_history]  # type: ignore[attr-defined]
+    for it, secs, m in curve:
+        acc = " ".join(
+            f"{k.removeprefix('eval/')}={v:.3f}"
+            for k, v in m.items()
+            if "_" not in k.removeprefix("eval/")
+        )
+        print(f"[trainer] eval curve: iter {it:>4} at {secs:>7.1f}s  {acc}")
+    print(f"[trainer] completions/s: {t.completions_per_s:.1f}")  # type: ignore[attr-defined]
+    summary = {"counts": counts, "eval_curve": curve, "completions_per_s": t.completions_per_s}  # type: ignore[attr-defined]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

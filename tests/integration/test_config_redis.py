@@ -18,7 +18,9 @@ pytestmark = pytest.mark.integration
 
 
 def test_config_round_trip_through_redis(redis_url):
-    cfg = parse_run_config(["--run-id", "rt", "--rollout-batch-size", "3", "--n-samples-per-prompt", "4"], mode="async")
+    cfg = parse_run_config(
+        ["--run-id", "rt", "--rollout-batch-size", "3", "--n-samples-per-prompt", "4"], mode="async"
+    )
 
     async def go():
         redis = await connect(redis_url)
@@ -29,25 +31,6 @@ def test_config_round_trip_through_redis(redis_url):
             await redis.aclose()
 
     assert asyncio.run(go()) == cfg
-
-
-def test_trainer_cli_publishes_config_for_workers(redis_url, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "millstream.cli", "train", "--run-id", "cli", "--redis-url", redis_url,
-         "--rollout-batch-size", "2", "--num-steps-per-rollout", "1", "--global-batch-size", "4", "--run-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-
-    async def go():
-        redis = await connect(redis_url)
-        try:
-            return await config_store.load(redis, "cli")
-        finally:
-            await redis.aclose()
-
-    cfg = asyncio.run(go())
-    assert cfg.rollout.n_samples_per_prompt == 2 and cfg.run_id == "cli"
 
 
 def test_missing_config_is_a_clear_error(redis_url):
@@ -73,6 +56,8 @@ def test_unreachable_redis_names_the_url_without_password():
 def test_trainer_cli_with_unreachable_redis_exits_1_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "millstream.cli", "train", "--redis-url", f"redis://127.0.0.1:{free_port()}",
+         "--router-url", "http://127.0.0.1:9", "--hf-checkpoint", "m", "--prompt-data", "p.jsonl",
+         "--rm-type", "math", "--num-rollout", "1", "--n-samples-per-prompt", "2",
          "--rollout-batch-size", "2", "--run-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

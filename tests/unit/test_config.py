@@ -40,7 +40,12 @@ def test_four_knobs_that_disagree_name_all_four_values():
     with pytest.raises(ConfigError) as err:
         resolve_batch_knobs(4, 8, 16, 3)
     msg = str(err.value)
-    for part in ("--rollout-batch-size=4", "--n-samples-per-prompt=8", "--global-batch-size=16", "--num-steps-per-rollout=3"):
+    for part in (
+        "--rollout-batch-size=4",
+        "--n-samples-per-prompt=8",
+        "--global-batch-size=16",
+        "--num-steps-per-rollout=3",
+    ):
         assert part in msg
 
 
@@ -75,7 +80,9 @@ def test_train_exits_2_on_knob_mismatch_with_a_clear_message(tmp_path):
 
 
 def test_unknown_flag_exits_2_naming_it(tmp_path):
-    proc = _run_cli("train", "--rollout-batch-size", "4", "--rollout-batch-sise", "4", tmp_path=tmp_path)
+    proc = _run_cli(
+        "train", "--rollout-batch-size", "4", "--rollout-batch-sise", "4", tmp_path=tmp_path
+    )
     assert proc.returncode == 2
     assert "--rollout-batch-sise" in proc.stderr
 
@@ -85,12 +92,30 @@ def test_abbreviated_flag_is_not_accepted(tmp_path):
     assert proc.returncode == 2
 
 
-def test_train_writes_the_resolved_config(tmp_path):
-    proc = _run_cli("train", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", tmp_path=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    cfg = config_store.loads((tmp_path / "run" / "config.json").read_text())
-    assert (cfg.rollout.global_batch_size, cfg.rollout.num_steps_per_rollout) == (32, 1)
-    assert cfg.mode == "sync" and cfg.max_staleness == 0
+@pytest.mark.parametrize(
+    ("missing", "flags"),
+    [
+        ("--hf-checkpoint", []),
+        ("--prompt-data", ["--hf-checkpoint", "m"]),
+        ("--rm-type", ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]),
+        (
+            "--num-rollout",
+            ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rm-type", "math"],
+        ),
+    ],
+)
+def test_trainer_names_the_flag_it_needs(tmp_path, missing, flags):
+    proc = _run_cli(
+        "train",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "8",
+        *flags,
+        tmp_path=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert missing in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_sync_mode_rejects_staleness_and_async_defaults_to_one():

@@ -23,7 +23,9 @@ def _write(path, rows):
 
 
 def test_rows_keys_and_labels(tmp_path, tokenizer):
-    path = _write(tmp_path / "p.jsonl", [{"q": "1+1=", "a": 2, "m": {"k": 1}}, {"q": "2+2=", "a": "4"}])
+    path = _write(
+        tmp_path / "p.jsonl", [{"q": "1+1=", "a": 2, "m": {"k": 1}}, {"q": "2+2=", "a": "4"}]
+    )
     src = PromptDataSource(path, tokenizer, input_key="q", label_key="a", metadata_key="m")
     (row, epoch), (row2, _) = src.take(2)
     assert (row.prompt_text, row.label, row.metadata, epoch) == ("1+1=", "2", {"k": 1}, 0)
@@ -31,10 +33,15 @@ def test_rows_keys_and_labels(tmp_path, tokenizer):
 
 
 def test_chat_template_for_strings_and_messages(tmp_path, tokenizer):
-    path = _write(tmp_path / "p.jsonl", [{"input": "hi"}, {"input": [{"role": "user", "content": "yo"}]}])
+    path = _write(
+        tmp_path / "p.jsonl", [{"input": "hi"}, {"input": [{"role": "user", "content": "yo"}]}]
+    )
     src = PromptDataSource(path, tokenizer, apply_chat_template=True)
     texts = [row.prompt_text for row, _ in src.take(2)]
-    assert texts == ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|im_start|>user\nyo<|im_end|>\n<|im_start|>assistant\n"]
+    assert texts == [
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nyo<|im_end|>\n<|im_start|>assistant\n",
+    ]
 
 
 def test_shuffle_is_per_epoch_and_deterministic(tmp_path, tokenizer):

@@ -13,9 +13,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_service_folder_is_a_listed_package():
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     found = {
-        "millstream" + "".join("." + part for part in init.parent.relative_to(REPO / "services").parts)
+        "millstream"
+        + "".join("." + part for part in init.parent.relative_to(REPO / "services").parts)
         for init in (REPO / "services").rglob("__init__.py")
     }
     assert listed == found

@@ -57,17 +57,27 @@ def _ref_loss(cfg: AlgoConfig, logp, old, rollout, ref, entropy, adv) -> float:
             kl = {"k1": lr, "k2": lr * lr / 2, "k3": math.exp(-lr) - 1 + lr}.get(cfg.kl_loss_type)
             if kl is None:
                 kl = min(max(math.exp(-lr) - 1 + lr, -10), 10)
-            term = pg - cfg.entropy_coef * entropy[i][t] + (cfg.kl_loss_coef if cfg.use_kl_loss else 0) * kl
+            term = (
+                pg
+                - cfg.entropy_coef * entropy[i][t]
+                + (cfg.kl_loss_coef if cfg.use_kl_loss else 0) * kl
+            )
             terms.append(term)
         per_sample.append(sum(terms) / n)
         token_sum += sum(terms)
         n_tokens += n
-    return token_sum / n_tokens if cfg.calculate_per_token_loss else sum(per_sample) / len(per_sample)
+    return (
+        token_sum / n_tokens if cfg.calculate_per_token_loss else sum(per_sample) / len(per_sample)
+    )
 
 
 def test_grpo_advantages_match_reference():
     for normalize in (True, False):
-        got = grpo_advantages(torch.tensor(REWARDS, dtype=torch.float64), normalize).flatten().tolist()
+        got = (
+            grpo_advantages(torch.tensor(REWARDS, dtype=torch.float64), normalize)
+            .flatten()
+            .tolist()
+        )
         assert got == pytest.approx(_ref_advantages(normalize), abs=1e-12)
 
 
@@ -78,8 +88,12 @@ def test_grpo_all_equal_group_has_zero_advantage():
 CONFIGS = {
     "clip": AlgoConfig(),
     "asym_clip_dual": AlgoConfig(eps_clip=0.1, eps_clip_high=0.28, eps_clip_c=3.0),
-    "kl_low_var_entropy": AlgoConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01),
-    "kl_k2_per_token": AlgoConfig(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k2", calculate_per_token_loss=True),
+    "kl_low_var_entropy": AlgoConfig(
+        use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01
+    ),
+    "kl_k2_per_token": AlgoConfig(
+        use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k2", calculate_per_token_loss=True
+    ),
     "tis": AlgoConfig(use_tis=True, tis_clip_low=0.5, tis_clip_high=1.2),
     "k1_k3": AlgoConfig(use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k3"),
 }
@@ -95,15 +109,28 @@ def test_policy_loss_matches_float64_reference(name):
         Denominator(n_samples=len(LENGTHS), n_tokens=int(mask.sum())),
         rollout_logp_BT=rollout, ref_logp_BT=ref, entropy_BT=entropy,
     )  # fmt: skip
-    expected = _ref_loss(cfg, logp.tolist(), old.tolist(), rollout.tolist(), ref.tolist(), entropy.tolist(), adv_B.tolist())
+    expected = _ref_loss(
+        cfg,
+        logp.tolist(),
+        old.tolist(),
+        rollout.tolist(),
+        ref.tolist(),
+        entropy.tolist(),
+        adv_B.tolist(),
+    )
     assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert 0 <= metrics["pg_clipfrac"] <= 1
 
 
 @pytest.mark.parametrize("per_token", [False, True])
 def test_micro_batches_sum_to_the_whole_batch_gradient(per_token):
-    cfg = AlgoConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", calculate_per_token_loss=per_token)
-    logp, old, rollout, ref, entropy, mask = _batch(seed=3)
+    cfg = AlgoConfig(
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="low_var_kl",
+        calculate_per_token_loss=per_token,
+    )
+    logp, old, _rollout, ref, _entropy, mask = _batch(seed=3)
     adv = broadcast_to_tokens(torch.tensor(_ref_advantages(True), dtype=torch.float64), mask)
     denom = Denominator(n_samples=len(LENGTHS), n_tokens=int(mask.sum()))
 
@@ -112,14 +139,18 @@ def test_micro_batches_sum_to_the_whole_batch_gradient(per_token):
 
     split = logp.clone().requires_grad_()
     for rows in ([0, 1], [2], [3, 4, 5]):
-        policy_loss(split[rows], old[rows], adv[rows], mask[rows], cfg, denom, ref_logp_BT=ref[rows])[0].backward()
+        policy_loss(
+            split[rows], old[rows], adv[rows], mask[rows], cfg, denom, ref_logp_BT=ref[rows]
+        )[0].backward()
     torch.testing.assert_close(split.grad, whole.grad, rtol=1e-12, atol=1e-15)
 
 
 def test_ratio_is_one_when_old_equals_current():
     logp, _, _, _, _, mask = _batch()
     adv = broadcast_to_tokens(torch.ones(len(LENGTHS), dtype=torch.float64), mask)
-    _, metrics = policy_loss(logp, logp.clone(), adv, mask, AlgoConfig(), Denominator(len(LENGTHS), int(mask.sum())))
+    _, metrics = policy_loss(
+        logp, logp.clone(), adv, mask, AlgoConfig(), Denominator(len(LENGTHS), int(mask.sum()))
+    )
     assert metrics["ppo_kl"] == 0 and metrics["pg_clipfrac"] == 0
     assert metrics["pg_loss"] == pytest.approx(-1.0)
 

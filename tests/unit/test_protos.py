@@ -6,7 +6,15 @@ import filecmp
 from pathlib import Path
 
 from millstream.common import protogen
-from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus, ScoredGroup, Verdict, status_from_finish_reason
+from millstream.common.types import (
+    PromptGroup,
+    Sample,
+    SampleGroup,
+    SampleStatus,
+    ScoredGroup,
+    Verdict,
+    status_from_finish_reason,
+)
 
 
 def test_generated_code_is_not_stale(tmp_path: Path):
@@ -25,7 +33,9 @@ def test_scored_group_round_trips_with_every_sample_field():
         weight_versions=[3, 3, 4], status=SampleStatus.SAMPLE_STATUS_TRUNCATED, reward=1.0,
         metadata_json='{"k": 1}', finish_reason="length",
     )  # fmt: skip
-    group = SampleGroup(prompt=PromptGroup(group_id="g1", n_samples=2, admitted_version=3), samples=[sample])
+    group = SampleGroup(
+        prompt=PromptGroup(group_id="g1", n_samples=2, admitted_version=3), samples=[sample]
+    )
     group.timings["rollout"] = 1.5
     scored = ScoredGroup(group=group, verdict=Verdict.VERDICT_KEPT)
     back = ScoredGroup.FromString(scored.SerializeToString())

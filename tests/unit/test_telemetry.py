@@ -32,7 +32,9 @@ def _parent_child(inject, extract) -> None:
 
 def test_stream_fields_carry_the_parent_even_as_bytes():
     def extract(fields):
-        as_bytes = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+        as_bytes = {
+            k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()
+        }
         return telemetry.context_from_fields(as_bytes)
 
     _parent_child(lambda: telemetry.inject_fields({"data": b"x"}), extract)
@@ -51,7 +53,9 @@ def test_grpc_metadata_carries_the_parent():
 
 def test_no_context_means_a_new_root():
     provider, exporter = _provider()
-    with provider.get_tracer("t").start_as_current_span("root", context=telemetry.context_from_fields({})):
+    with provider.get_tracer("t").start_as_current_span(
+        "root", context=telemetry.context_from_fields({})
+    ):
         pass
     assert exporter.get_finished_spans()[0].parent is None
 

@@ -21,7 +21,9 @@ def grpo_advantages(rewards_GN: torch.Tensor, normalize_std: bool = True) -> tor
     if not normalize_std:
         return centered_GN
     if rewards_GN.shape[-1] < 2:
-        raise ValueError("GRPO std normalization needs n_samples_per_prompt >= 2 (or --disable-grpo-std-normalization)")
+        raise ValueError(
+            "GRPO std normalization needs n_samples_per_prompt >= 2 (or --disable-grpo-std-normalization)"
+        )
     return centered_GN / (rewards_GN.std(dim=-1, keepdim=True) + GRPO_EPS)
 
 

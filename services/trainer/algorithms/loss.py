@@ -48,7 +48,9 @@ def approx_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, kind: str) -> to
     raise ValueError(f"unknown --kl-loss-type {kind!r} (k1, k2, k3, low_var_kl)")
 
 
-def masked_reduce(x_BT: torch.Tensor, mask_BT: torch.Tensor, denom: Denominator, per_token: bool) -> torch.Tensor:
+def masked_reduce(
+    x_BT: torch.Tensor, mask_BT: torch.Tensor, denom: Denominator, per_token: bool
+) -> torch.Tensor:
     if per_token:
         return (x_BT * mask_BT).sum() / denom.n_tokens
     per_sample_B = (x_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)

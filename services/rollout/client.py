@@ -1,0 +1,218 @@
+"""The rollout worker's one HTTP client to the router: `/generate` with retries, and the
+router's served weight version.
+
+Owns two things every generation request passes through:
+
+* Slots: at most `max_concurrency` (`--rollout-max-concurrency`) `/generate` requests in
+  flight for the whole worker, whichever group they belong to, so one group's long-tail
+  sample holds one slot and never blocks other groups. Waiters are served by priority, then
+  first come first served: a resumed partial sample (priority 0, 1, ... in the buffer
+  filter's order) goes before a fresh one (`FRESH`). A slot is free during retry backoff.
+* Retries: a router that is down (connect error, broken connection, timeout) or answers 5xx or
+  429 is retried `retry.attempts` times in all, with exponential backoff and jitter; then
+  `GenerationFailed` names the last error. A 4xx other than 429 (the request itself is bad,
+  e.g. a prompt longer than the context) fails at once: retrying cannot help. Each attempt
+  has its own `rid` (SGLang refuses a rid that is still running somewhere).
+
+An infrastructure failure is never a zero reward: callers turn GenerationFailed into a group
+published with `failure_reason`. The W3C trace context of the caller rides in the headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from millstream.common.errors import MillstreamError
+from millstream.common.telemetry import inject_headers
+
+log = logging.getLogger("millstream.rollout")
+
+FRESH = 2**62
+"""Priority of a sample that has not been aborted yet; resumed samples use 0, 1, ..."""
+
+
+class GenerationFailed(MillstreamError):
+    """The router could not produce a generation; the message says why and after how many
+    attempts. `retryable` is False for a request the router rejected as bad."""
+
+    def __init__(self, message: str, *, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    # 8 attempts wait 23-46 s in all: longer than a router restart or the moment between an
+    # engine's new version and the router serving it (503 "no eligible worker").
+    attempts: int = 8
+    backoff_s: float = 0.5
+    max_backoff_s: float = 15.0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based), with jitter."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(
+            0.5, 1.0
+        )
+
+
+class Slots:
+    """A semaphore whose waiters are served by (priority, arrival)."""
+
+    def __init__(self, size: int):
+        if size <= 0:
+            raise ValueError(f"slots must be > 0 (got {size})")
+        self.size = size
+        self.busy = 0
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrival = itertools.count()
+
+    async def acquire(self, priority: int = FRESH) -> None:
+        if self.busy < self.size and not self._waiters:
+            self.busy += 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (priority, next(self._arrival), future)
+        heapq.heappush(self._waiters, entry)
+        try:
+            await future  # release() handed us its slot before waking us
+        except asyncio.CancelledError:
+            if future.cancelled():
+                self._waiters.remove(entry)
+                heapq.heapify(self._waiters)
+            else:
+                self.release()  # woken and cancelled in the same tick: hand the slot on
+            raise
+
+    def release(self) -> None:
+        if self._waiters:
+            _, _, future = heapq.heappop(self._waiters)
+            future.set_result(None)  # the slot passes straight to the waiter
+            return
+        self.busy -= 1
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class RouterClient:
+    """`/generate` through the router (SGLang's API), bounded and retried; see module docstring.
+
+    `on_answer` is called after every generation that was not aborted: evidence that the
+    engines answer again after a pause (the partial buffer listens).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_concurrency: int,
+        retry: RetryPolicy | None = None,
+        timeout_s: float = 900.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self.slots = Slots(max_concurrency)
+        self.on_answer: Callable[[], None] | None = None
+        # A generation may take minutes (long responses, requests held while engines are
+        # paused for a sync); connecting should not.
+        self._http = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=max_concurrency + 8),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        *,
+        priority: int = FRESH,
+    ) -> dict[str, Any]:
+        """One `/generate` with `return_logprob`; the engine's JSON answer (text, output_ids,
+        meta_info). GenerationFailed after the retries are spent."""
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "return_logprob": True,
+        }
+        last_error = ""
+        for attempt in range(1, self.retry.attempts + 1):
+            await self.slots.acquire(priority)
+            try:
+                answer, last_error = await self._post_once({**body, "rid": f"{rid}-a{attempt}"})
+            finally:
+                self.slots.release()
+            if answer is not None:
+                self._notice(answer)
+                return answer
+            if attempt < self.retry.attempts:
+                delay = self.retry.delay(attempt)
+                log.warning(
+                    "generate %s: %s; retry %d/%d in %.1f s",
+                    rid,
+                    last_error,
+                    attempt,
+                    self.retry.attempts - 1,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+        raise GenerationFailed(
+            f"router {self.url}/generate failed {self.retry.attempts} times; last error: "
+            f"{last_error}"
+        )
+
+    async def _post_once(self, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """(answer, "") or (None, why it may be retried); GenerationFailed when it must not."""
+        try:
+            response = await self._http.post(
+                f"{self.url}/generate", json=body, headers=inject_headers()
+            )
+        except httpx.TransportError as err:
+            return None, f"{type(err).__name__}: {err or 'no detail'}"
+        if response.status_code >= 500 or response.status_code == 429:
+            return None, f"HTTP {response.status_code}: {_short(response.text)}"
+        if response.status_code != 200:
+            raise GenerationFailed(
+                f"router {self.url}/generate rejected the request with HTTP "
+                f"{response.status_code}: {_short(response.text)}",
+                retryable=False,
+            )
+        try:
+            answer = response.json()
+        except ValueError:
+            return None, f"HTTP 200 with a body that is not JSON: {_short(response.text)}"
+        if not isinstance(answer, dict) or "meta_info" not in answer:
+            return None, f"HTTP 200 without meta_info: {_short(response.text)}"
+        return answer, ""
+
+    def _notice(self, answer: dict[str, Any]) -> None:
+        finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+        if finish.get("type") != "abort" and self.on_answer is not None:
+            self.on_answer()
+
+    async def get_weight_version(self) -> str | None:
+        """The version the router serves (`GET /get_weight_version`); None when it gates on
+        no version or cannot be asked right now (the caller only watches for a change)."""
+        try:
+            response = await self._http.get(f"{self.url}/get_weight_version", timeout=5.0)
+            if response.status_code != 200:
+                return None
+            version = response.json().get("weight_version")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return None if version is None else str(version)

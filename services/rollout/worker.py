@@ -1,0 +1,172 @@
+"""The rollout worker: {run}:prompts -> rollout function -> {run}:generated.
+
+Owns one consumer in group `rollout` and runs the common StreamWorker over it. Each entry's
+job decodes the PromptGroup, runs the rollout function (the default, or the user's
+`--rollout-function-path` fn(group, cfg, client) -> SampleGroup) under a `rollout.group`
+span continuing the entry's trace, and hands the SampleGroup off with `publish_and_ack`, which
+carries the span's context on. Timings: `rollout` (seconds in the rollout function) and,
+when the trainer stamped `admitted_unix`, `rollout_queue` (admission to the worker's start).
+
+Invariant: every PromptGroup entry yields exactly one SampleGroup on {run}:generated: the
+samples, or the group with `failure_reason` when the router could not generate (never a zero
+reward: the reward worker passes it through as failed). Other errors (a plugin's bug) leave
+the entry pending for redelivery and, past --max-deliveries, the dead stream.
+
+Group slots: the StreamWorker runs up to `--rollout-max-concurrency` groups at once, as many
+as there are generation slots, so a group waiting on its long-tail sample (or parked for a
+sync) never keeps a free slot unused; the slots in the client bound what reaches the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from millstream.common.config import RunConfig
+from millstream.common.errors import MillstreamError
+from millstream.common.keys import GROUP_ROLLOUT, RunKeys
+from millstream.common.streams import Consumer, StreamEntry, decode
+from millstream.common.telemetry import context_from_fields, inject_fields, tracer
+from millstream.common.types import PromptGroup, SampleGroup
+from millstream.common.worker import StreamWorker
+
+from .client import GenerationFailed, RouterClient
+from .config import load_function
+from .group import DefaultRollout
+from .partial import BufferFilter, PartialBuffer, fifo
+
+log = logging.getLogger("millstream.rollout")
+
+RolloutFn = Callable[[PromptGroup, RunConfig, RouterClient], Awaitable[SampleGroup]]
+HEARTBEAT_TTL_S = 15
+
+
+def first_failure(err: BaseException) -> GenerationFailed | None:
+    """The GenerationFailed inside `err` (itself, or in an exception group), if any."""
+    if isinstance(err, GenerationFailed):
+        return err
+    if isinstance(err, BaseExceptionGroup):
+        for inner in err.exceptions:
+            found = first_failure(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def failed_group(group: PromptGroup, reason: str) -> SampleGroup:
+    return SampleGroup(prompt=group, failure_reason=reason)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        redis: aioredis.Redis,
+        client: RouterClient,
+        consumer_name: str,
+        *,
+        partial_poll_s: float = 0.5,
+        partial_max_wait_s: float = 5.0,
+    ):
+        r, s = cfg.rollout, cfg.service
+        if r.custom_generate_function_path:
+            raise MillstreamError(
+                "--custom-generate-function-path is not supported by the rollout worker; "
+                "use --rollout-function-path (fn(group, cfg, client) -> SampleGroup) instead"
+            )
+        self.cfg = cfg
+        self.client = client
+        self.keys = RunKeys(cfg.run_id)
+        buffer_filter: BufferFilter = fifo
+        if r.buffer_filter_path:
+            buffer_filter = load_function(r.buffer_filter_path, "--buffer-filter-path")
+        self.buffer = PartialBuffer(
+            client, buffer_filter, poll_s=partial_poll_s, max_wait_s=partial_max_wait_s
+        )
+        client.on_answer = self.buffer.engines_answered
+        self.rollout_fn: RolloutFn = DefaultRollout(
+            self.buffer,
+            partial=r.partial_rollout,
+            mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
+        )
+        if r.rollout_function_path:
+            self.rollout_fn = load_function(r.rollout_function_path, "--rollout-function-path")
+        self.consumer = Consumer(
+            redis,
+            self.keys.prompts,
+            GROUP_ROLLOUT,
+            consumer_name,
+            claim_idle_ms=s.claim_idle_ms,
+            max_deliveries=s.max_deliveries,
+            dead_stream=self.keys.dead,
+            block_ms=s.stream_block_ms,
+        )
+        self.stream_worker = StreamWorker(
+            self.consumer,
+            self.handle,
+            concurrency=r.rollout_max_concurrency,
+            name=f"rollout[{consumer_name}]",
+            heartbeat=(redis, self.keys.heartbeat("rollout", consumer_name), HEARTBEAT_TTL_S),
+        )
+        self.failed_groups = 0
+        self._tracer = tracer("millstream.rollout")
+
+    async def run(self) -> None:
+        """Consume until `stop()` (or SIGTERM after `install_signal_handlers`), then drain."""
+        releaser = asyncio.create_task(self.buffer.run(), name="rollout:partial-buffer")
+        try:
+            await self.stream_worker.run()
+        finally:
+            releaser.cancel()
+            await asyncio.gather(releaser, return_exceptions=True)
+
+    def stop(self) -> None:
+        self.stream_worker.stop()
+
+    async def handle(self, entry: StreamEntry) -> None:
+        group = decode(entry, PromptGroup)
+        parent = context_from_fields(entry.trace_fields)
+        attributes = {"group_id": group.group_id, "n_samples": group.n_samples}
+        with self._tracer.start_as_current_span(
+            "rollout.group", context=parent, attributes=attributes
+        ) as span:
+            # Wall clocks of two machines: good to a clock skew, so never below 0.
+            queued_s = max(0.0, time.time() - group.admitted_unix) if group.admitted_unix else 0.0
+            start = time.monotonic()
+            result = await self.rollout(group)
+            result.timings["rollout"] = time.monotonic() - start
+            if group.admitted_unix:
+                result.timings["rollout_queue"] = queued_s
+            if result.failure_reason:
+                span.set_attribute("failure_reason", result.failure_reason)
+            fields = inject_fields()
+        handed_off = await self.consumer.publish_and_ack(self.keys.generated, result, fields, entry)
+        if handed_off is None:
+            log.info("group %s was taken over and handed off by another worker", group.group_id)
+
+    async def rollout(self, group: PromptGroup) -> SampleGroup:
+        """The rollout function's SampleGroup, or the group failed with the router's reason."""
+        try:
+            result = self.rollout_fn(group, self.cfg, self.client)
+            if inspect.isawaitable(result):  # a plain function is fine too
+                result = await result
+        except Exception as err:
+            failure = first_failure(err)
+            if failure is None:
+                raise
+            self.failed_groups += 1
+            log.error("group %s failed: %s", group.group_id, failure)
+            return failed_group(group, f"rollout: {failure}")
+        if not isinstance(result, SampleGroup):
+            raise TypeError(
+                f"the rollout function returned {type(result).__name__} for group "
+                f"{group.group_id!r}; it must return a millstream.common.types.SampleGroup"
+            )
+        if not result.HasField("prompt"):
+            result.prompt.CopyFrom(group)
+        return result

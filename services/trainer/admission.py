@@ -1,0 +1,127 @@
+"""Admission: the trainer publishes prompt groups, never more than the staleness budget allows.
+
+Let V be the policy version (weight syncs done) and s = --max-staleness (0 in sync mode).
+Groups that can still be trained are `live = admitted - filtered - failed - dropped`. The
+invariant kept here (DESIGN.md section 4):
+
+    live <= (V + s + 1) * rollout_batch_size + slack,   slack = over_sampling - rollout_batch_size
+
+Filtered and failed groups are terminal, so they free room and admission replaces them: the
+self-healing oversampling of dynamic sampling. Sync mode is this same code with s = 0.
+
+Every admitted group is tracked until it reaches its one terminal state; the groups still in
+flight are part of the checkpoint and re-admitted on resume (the buffer's dedup by group id
+makes a re-admitted group count once).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import context as otel_context
+
+from millstream.common import streams, telemetry
+from millstream.common.types import PromptGroup
+
+from .data import PromptDataSource, PromptRow
+
+
+def group_id(epoch: int, data_index: int) -> str:
+    return f"e{epoch}-i{data_index}"
+
+
+@dataclass
+class TerminalCounts:
+    """How every admitted group ended; admitted == sum(terminal) + in flight, always."""
+
+    admitted: int = 0
+    trained: int = 0
+    filtered: int = 0
+    failed: int = 0
+    dropped_stale: int = 0  # beyond --max-weight-staleness
+    dropped_at_end: int = 0  # kept, but the run ended before a batch needed it (async mode)
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_stale + self.dropped_at_end
+
+    @property
+    def live(self) -> int:
+        return self.admitted - self.filtered - self.failed - self.dropped
+
+    @property
+    def terminal(self) -> int:
+        return self.trained + self.filtered + self.failed + self.dropped
+
+
+@dataclass
+class Admission:
+    redis: Any
+    stream: str
+    source: PromptDataSource
+    rollout_batch_size: int
+    n_samples: int
+    max_staleness: int
+    slack: int = 0
+    counts: TerminalCounts = field(default_factory=TerminalCounts)
+    in_flight: dict[str, tuple[int, int]] = field(
+        default_factory=dict
+    )  # group id -> (epoch, index)
+
+    def room(self, version: int) -> int:
+        budget = (version + self.max_staleness + 1) * self.rollout_batch_size + self.slack
+        return max(0, budget - self.counts.live)
+
+    async def fill(self, version: int) -> int:
+        """Publish as many new groups as the budget allows at `version`; returns how many."""
+        k = self.room(version)
+        if k == 0:
+            return 0
+        rows = self.source.take(k)
+        await self._publish([(row, epoch) for row, epoch in rows], version)
+        self.counts.admitted += len(rows)
+        return len(rows)
+
+    async def readmit(self, version: int) -> int:
+        """Publish again the groups in flight at the checkpoint (they count once: dedup by id)."""
+        rows = [(self.source.rows[i], e) for e, i in self.in_flight.values()]
+        await self._publish(rows, version)
+        return len(rows)
+
+    async def _publish(self, rows: list[tuple[PromptRow, int]], version: int) -> None:
+        """One root span per group: each group's trace starts here (DESIGN.md section 7)."""
+        tracer = telemetry.tracer("millstream.trainer")
+        messages, contexts = [], []
+        for row, epoch in rows:
+            gid = group_id(epoch, row.data_index)
+            self.in_flight[gid] = (epoch, row.data_index)
+            messages.append(self._message(gid, row, epoch, version))
+            with tracer.start_as_current_span(
+                "trainer.admit",
+                context=otel_context.Context(),
+                attributes={"group_id": gid, "version": version},
+            ):
+                contexts.append(telemetry.inject_fields())
+        await streams.publish_many(self.redis, self.stream, messages, contexts)
+
+    def _message(self, gid: str, row: PromptRow, epoch: int, version: int) -> PromptGroup:
+        return PromptGroup(
+            group_id=gid,
+            data_index=row.data_index,
+            epoch=epoch,
+            prompt_token_ids=row.prompt_token_ids,
+            prompt_text=row.prompt_text,
+            label=row.label,
+            metadata_json=json.dumps(row.metadata),
+            n_samples=self.n_samples,
+            admitted_version=version,
+            admitted_unix=time.time(),
+        )
+
+    def terminal(self, gid: str, state: str) -> None:
+        """Record a group's one terminal state: trained, filtered, failed, dropped_stale or dropped_at_end."""
+        self.in_flight.pop(gid, None)
+        setattr(self.counts, state, getattr(self.counts, state) + 1)

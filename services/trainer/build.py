@@ -1,0 +1,148 @@
+"""Build the trainer's parts from the resolved config, resuming from --load when it holds a
+checkpoint (else the actor starts from --hf-checkpoint / --ref-load)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from millstream.common.config import RunConfig
+from millstream.common.errors import MillstreamError
+from millstream.common.keys import RunKeys
+from millstream.common.streams import default_consumer_name
+
+from . import checkpoint
+from .admission import Admission, TerminalCounts
+from .backends.torch_backend import TorchBackend
+from .buffer import Buffer
+from .coordinator import Coordinator
+from .data import PromptDataSource
+from .evaluate import Evaluator
+from .metrics import MetricsLogger
+from .trainer import Parts, Trainer
+from .weight_sync import WeightSync
+
+log = logging.getLogger(__name__)
+Closer = Callable[[], Awaitable[None]]
+
+
+def load_tokenizer(cfg: RunConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load)
+
+
+def data_sources(
+    cfg: RunConfig, tokenizer: Any
+) -> tuple[PromptDataSource, dict[str, PromptDataSource]]:
+    r, e = cfg.rollout, cfg.eval
+    train = PromptDataSource(
+        r.prompt_data, tokenizer, input_key=r.input_key, label_key=r.label_key, metadata_key=r.metadata_key,
+        tool_key=r.tool_key, apply_chat_template=r.apply_chat_template, max_prompt_len=r.rollout_max_prompt_len,
+        shuffle=r.rollout_shuffle, seed=r.rollout_seed, skip_bad_lines=r.skip_bad_lines,
+    )  # fmt: skip
+    evals = {
+        name: PromptDataSource(
+            path,
+            tokenizer,
+            input_key=e.eval_input_key or r.input_key,
+            label_key=e.eval_label_key or r.label_key,
+            metadata_key=e.eval_metadata_key or r.metadata_key,
+            tool_key=r.tool_key,
+            apply_chat_template=r.apply_chat_template,
+            max_prompt_len=e.eval_max_prompt_len,
+            skip_bad_lines=r.skip_bad_lines,
+        )
+        for name, path in e.datasets().items()
+    }
+    return train, evals
+
+
+def num_rollouts(cfg: RunConfig, source: PromptDataSource) -> int:
+    if cfg.rollout.num_rollout:
+        return cfg.rollout.num_rollout
+    n = cfg.rollout.num_epoch * len(source.rows) // cfg.rollout.rollout_batch_size  # type: ignore[operator]
+    if n == 0:
+        raise MillstreamError(
+            f"--num-epoch {cfg.rollout.num_epoch} over {len(source.rows)} prompts is less than one rollout"
+        )
+    return n
+
+
+async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Closer]]:
+    keys = RunKeys(cfg.run_id)
+    tokenizer = load_tokenizer(cfg)
+    source, eval_sources = data_sources(cfg, tokenizer)
+    total = num_rollouts(cfg, source)
+    resume_from = checkpoint.latest_iteration(cfg.ckpt.load)
+    state = checkpoint.load_state(cfg.ckpt.load, resume_from) if resume_from is not None else None  # type: ignore[arg-type]
+    actor = cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load
+    ref = (cfg.ckpt.ref_load or cfg.ckpt.hf_checkpoint) if cfg.algo.use_kl_loss else None
+    backend = TorchBackend(
+        cfg, actor, ref_dir=ref, total_steps=total * cfg.rollout.num_steps_per_rollout
+    )  # type: ignore[arg-type]
+
+    r = cfg.rollout
+    slack = (r.over_sampling_batch_size - r.rollout_batch_size) if r.over_sampling_batch_size else 0
+    admission = Admission(
+        redis,
+        keys.prompts,
+        source,
+        r.rollout_batch_size,
+        r.n_samples_per_prompt,
+        cfg.max_staleness,
+        slack,
+    )
+    holder: dict[str, Trainer] = {}
+    buffer = Buffer(
+        redis, keys, default_consumer_name("trainer"), claim_idle_ms=cfg.service.claim_idle_ms,
+        max_deliveries=cfg.service.max_deliveries, block_ms=cfg.service.stream_block_ms,
+        on_terminal=lambda gid, st: holder["t"].on_terminal(gid, st),
+    )  # fmt: skip
+    iteration = version = 0
+    if state is not None:
+        iteration, version = restore(cfg, state, backend, source, admission, buffer, resume_from)  # type: ignore[arg-type]
+    coordinator = Coordinator(cfg.run_id, version=version, redis=redis)
+    port = await coordinator.start(cfg.service.coordinator_port)
+    log.info("coordinator serving on port %d", port)
+    sync = WeightSync(
+        cfg.service.router_url, admin_token=cfg.service.admin_token, pause_mode=cfg.sglang.pause_mode,
+        bucket_bytes=cfg.sglang.update_weight_buffer_size, timeout_s=cfg.sglang.weight_sync_timeout,
+    )  # fmt: skip
+    evaluator = None
+    if eval_sources:
+        evaluator = Evaluator(
+            redis, keys.prompts, eval_sources, cfg.eval.n_samples_per_eval_prompt, buffer
+        )
+    logger = MetricsLogger(cfg, Path(cfg.run_dir))
+    parts = Parts(backend, admission, buffer, sync, evaluator, logger, coordinator)
+    trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
+    await buffer.start()
+    if state is not None:
+        await sync.sync(backend.named_weights, version)  # engines serve the resumed weights
+        n = await admission.readmit(version)
+        print(
+            f"[trainer] resumed at iteration {iteration} (version {version}); re-admitted {n} groups in flight"
+        )
+
+    async def close_logger() -> None:
+        logger.close()
+
+    return trainer, [coordinator.stop, sync.close, buffer.stop, close_logger]
+
+
+def restore(
+    cfg: RunConfig, state: dict[str, Any], backend: TorchBackend, source: PromptDataSource,
+    admission: Admission, buffer: Buffer, iteration: int,
+) -> tuple[int, int]:  # fmt: skip
+    checkpoint.set_rng_state(state["rng"])
+    backend.load(
+        checkpoint.iter_dir(cfg.ckpt.load, iteration), load_optimizer=not cfg.ckpt.no_load_optim
+    )  # type: ignore[arg-type]
+    source.load_state_dict(state["data"])
+    admission.counts = TerminalCounts(**state["counts"])
+    admission.in_flight = {gid: (pos[0], pos[1]) for gid, pos in state["in_flight"].items()}
+    buffer.consumed.update(state["consumed"])
+    return state["iteration"], state["version"]

@@ -1,0 +1,88 @@
+"""Checkpoints Miles users can resume: `{save}/iter_{N:07d}/` plus `latest_checkpointed_iteration.txt`.
+
+    iter_0000012/model/            the actor in Hugging Face format (engines load it directly)
+    iter_0000012/optimizer.pt      optimizer + LR scheduler state (loaded with weights_only=True)
+    iter_0000012/trainer_state.json  iteration, policy version, data position, terminal counts,
+                                   consumed group ids, groups still in flight, RNG state
+
+A checkpoint is written to a temp dir and renamed into place; the `latest` file is written
+last, atomically, so a crash at any point leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from millstream.common.errors import MillstreamError
+
+LATEST = "latest_checkpointed_iteration.txt"
+STATE = "trainer_state.json"
+
+
+def iter_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path | None) -> int | None:
+    if not root:
+        return None
+    path = Path(root) / LATEST
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise MillstreamError(f"{path} holds {text!r}, not an iteration number")
+    if not iter_dir(root, int(text)).is_dir():
+        raise MillstreamError(
+            f"{path} points at iteration {text} but {iter_dir(root, int(text))} is missing"
+        )
+    return int(text)
+
+
+def rng_state() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    return {
+        "python": [version, list(state), gauss],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    raw = base64.b64decode(state["torch"])
+    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(
+    root: str | Path, iteration: int, backend: Any, state: dict[str, Any], save_optimizer: bool
+) -> Path:
+    """Write iteration `iteration` and make it the latest. Returns its directory."""
+    final = iter_dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    backend.save(tmp, save_optimizer=save_optimizer)
+    (tmp / STATE).write_text(json.dumps({**state, "iteration": iteration, "rng": rng_state()}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _atomic_write(Path(root) / LATEST, str(iteration))
+    return final
+
+
+def load_state(root: str | Path, iteration: int) -> dict[str, Any]:
+    return json.loads((iter_dir(root, iteration) / STATE).read_text())

@@ -1,0 +1,209 @@
+"""The trainer's iteration: admit → collect → advantages → train → sync → eval → log → checkpoint.
+
+It owns the policy version V (weight syncs done) and keeps the run's one invariant: every
+admitted group ends in exactly one terminal state (trained, filtered, failed, dropped), so
+at the end `admitted == trained + filtered + failed + dropped`. Admission runs as a pump
+beside the loop, woken whenever a group ends or V moves; sync mode and async mode differ only
+in its budget (--max-staleness). Training runs in a thread so the buffer keeps reading and,
+in async mode, the rollout keeps going while the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+
+from millstream.common import telemetry
+from millstream.common.config import RunConfig
+
+from . import checkpoint
+from .admission import Admission
+from .batch import build_samples
+from .buffer import Buffer
+from .evaluate import Evaluator
+from .metrics import MetricsLogger, format_row
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parts:
+    """What the loop calls; built by `main.build` (real services) or by a test."""
+
+    backend: Any
+    admission: Admission
+    buffer: Buffer
+    weight_sync: Any  # .sync(named_tensors, version) -> report with .removed
+    evaluator: Evaluator | None
+    logger: MetricsLogger
+    coordinator: Any | None = None  # .publish_version(v)
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        parts: Parts,
+        num_rollout: int,
+        *,
+        iteration: int = 0,
+        version: int = 0,
+    ):
+        self.cfg = cfg
+        self.p = parts
+        self.num_rollout = num_rollout
+        self.iteration = iteration
+        self.version = version
+        self.completions = 0
+        self._wake = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+        self.eval_history: list[tuple[int, float, dict[str, float]]] = []
+        self._start = time.monotonic()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._pump = asyncio.create_task(self._admission_pump(), name="admission")
+        try:
+            if (
+                self.p.evaluator
+                and self.iteration == 0
+                and not self.cfg.eval.skip_eval_before_train
+            ):
+                await self.evaluate()
+            while self.iteration < self.num_rollout:
+                await self.step()
+        finally:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+        await self.drain()
+
+    async def drain(self, timeout_s: float = 120.0) -> None:
+        """Wait for the groups still in flight, so every admitted group ends in one state."""
+        a, deadline = self.p.admission, time.monotonic() + timeout_s
+        while len(a.in_flight) > self.p.buffer.ready and time.monotonic() < deadline:
+            self.p.buffer.check()
+            await asyncio.sleep(0.2)
+        self.p.buffer.drop_leftovers()
+        if a.in_flight:
+            log.error(
+                "%d admitted groups never came back: %s", len(a.in_flight), sorted(a.in_flight)[:10]
+            )
+
+    async def step(self) -> None:
+        it = self.iteration + 1
+        tracer = telemetry.tracer("millstream.trainer")
+        t0 = time.monotonic()
+        groups = await self.p.buffer.take(
+            self.cfg.rollout.rollout_batch_size, self.version, self.cfg.service.max_weight_staleness
+        )
+        t1 = time.monotonic()
+        samples, stats = build_samples(groups, self.version, self.cfg)
+        links = [trace.Link(c) for c in self.p.buffer.pop_span_contexts(groups)]
+        attributes = {"iteration": it, "version": self.version, "groups": len(groups)}
+        with tracer.start_as_current_span("trainer.step", links=links, attributes=attributes):
+            steps = self.cfg.rollout.num_steps_per_rollout
+            train = await asyncio.to_thread(self.p.backend.train_rollout, samples, steps)
+        t2 = time.monotonic()
+        report = await self.p.weight_sync.sync(self.p.backend.named_weights, self.version + 1)
+        self._publish_version(self.version + 1)
+        t3 = time.monotonic()
+        self.iteration = it
+        self.completions += len(samples)
+        metrics = {**stats, **train, **self._timings(t0, t1, t2, t3), **self._counts()}
+        metrics["engines_removed"] = len(getattr(report, "removed", []) or [])
+        if (
+            self.p.evaluator
+            and self.cfg.eval.eval_interval
+            and it % self.cfg.eval.eval_interval == 0
+        ):
+            metrics |= await self.evaluate()
+        self.p.logger.log(it, metrics, format_row(it, self.num_rollout, metrics))
+        if self._should_save(it):
+            self.save()
+
+    # -- pieces --------------------------------------------------------------------------------
+
+    async def _admission_pump(self) -> None:
+        """Admit whenever the budget has room: at start, when a group ends, when V moves."""
+        while True:
+            await self.p.admission.fill(self.version)
+            await self._wake.wait()
+            self._wake.clear()
+
+    def on_terminal(self, gid: str, state: str) -> None:
+        self.p.admission.terminal(gid, state)
+        self._wake.set()
+
+    def _publish_version(self, version: int) -> None:
+        self.version = version
+        if self.p.coordinator is not None:
+            self.p.coordinator.publish_version(version)
+        self._wake.set()
+
+    async def evaluate(self) -> dict[str, float]:
+        assert self.p.evaluator is not None
+        metrics = await self.p.evaluator.run(self.iteration, self.version)
+        self.eval_history.append((self.iteration, time.monotonic() - self._start, metrics))
+        summary = " ".join(
+            f"{k.removeprefix('eval/')}={v:.3f}"
+            for k, v in metrics.items()
+            if "_" not in k.removeprefix("eval/")
+        )
+        print(
+            f"[trainer] eval at iter {self.iteration} (version {self.version}): {summary}",
+            flush=True,
+        )
+        return metrics
+
+    @property
+    def completions_per_s(self) -> float:
+        return self.completions / max(1e-9, time.monotonic() - self._start)
+
+    def _timings(self, t0: float, t1: float, t2: float, t3: float) -> dict[str, float]:
+        return {
+            "rollout_time": t1 - t0,
+            "train_time": t2 - t1,
+            "sync_time": t3 - t2,
+            "total_time": t3 - t0,
+            "completions_per_s": self.completions_per_s,
+        }
+
+    def _counts(self) -> dict[str, int]:
+        c = self.p.admission.counts
+        return {
+            "admitted": c.admitted, "trained": c.trained, "filtered": c.filtered, "failed": c.failed,
+            "dropped_stale": c.dropped_stale, "dropped_at_end": c.dropped_at_end, "in_flight": len(self.p.admission.in_flight),
+            "duplicates": self.p.buffer.duplicates, "version": self.version,
+        }  # fmt: skip
+
+    def _should_save(self, it: int) -> bool:
+        c = self.cfg.ckpt
+        if not c.save:
+            return False
+        return it == self.num_rollout or bool(c.save_interval and it % c.save_interval == 0)
+
+    def save(self) -> Path:
+        a = self.p.admission
+        state = {
+            "version": self.version,
+            "data": a.source.state_dict(),
+            "counts": vars(a.counts),
+            "in_flight": {gid: list(pos) for gid, pos in a.in_flight.items()},
+            "consumed": sorted(self.p.buffer.consumed),
+        }
+        path = checkpoint.save(
+            self.cfg.ckpt.save,
+            self.iteration,
+            self.p.backend,
+            state,
+            not self.cfg.ckpt.no_save_optim,
+        )
+        print(f"[trainer] saved checkpoint {path}", flush=True)
+        return path

@@ -1,0 +1,157 @@
+"""Rollout worker against a real redis-server: router down or failing -> the group is published
+with failure_reason after bounded retries and the worker goes on; the `millstream rollout`
+process reads its config from Redis, generates through the router, carries the trace on,
+and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from millstream.common.config import parse_run_config
+from millstream.common.config import store as config_store
+from millstream.common.keys import GROUP_ROLLOUT, RunKeys
+from millstream.common.redis_conn import connect
+from millstream.common.streams import publish
+from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
+from millstream.rollout.client import RetryPolicy, RouterClient
+from millstream.rollout.worker import RolloutWorker
+from tests.support.redis_server import free_port
+from tests.support.rollout_proc import (
+    FakeRouter,
+    RolloutProcs,
+    pending_count,
+    publish_prompts,
+    read_stream,
+    token_at,
+)
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [11, 12, 13, 14]
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACE = {"traceparent": f"00-{TRACE_ID}-b7ad6b7169203331-01", "tracestate": ""}
+
+
+def run_config(run_id: str, router_url: str, *flags: str):
+    return parse_run_config(
+        ["--run-id", run_id, "--router-url", router_url, "--rollout-batch-size", "2",
+         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
+         "--stream-block-ms", "50", *flags],
+        mode="async",
+    )  # fmt: skip
+
+
+def groups(n: int) -> list[PromptGroup]:
+    return [
+        PromptGroup(
+            group_id=f"g{i}",
+            data_index=i,
+            prompt_token_ids=PROMPT,
+            n_samples=2,
+            admitted_unix=time.time(),
+        )
+        for i in range(n)
+    ]
+
+
+def in_process_failures(redis_url: str, router_url: str) -> tuple[list[SampleGroup], bool]:
+    """Run a worker in this process; publish one group, wait for its output, then another:
+    returns both outputs and whether the worker was still running after them."""
+    run_id = f"t{uuid.uuid4().hex[:8]}"
+    keys = RunKeys(run_id)
+
+    async def main() -> tuple[list[SampleGroup], bool]:
+        redis = await connect(redis_url)
+        client = RouterClient(
+            router_url, max_concurrency=4, retry=RetryPolicy(attempts=3, backoff_s=0.05)
+        )
+        worker = RolloutWorker(run_config(run_id, router_url), redis, client, "it")
+        task = asyncio.create_task(worker.run())
+        outputs: list[SampleGroup] = []
+        try:
+            for group in groups(2):
+                await publish(redis, keys.prompts, group)
+                while await redis.xlen(keys.generated) == len(outputs):
+                    assert not task.done(), task
+                    await asyncio.sleep(0.02)
+                entries = await redis.xrange(keys.generated)
+                outputs.append(SampleGroup.FromString(entries[-1][1][b"data"]))
+            alive = not task.done()
+            pending = await redis.xpending(keys.prompts, GROUP_ROLLOUT)
+            assert pending["pending"] == 0  # both handed off (acked with their output)
+        finally:
+            worker.stop()
+            await task
+            await client.aclose()
+            await redis.aclose()
+        return outputs, alive
+
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_router_down_fails_the_group_with_the_reason_and_the_worker_goes_on(redis_url):
+    outputs, alive = in_process_failures(redis_url, f"http://127.0.0.1:{free_port()}")
+    assert alive
+    assert [o.prompt.group_id for o in outputs] == ["g0", "g1"]
+    for output in outputs:
+        assert "failed 3 times" in output.failure_reason
+        assert "ConnectError" in output.failure_reason and not output.samples
+
+
+@pytest.mark.timeout(60)
+def test_router_answering_500_fails_the_group_after_bounded_retries(redis_url):
+    with FakeRouter(status=500) as router:
+        outputs, alive = in_process_failures(redis_url, router.url)
+        attempts = len(router.generate_requests())
+    assert alive
+    assert all("HTTP 500" in o.failure_reason and not o.samples for o in outputs)
+    # Two groups, two samples each, three attempts per sample at most (a failed sample
+    # cancels its sibling, which may not have used all three).
+    assert 6 <= attempts <= 12
+
+
+@pytest.mark.timeout(90)
+def test_rollout_process_generates_through_the_router_and_drains(redis_url, tmp_path):
+    run_id = f"t{uuid.uuid4().hex[:8]}"
+    keys = RunKeys(run_id)
+    procs = RolloutProcs(redis_url, run_id, tmp_path)
+    with FakeRouter(version="7") as router:
+
+        async def publish_config() -> None:
+            redis = await connect(redis_url)
+            try:
+                await config_store.publish(redis, run_config(run_id, "http://unused:1"))
+            finally:
+                await redis.aclose()
+
+        try:
+            # Started before the config exists: it waits for the trainer to publish it.
+            procs.start("r1", "--router-url", router.url)
+            procs.wait_for_log("r1", "waiting for the run config")
+            asyncio.run(publish_config())
+            procs.wait_ready("r1")
+            publish_prompts(redis_url, keys.prompts, groups(3), TRACE)
+            out = read_stream(redis_url, keys.generated, SampleGroup, 3, timeout_s=30)
+            assert procs.stop("r1") == 0, procs.log("r1")
+        finally:
+            procs.stop_all()
+        requests = router.generate_requests()
+
+    assert sorted(g.prompt.group_id for g, _ in out) == ["g0", "g1", "g2"]
+    for group, fields in out:
+        assert not group.failure_reason and group.timings["rollout"] > 0
+        assert 0 <= group.timings["rollout_queue"] < 30
+        assert fields[b"traceparent"].decode().split("-")[1] == TRACE_ID
+        for sample in group.samples:
+            assert list(sample.response_token_ids) == [token_at(4 + i) for i in range(6)]
+            assert list(sample.weight_versions) == [7] * 6
+            assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
+    assert len(requests) == 6
+    assert all(h["traceparent"].split("-")[1] == TRACE_ID for h, _ in requests)
+    assert pending_count(redis_url, keys.prompts, GROUP_ROLLOUT) == 0
+    assert (tmp_path / "traces").is_dir()

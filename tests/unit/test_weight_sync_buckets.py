@@ -1,0 +1,91 @@
+"""Weight sync without servers: how tensors are cut into buckets, what each bucket announces
+to the engines, and who is blamed when a step of the update group breaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from millstream.trainer.process_group import backend_for, plan_buckets
+from millstream.trainer.weight_sync import Failure, GroupBroken, WeightSync
+
+
+def named(*sizes: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
+    return [(f"t{i}", torch.zeros(n, dtype=dtype)) for i, n in enumerate(sizes)]
+
+
+def test_buckets_keep_order_and_stay_under_the_limit_unless_one_tensor_is_bigger():
+    buckets = plan_buckets(named(10, 10, 10, 50, 5, 5), max_bytes=80)  # float32: 4 bytes each
+    assert [b.names for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+    assert [b.nbytes for b in buckets] == [80, 40, 200, 40]
+    assert plan_buckets([], max_bytes=80) == []
+
+
+def test_bucket_spec_is_the_update_request_body():
+    tensors = [("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(4))]
+    (bucket,) = plan_buckets(tensors, max_bytes=1 << 20)
+    assert bucket.spec() == {
+        "names": ["a", "b"],
+        "dtypes": ["bfloat16", "float32"],
+        "shapes": [[2, 3], [4]],
+    }
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="'t0' appears twice"):
+        plan_buckets(named(1) + named(1), max_bytes=8)
+    with pytest.raises(ValueError, match="bucket_bytes must be > 0"):
+        plan_buckets(named(1), max_bytes=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        WeightSync("http://router", timeout_s=0)
+
+
+def test_backend_follows_the_tensors_device():
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+
+
+class Probe:
+    """Stands in for the engines' /health: only `alive` ones answer."""
+
+    def __init__(self, *alive: str):
+        self._alive = set(alive)
+
+    async def alive(self, urls: list[str]) -> set[str]:
+        return {u for u in urls if u in self._alive}
+
+
+def blame(probe: Probe, rank0: Exception | None, failed: dict[str, Failure]) -> dict[str, str]:
+    ws = WeightSync("http://router", timeout_s=10)
+    broken = GroupBroken("/update_weights_from_distributed", rank0, failed)
+    return asyncio.run(ws._blame(probe, broken, ["a", "b", "c"]))  # type: ignore[arg-type]
+
+
+def test_blame_dead_engines_first():
+    failed = {"a": Failure("no answer within 10 s", 10.0), "b": Failure("reset", 0.1)}
+    got = blame(Probe("b", "c"), RuntimeError("timed out"), failed)
+    assert list(got) == ["a"] and "no answer to /health" in got["a"]
+
+
+def test_blame_the_failures_when_rank0_or_another_engine_succeeded():
+    failed = {"b": Failure("shapes: ...", 10.0)}
+    assert list(blame(Probe("a", "b", "c"), RuntimeError("timed out"), failed)) == ["b"]
+    assert list(blame(Probe("a", "b", "c"), None, failed)) == ["b"]
+
+
+def test_blame_early_quitters_when_everyone_failed():
+    failed = {
+        "a": Failure("HTTP 400: shapes: ...", 0.05),
+        "b": Failure("no answer within 10 s", 10.0),
+        "c": Failure("no answer within 10 s", 10.0),
+    }
+    assert list(blame(Probe("a", "b", "c"), RuntimeError("timed out"), failed)) == ["a"]
+
+
+def test_blame_nobody_when_everyone_failed_alike():
+    slow = {u: Failure("timed out", 9.9) for u in "abc"}
+    fast = {u: Failure("nccl needs CUDA", 0.01) for u in "abc"}
+    assert blame(Probe("a", "b", "c"), RuntimeError("timed out"), slow) == {}
+    assert blame(Probe("a", "b", "c"), RuntimeError("timed out"), fast) == {}
