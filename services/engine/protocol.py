@@ -93,11 +93,21 @@ class GenerateReqIn(Strict):
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
+    # Fields sglang-router adds when it re-serialises a request; accepted so a real
+    # sglang-router can front this engine. `model` is informational; the rest must be off.
+    model: str | None = None
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
+    no_logs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqIn:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
+        for name in ("return_hidden_states", "return_entropy", "return_bytes", "background"):
+            _unsupported(name, getattr(self, name), False)
         tops = self.top_logprobs_num
         for value in tops if isinstance(tops, list) else [tops]:
             _unsupported("top_logprobs_num", value, 0)

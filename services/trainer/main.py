@@ -53,6 +53,7 @@ def _run(argv: Sequence[str], mode: str, prog: str) -> int:
         level=cfg.connection.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     provider = setup_tracing("trainer", cfg.run_dir)
     try:
         return asyncio.run(train_with_cluster(cfg))

@@ -118,6 +118,7 @@ class Trainer:
         self.completions += len(samples)
         metrics = {**stats, **train, **self._timings(t0, t1, t2, t3), **self._counts()}
         metrics["engines_removed"] = len(getattr(report, "removed", []) or [])
+        metrics["group_ids"] = [g.group.prompt.group_id for g in groups]
         if (
             self.p.evaluator
             and self.cfg.eval.eval_interval

@@ -33,7 +33,9 @@ def test_trace_context_crosses_a_redis_stream(redis_url):
             )  # fmt: skip
             await consumer.ensure_group()
             with tracer.start_as_current_span("admit") as admit:
-                await streams.publish(redis, keys.prompts, PromptGroup(group_id="g"), telemetry.inject_fields())
+                await streams.publish(
+                    redis, keys.prompts, PromptGroup(group_id="g"), telemetry.inject_fields()
+                )
             (entry,) = await consumer.read(count=1)
             parent = telemetry.context_from_fields(entry.trace_fields)
             with tracer.start_as_current_span("rollout", context=parent):

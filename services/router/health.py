@@ -1,0 +1,91 @@
+"""Background health checks: every worker, in parallel, every `interval` seconds.
+
+A check is `GET /health` within `timeout`; when the router has an expected weight version it
+also reads `GET /get_weight_version` (`{"weight_version": ...}`), so a worker that rejoined
+with old weights stays out until it reports the expected one. Outcomes go to the Registry,
+which owns the state transitions; this module only does the I/O and the schedule.
+
+Invariant: one round never takes longer than `timeout` (+ scheduling), whatever the workers
+do, and a failing round never stops the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+
+from .registry import HEALTHY, Registry, Worker
+
+log = logging.getLogger("millstream.router")
+
+
+class HealthChecker:
+    def __init__(
+        self, registry: Registry, client: httpx.AsyncClient, interval: float, timeout: float
+    ):
+        self.registry = registry
+        self.client = client
+        self.interval = interval
+        self.timeout = timeout
+        self._task: asyncio.Task | None = None
+
+    async def check(self, worker: Worker) -> None:
+        was = worker.status
+        try:
+            response = await self.client.get(worker.url + "/health", timeout=self.timeout)
+        except httpx.HTTPError as err:
+            self.registry.record_failure(worker, f"health check failed: {type(err).__name__}")
+        else:
+            if response.status_code != 200:
+                self.registry.record_failure(worker, f"/health returned {response.status_code}")
+            else:
+                self.registry.record_success(worker)
+                if self.registry.expected_version is not None:
+                    await self._read_version(worker)
+        if worker.status != was:
+            log.warning(
+                "router: worker %s is now %s%s",
+                worker.url,
+                worker.status,
+                "" if worker.status == HEALTHY else f" ({worker.last_error})",
+            )
+
+    async def _read_version(self, worker: Worker) -> None:
+        try:
+            response = await self.client.get(
+                worker.url + "/get_weight_version", timeout=self.timeout
+            )
+            response.raise_for_status()
+            version = response.json()["weight_version"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+            self.registry.record_version_unknown(
+                worker, f"/get_weight_version failed: {type(err).__name__}: {err}"
+            )
+            return
+        worker.weight_version = None if version is None else str(version)
+
+    async def check_all(self) -> None:
+        workers = self.registry.all()
+        if workers:
+            await asyncio.gather(*(self.check(w) for w in workers))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not end health checking for good
+                log.exception("router: health-check round failed")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="router-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,145 @@
+"""The workers the router knows, their health and the weight version that may serve.
+
+Owns every piece of per-worker state (in-flight count, health status, consecutive check
+results, reported weight version) and the router-wide expected weight version.
+
+Invariants:
+  * a worker is *eligible* (gets new traffic) only when it is healthy AND, once an expected
+    weight version is set, it has reported exactly that version (version-gated routing,
+    DESIGN.md section 5): an engine that (re)joins gets no traffic before it has the weights;
+  * a worker starts `pending` and is admitted by its first passed check; once `unhealthy`
+    (after `failure_threshold` consecutive failures) it needs `success_threshold` passed
+    checks in a row to come back;
+  * in-flight counts go up and down in pairs (`begin`/`end`) and never below zero,
+    also for a worker removed while its requests were still running.
+
+Pure state, no I/O: the health checker and the proxy report outcomes into it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+PENDING, HEALTHY, UNHEALTHY = "pending", "healthy", "unhealthy"
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    status: str = PENDING
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    weight_version: str | None = None
+    last_error: str | None = None
+    last_check: float | None = None
+    served: int = 0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == HEALTHY
+
+
+class Registry:
+    def __init__(self, failure_threshold: int = 3, success_threshold: int = 2):
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
+        self.expected_version: str | None = None
+        self._workers: dict[str, Worker] = {}  # by url, in registration order
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add(self, url: str, info: dict | None = None) -> tuple[Worker, bool]:
+        """(worker, created): adding a known url returns the existing worker unchanged."""
+        if url in self._workers:
+            return self._workers[url], False
+        worker = Worker(url=url, info=dict(info or {}))
+        self._workers[url] = worker
+        return worker, True
+
+    def remove(self, url: str) -> Worker | None:
+        return self._workers.pop(url, None)
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def by_id(self, worker_id: str) -> Worker | None:
+        return next((w for w in self._workers.values() if w.id == worker_id), None)
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def version_ok(self, worker: Worker) -> bool:
+        return self.expected_version is None or worker.weight_version == self.expected_version
+
+    def is_eligible(self, worker: Worker) -> bool:
+        return (
+            worker.healthy and self.version_ok(worker) and self._workers.get(worker.url) is worker
+        )
+
+    def eligible(self) -> list[Worker]:
+        return [w for w in self._workers.values() if self.is_eligible(w)]
+
+    def why_none(self) -> str:
+        """Why no worker is eligible, for the 503 message."""
+        if not self._workers:
+            return "no worker registered (add one with POST /add_worker?url=...)"
+        parts = []
+        for w in self._workers.values():
+            if not w.healthy:
+                reason = w.status + (f": {w.last_error}" if w.last_error else "")
+            else:
+                reason = f"at weight version {w.weight_version!r}"
+            parts.append(f"{w.url} {reason}")
+        want = f" at weight version {self.expected_version!r}" if self.expected_version else ""
+        return f"no healthy worker{want}; " + "; ".join(parts)
+
+    def begin(self, worker: Worker) -> None:
+        """A request starts on `worker`; pair with exactly one `end`."""
+        worker.in_flight += 1
+        worker.served += 1
+
+    def end(self, worker: Worker) -> None:
+        worker.in_flight -= 1
+        assert worker.in_flight >= 0, f"in-flight count of {worker.url} went negative"
+
+    # -- health -----------------------------------------------------------------------------
+
+    def record_success(self, worker: Worker, weight_version: str | None = None) -> None:
+        """A passed check; `weight_version` is what the worker reported (None: not asked)."""
+        worker.last_check = time.time()
+        worker.consecutive_failures = 0
+        worker.consecutive_successes += 1
+        worker.last_error = None
+        if weight_version is not None:
+            worker.weight_version = weight_version
+        if worker.status == PENDING or (
+            worker.status == UNHEALTHY and worker.consecutive_successes >= self.success_threshold
+        ):
+            worker.status = HEALTHY
+
+    def record_failure(self, worker: Worker, error: str) -> None:
+        """A failed check or a refused/broken connection while proxying."""
+        worker.last_check = time.time()
+        worker.consecutive_successes = 0
+        worker.consecutive_failures += 1
+        worker.last_error = error
+        if worker.consecutive_failures >= self.failure_threshold:
+            worker.status = UNHEALTHY
+
+    def record_version_unknown(self, worker: Worker, error: str) -> None:
+        """Healthy, but its weight version could not be read: gated until it can."""
+        worker.weight_version = None
+        worker.last_error = error
+
+    def set_expected_version(self, version: str | None) -> None:
+        self.expected_version = version

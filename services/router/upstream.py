@@ -1,0 +1,133 @@
+"""The router's HTTP client to its workers: httpx over a connection pool with O(1) bookkeeping.
+
+Why not httpx's default pool: on every request start and end, httpcore's pool walks every
+connection it holds (a readability poll per idle one, and an idle count per idle one), so
+its cost per request grows with the square of the connections in use. At 32 requests in
+flight that walk was most of the router's CPU (bench/bench_router.py, profiled). Here each
+origin keeps a stack of idle connections: checkout pops one (dropping any the server closed
+or that outlived the keep-alive expiry), release pushes it back. Everything else stays
+httpx's and httpcore's: one `httpcore.AsyncHTTPConnection` per socket does the HTTP/1.1,
+connect/read timeouts and body streaming; httpx maps errors to its exception types.
+
+Invariant: a connection is in exactly one place: serving one request, in its origin's idle
+stack, or closed. At most `max_idle_per_origin` idle connections are kept per origin.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator
+
+import httpcore
+import httpx
+
+# Below uvicorn's default keep-alive (5 s), so we drop an idle connection before the server
+# does, instead of racing it with a request (that would read as a broken worker).
+KEEPALIVE_EXPIRY_S = 4.0
+MAX_IDLE_PER_ORIGIN = 256
+
+
+class _Released:
+    """The response body; closing it hands the connection back to the pool."""
+
+    def __init__(self, stream, conn: httpcore.AsyncHTTPConnection, origin, pool: StackPool):
+        self._stream, self._conn, self._origin, self._pool = stream, conn, origin, pool
+        self._done = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            yield chunk
+
+    async def aclose(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            if hasattr(self._stream, "aclose"):
+                await self._stream.aclose()
+        finally:
+            await self._pool.release(self._conn, self._origin)
+
+
+class StackPool:
+    """Duck-types httpcore's AsyncConnectionPool for httpx.AsyncHTTPTransport."""
+
+    def __init__(
+        self,
+        keepalive_expiry: float = KEEPALIVE_EXPIRY_S,
+        max_idle_per_origin: int = MAX_IDLE_PER_ORIGIN,
+    ):
+        self.keepalive_expiry = keepalive_expiry
+        self.max_idle_per_origin = max_idle_per_origin
+        self._idle: defaultdict[httpcore.Origin, deque[httpcore.AsyncHTTPConnection]] = defaultdict(
+            deque
+        )
+        self.opened = 0  # connections opened so far (tests and curiosity)
+
+    @staticmethod
+    def _key(origin: httpcore.Origin) -> tuple:
+        return (origin.scheme, origin.host, origin.port)
+
+    async def _checkout(self, origin: httpcore.Origin) -> httpcore.AsyncHTTPConnection:
+        stack = self._idle[self._key(origin)]
+        while stack:
+            conn = stack.pop()
+            if conn.is_idle() and not conn.has_expired():
+                return conn
+            await conn.aclose()  # closed by the server, or past its keep-alive expiry
+        self.opened += 1
+        return httpcore.AsyncHTTPConnection(origin=origin, keepalive_expiry=self.keepalive_expiry)
+
+    async def release(self, conn: httpcore.AsyncHTTPConnection, origin: httpcore.Origin) -> None:
+        if not conn.is_idle():
+            await conn.aclose()  # the response was not read to its end, or said `close`
+            return
+        stack = self._idle[self._key(origin)]
+        stack.append(conn)
+        if len(stack) > self.max_idle_per_origin:
+            await stack.popleft().aclose()
+        elif len(stack) > 1 and stack[0].has_expired():
+            await stack.popleft().aclose()  # prune one stale connection per release
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        origin = request.url.origin
+        conn = await self._checkout(origin)
+        try:
+            response = await conn.handle_async_request(request)
+        except BaseException:
+            await conn.aclose()
+            raise
+        return httpcore.Response(
+            status=response.status,
+            headers=response.headers,
+            content=_Released(response.stream, conn, origin, self),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        for stack in self._idle.values():
+            while stack:
+                await stack.pop().aclose()
+
+    async def __aenter__(self) -> StackPool:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+
+class StackPoolTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport (request/response conversion, error mapping) on a StackPool."""
+
+    def __init__(self, pool: StackPool | None = None):
+        super().__init__()
+        self._pool = pool or StackPool()  # type: ignore[assignment]
+
+
+def make_client(
+    timeout: httpx.Timeout, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """The router's one shared client; `transport` replaces the socket pool in tests."""
+    return httpx.AsyncClient(
+        transport=transport or StackPoolTransport(), timeout=timeout, follow_redirects=False
+    )

@@ -1,0 +1,164 @@
+"""The whole loop through real processes: `millstream train` / `train-async` on a tiny model.
+
+Each run starts its own redis-server, engine(s), router and workers as children, trains,
+syncs weights to the engines over gloo, and shuts everything down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(40))
+    )
+    return path
+
+
+def _flags(model: Path, prompts: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--input-key", "prompt",
+        "--label-key", "label", "--rm-type", "exact", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--rollout-temperature", "1.0",
+        "--run-dir", str(run_dir), "--run-id", run_dir.name, "--lr", "1e-3", "--log-level", "warning",
+        "--num-rollout-workers", "2", "--num-reward-workers", "1", *extra,
+    ]  # fmt: skip
+
+
+def _train(command: str, flags: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "millstream.cli", command, *flags],
+        capture_output=True,
+        text=True,
+        timeout=360,
+        env=env,
+    )
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_run(proc: subprocess.CompletedProcess[str], run_dir: Path, iterations: int) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("[trainer] iter ")]
+    assert len(rows) == iterations and rows[-1].startswith(
+        f"[trainer] iter {iterations}/{iterations} | loss="
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    c = summary["counts"]
+    assert (
+        c["admitted"]
+        == c["trained"] + c["filtered"] + c["failed"] + c["dropped_stale"] + c["dropped_at_end"]
+    )
+    assert c["in_flight_lost"] == 0 and c["trained"] == 2 * iterations
+    trained = [gid for r in _records(run_dir) for gid in r["group_ids"]]
+    assert len(trained) == len(set(trained)) == 2 * iterations
+    return summary
+
+
+@pytest.mark.parametrize("command", ["train", "train-async"])
+def test_three_iterations_through_every_service(command, tiny_model_dir, prompts, tmp_path):
+    run_dir = tmp_path / f"run-{command}"
+    extra = ["--num-rollout", "3", "--save", str(run_dir / "ckpt"), "--save-interval", "3"]
+    if command == "train-async":
+        extra += ["--max-staleness", "2"]
+    proc = _train(command, _flags(tiny_model_dir, prompts, run_dir, *extra))
+    _check_run(proc, run_dir, 3)
+    versions = [r["version"] for r in _records(run_dir)]
+    assert versions == [1, 2, 3]
+    assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    if command == "train-async":
+        assert max(r["staleness_max"] for r in _records(run_dir)) <= 2
+
+
+def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, tmp_path):
+    """A run against engines we started ourselves: after it, the engine answers with the
+    trainer's final weights (its logprobs equal a forward pass of the saved checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.engine_proc import EngineProcess
+    from tests.support.router_proc import start_router
+
+    run_dir = tmp_path / "run-ext"
+    engine = EngineProcess(tiny_model_dir, tmp_path, "--weight-version", "0")
+    router = start_router(tmp_path, "--worker-urls", engine.url)
+    try:
+        flags = _flags(
+            tiny_model_dir, prompts, run_dir, "--num-rollout", "2", "--save", str(run_dir / "ckpt")
+        )
+        proc = _train("train", [*flags, "--router-url", router.url])
+        _check_run(proc, run_dir, 2)
+        assert httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"] == "2"
+        model = AutoModelForCausalLM.from_pretrained(run_dir / "ckpt" / "iter_0000002" / "model")
+        prompt = [5, 6, 7, 8]
+        out = httpx.post(
+            f"{engine.url}/generate",
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+                "return_logprob": True,
+            },
+            timeout=60,
+        ).json()
+        tokens = [t for _, t, _ in out["meta_info"]["output_token_logprobs"]]
+        engine_logp = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0]
+        expected = torch.log_softmax(logits, -1)[
+            torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1), tokens
+        ]
+        torch.testing.assert_close(engine_logp, expected, atol=1e-4, rtol=0)
+    finally:
+        router.stop()
+        engine.stop()
+
+
+def test_resume_after_sigkill_continues_without_training_a_group_twice(
+    tiny_model_dir, prompts, tmp_path
+):
+    run_dir = tmp_path / "run-resume"
+    ckpt = run_dir / "ckpt"
+    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "4", "--save", str(ckpt), "--load", str(ckpt),
+                   "--save-interval", "1", "--rollout-shuffle")  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "millstream.cli", "train", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    seen = []
+    deadline = time.monotonic() + 300
+    for line in first.stdout:  # type: ignore[union-attr]
+        seen.append(line)
+        if "saved checkpoint" in line and "iter_0000002" in line:
+            first.send_signal(signal.SIGKILL)
+            break
+        assert time.monotonic() < deadline, "".join(seen[-30:])
+    first.wait(timeout=30)
+    first.stdout.close()  # type: ignore[union-attr]
+    state = json.loads((ckpt / "iter_0000002" / "trainer_state.json").read_text())
+    second = _train("train", flags)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed at iteration 2 (version 2)" in second.stdout
+    rows = [line for line in second.stdout.splitlines() if line.startswith("[trainer] iter ")]
+    assert [r.split()[2] for r in rows] == ["3/4", "4/4"]
+    trained = [gid for r in _records(run_dir) for gid in r["group_ids"]]
+    assert len(trained) == len(set(trained)) == 8, trained
+    final = json.loads((ckpt / "iter_0000004" / "trainer_state.json").read_text())
+    assert final["data"]["offset"] >= state["data"]["offset"] + 4 - len(state["in_flight"])

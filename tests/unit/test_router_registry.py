@@ -1,0 +1,145 @@
+"""Router registry: health state transitions, version gating, in-flight pairing, config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from millstream.common.config.errors import ConfigError
+from millstream.router.config import RouterConfig, normalize_worker_url, parse_router_config
+from millstream.router.registry import HEALTHY, PENDING, UNHEALTHY, Registry
+
+
+def test_new_worker_is_pending_until_its_first_passed_check():
+    reg = Registry(failure_threshold=2, success_threshold=3)
+    w, created = reg.add("http://a:1")
+    assert created and w.status == PENDING and reg.eligible() == []
+    assert reg.add("http://a:1") == (w, False)
+    reg.record_success(w)
+    assert w.status == HEALTHY and reg.eligible() == [w]
+
+
+def test_failures_take_a_worker_out_and_successes_bring_it_back():
+    reg = Registry(failure_threshold=2, success_threshold=2)
+    w, _ = reg.add("http://a:1")
+    reg.record_success(w)
+    reg.record_failure(w, "refused")
+    assert w.status == HEALTHY  # one failure is below the threshold
+    reg.record_success(w)
+    reg.record_failure(w, "refused")
+    assert w.status == HEALTHY  # the success reset the count
+    reg.record_failure(w, "refused")
+    assert w.status == UNHEALTHY and reg.eligible() == []
+    assert "refused" in reg.why_none()
+    reg.record_success(w)
+    assert w.status == UNHEALTHY  # needs two in a row
+    reg.record_failure(w, "again")
+    reg.record_success(w)
+    assert w.status == UNHEALTHY
+    reg.record_success(w)
+    assert w.status == HEALTHY and reg.eligible() == [w]
+
+
+def test_version_gating():
+    reg = Registry()
+    a, _ = reg.add("http://a:1")
+    b, _ = reg.add("http://b:1")
+    reg.record_success(a, weight_version="1")
+    reg.record_success(b, weight_version="2")
+    assert reg.eligible() == [a, b]  # no expected version: any version serves
+    reg.set_expected_version("2")
+    assert reg.eligible() == [b]
+    reg.set_expected_version("3")
+    assert reg.eligible() == []
+    assert "weight version '3'" in reg.why_none()
+    reg.record_success(a, weight_version="3")
+    assert reg.eligible() == [a]
+    reg.record_version_unknown(a, "/get_weight_version failed")
+    assert reg.eligible() == []
+    reg.set_expected_version(None)
+    assert reg.eligible() == [a, b]
+
+
+def test_in_flight_pairs_and_removed_workers_are_not_eligible():
+    reg = Registry()
+    w, _ = reg.add("http://a:1")
+    reg.record_success(w)
+    reg.begin(w)
+    reg.begin(w)
+    assert w.in_flight == 2 and w.served == 2
+    assert reg.remove("http://a:1") is w
+    assert not reg.is_eligible(w)
+    reg.end(w)
+    reg.end(w)
+    assert w.in_flight == 0
+    with pytest.raises(AssertionError, match="negative"):
+        reg.end(w)
+    assert "no worker registered" in reg.why_none()
+
+
+def test_by_id_and_order():
+    reg = Registry()
+    urls = [f"http://w{i}:1" for i in range(3)]
+    ws = [reg.add(u)[0] for u in urls]
+    assert [w.url for w in reg.all()] == urls
+    assert reg.by_id(ws[1].id) is ws[1] and reg.by_id("nope") is None
+
+
+def test_worker_urls_are_normalized_and_validated():
+    assert normalize_worker_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    for bad in ("127.0.0.1:8000", "ftp://x:1", "http://x:1/generate", "http://x:port"):
+        with pytest.raises(ValueError, match="worker url"):
+            normalize_worker_url(bad)
+    cfg = RouterConfig(worker_urls=["http://a:1/", "http://a:1"])
+    assert cfg.worker_urls == ["http://a:1"]
+    with pytest.raises(ConfigError, match="--worker-urls"):
+        RouterConfig(worker_urls=["a:1"])
+
+
+def test_config_flags_and_env_token():
+    cfg = parse_router_config(
+        [
+            "--port",
+            "1234",
+            "--router-policy",
+            "cache_aware",
+            "--worker-urls",
+            "http://a:1",
+            "http://b:2",
+        ],
+        environ={"MILLSTREAM_ADMIN_TOKEN": "s3cret"},
+    )
+    assert cfg.port == 1234 and cfg.router_policy == "cache_aware"
+    assert cfg.worker_urls == ["http://a:1", "http://b:2"]
+    assert cfg.admin_token == "s3cret"
+    flag_wins = parse_router_config(["--admin-token", "x"], environ={"MILLSTREAM_ADMIN_TOKEN": "y"})
+    assert flag_wins.admin_token == "x"
+    assert parse_router_config([], environ={}).admin_token is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-retries", "-1"], "--max-retries"),
+        (["--health-check-interval", "0"], "--health-check-interval"),
+        (["--cache-threshold", "1.5"], "--cache-threshold"),
+        (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold"),
+        (["--router-policy", "random"], "--router-policy"),
+        (["--max-retr", "1"], "unrecognized arguments"),  # no abbreviations
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_router_config(argv, environ={})
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_router_does_not_import_torch():
+    code = "import millstream.router.main, sys; assert 'torch' not in sys.modules, 'torch'; assert 'transformers' not in sys.modules, 'transformers'"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,134 @@
+"""The router's connection pool against a real keep-alive HTTP/1.1 server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from millstream.router.upstream import StackPool, StackPoolTransport
+
+
+class Server:
+    """A minimal HTTP/1.1 server: keep-alive, Content-Length bodies, `/close` says close,
+    `/big` sends a body large enough to be read in several chunks."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Server:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while line := await reader.readline():
+                path = line.split()[1].decode()
+                length = 0
+                while (header := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = header.decode().partition(":")
+                    if name.lower() == "content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                payload = b"x" * 1_000_000 if path == "/big" else path.encode() + b":" + body
+                close = path == "/close"
+                head = f"HTTP/1.1 200 OK\r\ncontent-length: {len(payload)}\r\n"
+                head += "connection: close\r\n" if close else ""
+                writer.write(head.encode() + b"\r\n" + payload)
+                await writer.drain()
+                if close:
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+def run(test: Callable[[Server, httpx.AsyncClient, StackPool], Awaitable[None]], **pool_kw) -> None:
+    async def main() -> None:
+        pool = StackPool(**pool_kw)
+        async with (
+            Server() as server,
+            httpx.AsyncClient(transport=StackPoolTransport(pool)) as client,
+        ):
+            await test(server, client, pool)
+
+    asyncio.run(main())
+
+
+def test_sequential_requests_reuse_one_connection():
+    async def check(server, client, pool):
+        for i in range(5):
+            r = await client.post(server.url + "/echo", content=f"body{i}".encode())
+            assert r.status_code == 200 and r.content == f"/echo:body{i}".encode()
+        assert server.connections == 1 and pool.opened == 1
+
+    run(check)
+
+
+def test_concurrent_requests_open_connections_that_all_go_back_idle():
+    async def check(server, client, pool):
+        rs = await asyncio.gather(*(client.get(f"{server.url}/r{i}") for i in range(20)))
+        assert [r.content for r in rs] == [f"/r{i}:".encode() for i in range(20)]
+        opened = pool.opened
+        assert 1 < opened <= 20
+        await asyncio.gather(*(client.get(f"{server.url}/again{i}") for i in range(opened)))
+        assert pool.opened == opened  # every connection was reused, none leaked
+
+    run(check)
+
+
+def test_idle_connections_are_bounded_per_origin():
+    async def check(server, client, pool):
+        await asyncio.gather(*(client.get(f"{server.url}/r{i}") for i in range(10)))
+        assert sum(len(stack) for stack in pool._idle.values()) <= 3
+
+    run(check, max_idle_per_origin=3)
+
+
+def test_a_connection_the_server_closes_is_not_reused():
+    async def check(server, client, pool):
+        await client.get(server.url + "/close")
+        await client.get(server.url + "/echo")
+        assert server.connections == 2 and pool.opened == 2
+
+    run(check)
+
+
+def test_expired_and_half_read_connections_are_dropped():
+    async def check(server, client, pool):
+        await client.get(server.url + "/a")
+        await asyncio.sleep(0.15)  # past the keep-alive expiry
+        await client.get(server.url + "/b")
+        assert pool.opened == 2
+        async with client.stream("GET", server.url + "/big") as r:
+            await anext(r.aiter_raw())  # read a little, then close mid-body
+        r = await client.get(server.url + "/c")
+        assert r.content == b"/c:" and pool.opened == 3  # the half-read one was closed
+
+    run(check, keepalive_expiry=0.1)
+
+
+def test_connect_errors_are_httpx_errors():
+    async def main() -> None:
+        async with Server() as server:
+            url = server.url
+        async with httpx.AsyncClient(transport=StackPoolTransport()) as client:
+            with pytest.raises(httpx.ConnectError):
+                await client.get(url + "/x")
+
+    asyncio.run(main())
