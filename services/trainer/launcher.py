@@ -362,6 +362,8 @@ class LocalCluster:
                 str(self.weight_version),
                 "--max-running-requests",
                 str(self.cfg.sglang.engine_max_running_requests),
+                "--weight-update-timeout",
+                str(self.cfg.sglang.weight_sync_timeout),
             )
             # SIGKILL as the death signal: the engine ignores SIGTERM while it loads its model,
             # and a death signal is sent once; a lost one would leave an orphan.

@@ -111,7 +111,10 @@ class Trainer:
             steps = self.cfg.rollout.num_steps_per_rollout
             train = await asyncio.to_thread(self.p.backend.train_rollout, samples, steps)
         t2 = time.monotonic()
-        report = await self.p.weight_sync.sync(self.p.backend.named_weights, self.version + 1)
+        joins = self.p.coordinator.take_pending_joins() if self.p.coordinator else ()
+        report = await self.p.weight_sync.sync(
+            self.p.backend.named_weights, self.version + 1, join=joins
+        )
         self._publish_version(self.version + 1)
         t3 = time.monotonic()
         self.iteration = it

@@ -126,8 +126,15 @@ def test_sse_streams_through(engines, router_factory):
     events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert len(chunks) >= 2
-    assert chunks[-1]["meta_info"]["completion_tokens"] >= 1
+    # Cumulative events (SGLang's default). How many there are depends on load: the engine
+    # coalesces growth it has not flushed yet; chunk-by-chunk relaying is covered by the
+    # router's unit tests with a controlled upstream.
+    assert chunks
+    for before, after in zip(chunks, chunks[1:], strict=False):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    whole = httpx.post(router.url + "/generate", json={**body, "stream": False}, timeout=30).json()
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["completion_tokens"] == whole["meta_info"]["completion_tokens"]
 
 
 def test_killing_an_engine_mid_load_fails_no_request(engines, router_factory):

@@ -1,0 +1,263 @@
+"""The coordinator handshake against real processes: a router, real engines on the tiny model,
+and this process as rank 0 of the update group (gloo).
+
+After a sync every engine reports the new version, the router serves it, and each engine
+generates exactly what the trainer's HF model gives (greedy ids, logprobs within 1e-4): the
+weights are equal. Failures: an engine that never answers is removed within the timeout and
+the healthy one is still synced; an engine that fails in the middle of a broadcast is removed
+and the group is rebuilt with the rest in the same sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from millstream.common.errors import MillstreamError
+from millstream.trainer.weight_sync import SyncReport, WeightSync
+from tests.support.engine_proc import EngineProcess
+from tests.support.router_proc import ServiceProcess, start_router
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+TOKEN = "sync-secret"
+PROMPTS = [list(b"Weights, please"), list(b"abc")]
+NEW_TOKENS = 8
+BUCKET_BYTES = 64 * 1024  # the tiny model is ~0.3 MB: several buckets
+
+
+@pytest.fixture(scope="module")
+def engines(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[EngineProcess]]:
+    logs = tmp_path_factory.mktemp("engines")
+    args = ("--weight-version", "v0", "--weight-update-timeout", "10")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(EngineProcess, tiny_model_dir, logs, *args) for _ in range(2)]
+        procs = [f.result() for f in futures]
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.fixture
+def router_of(tmp_path: Path) -> Iterator[Any]:
+    started: list[ServiceProcess] = []
+
+    def start(*urls: str) -> ServiceProcess:
+        args = ["--admin-token", TOKEN, "--health-check-timeout", "1"]
+        router = start_router(tmp_path, *args, "--worker-urls", *urls)
+        started.append(router)
+        return router
+
+    yield start
+    for router in started:
+        router.stop()
+
+
+@pytest.fixture
+def hanging_url() -> Iterator[str]:
+    """An 'engine' that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def hf_model(model_dir: Path, seed: int):
+    """The trainer's model: the tiny model with every parameter moved by seeded noise."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def assert_engine_equals(url: str, model, version: str) -> None:
+    """Greedy ids equal the HF model's greedy loop; logprobs equal its forward within 1e-4."""
+    body = {
+        "input_ids": PROMPTS,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    outs = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out["meta_info"]["weight_version"] == version
+        ids: list[int] = []
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                ids.append(
+                    int(model(input_ids=torch.tensor([prompt + ids])).logits[0, -1].argmax())
+                )
+            logits_TV = model(input_ids=torch.tensor([prompt + ids])).logits[0]
+        assert out["output_ids"] == ids
+        logp_TV = torch.log_softmax(logits_TV, -1)[len(prompt) - 1 : -1]
+        expected_T = logp_TV.gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        got_T = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got_T, expected_T, atol=1e-4)
+
+
+def versions(*urls: str) -> list[str]:
+    return [httpx.get(f"{u}/get_weight_version").json()["weight_version"] for u in urls]
+
+
+def listed(router: ServiceProcess) -> list[str]:
+    return httpx.get(f"{router.url}/list_workers").json()["urls"]
+
+
+def sync(ws: WeightSync, model, version: int) -> SyncReport:
+    return asyncio.run(ws.sync(model.named_parameters(), version))
+
+
+def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path
+):
+    urls = sorted(e.url for e in engines)
+    router = router_of(urls[0])  # the other one asks to join (Coordinator.JoinEngine)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    ws = WeightSync(
+        router.url,
+        admin_token=TOKEN,
+        bucket_bytes=BUCKET_BYTES,
+        timeout_s=20,
+        group_name="eq",
+        tracer=provider.get_tracer("test"),
+    )
+    try:
+        model = hf_model(tiny_model_dir, seed=1)
+        first = asyncio.run(ws.sync(model.named_parameters(), 1, join=[urls[1]]))
+        assert first.engines == urls and first.removed == {} and ws.members == urls
+        assert first.new_group and first.buckets >= 3 and first.attempts == 1
+        assert first.bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+        assert set(first.seconds) >= {"pause", "init", "broadcast", "router", "continue", "total"}
+        assert versions(*urls) == ["1", "1"]
+        assert httpx.get(f"{router.url}/get_weight_version").json()["weight_version"] == "1"
+        for url in urls:
+            assert_engine_equals(url, model, "1")
+
+        model = hf_model(tiny_model_dir, seed=2)
+        second = sync(ws, model, 2)
+        assert not second.new_group and "init" not in second.seconds
+        assert second.engines == urls and versions(*urls) == ["2", "2"]
+        for url in urls:
+            assert_engine_equals(url, model, "2")
+        # Traffic through the router reaches engines that serve the new version.
+        via_router = httpx.post(
+            f"{router.url}/generate",
+            json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}},
+            timeout=60,
+        ).json()
+        assert via_router["meta_info"]["weight_version"] == "2"
+
+        # Membership changes: a new group for the engines left; the one that left keeps v2.
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        httpx.post(f"{router.url}/remove_worker", params={"url": urls[1]}, headers=headers)
+        third = sync(ws, hf_model(tiny_model_dir, seed=3), 3)
+        assert third.new_group and third.engines == [urls[0]] and ws.members == [urls[0]]
+        assert versions(*urls) == ["3", "2"]
+    finally:
+        asyncio.run(ws.close())
+    for engine in engines:
+        info = httpx.get(f"{engine.url}/get_server_info").json()
+        assert info["weight_update_groups"] == []
+    spans = [s for s in exporter.get_finished_spans() if s.name == "trainer.weight_sync"]
+    assert [dict(s.attributes or {}) for s in spans] == [
+        {"version": v, "engines": n, "bytes": first.bytes, "buckets": first.buckets, "removed": 0}
+        for v, n in ((1, 2), (2, 2), (3, 1))
+    ]
+
+
+def test_an_engine_that_never_answers_is_removed_and_the_rest_synced(
+    engines: list[EngineProcess], router_of, hanging_url: str, tiny_model_dir: Path
+):
+    healthy = engines[0].url
+    router = router_of(healthy, hanging_url)
+    assert sorted(listed(router)) == sorted([healthy, hanging_url])
+    timeout_s = 3.0
+    ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=timeout_s, group_name="hang")
+    try:
+        model = hf_model(tiny_model_dir, seed=3)
+        start = time.monotonic()
+        report = sync(ws, model, 3)
+        assert time.monotonic() - start < timeout_s + 10
+        assert report.engines == [healthy]
+        assert list(report.removed) == [hanging_url]
+        assert "no answer within 3 s" in report.removed[hanging_url]
+        assert listed(router) == [healthy]
+        assert versions(healthy) == ["3"]
+        assert_engine_equals(healthy, model, "3")
+
+        model = hf_model(tiny_model_dir, seed=4)
+        again = sync(ws, model, 4)
+        assert again.engines == [healthy] and again.removed == {} and not again.new_group
+        assert_engine_equals(healthy, model, "4")
+
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        httpx.post(f"{router.url}/remove_worker", params={"url": healthy}, headers=headers)
+        with pytest.raises(MillstreamError, match="no engine left to sync"):
+            sync(ws, model, 5)
+    finally:
+        asyncio.run(ws.close())
+
+
+def test_an_engine_failing_mid_broadcast_is_removed_and_the_group_rebuilt(
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, tmp_path: Path
+):
+    """The other engine runs a model of another shape: it joins the group but refuses the
+    first bucket, so rank 0's broadcast times out. The same sync must finish for the rest."""
+    from tests.support.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", hidden_size=32)
+    misfit = EngineProcess(other, tmp_path, "--weight-update-timeout", "10")
+    healthy = engines[1].url
+    try:
+        router = router_of(healthy, misfit.url)
+        ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=3.0, group_name="misfit")
+        model = hf_model(tiny_model_dir, seed=5)
+        try:
+            report = sync(ws, model, 5)
+        finally:
+            asyncio.run(ws.close())
+        assert report.engines == [healthy] and report.attempts == 2
+        assert list(report.removed) == [misfit.url]
+        assert "shapes" in report.removed[misfit.url]
+        assert listed(router) == [healthy]
+        assert_engine_equals(healthy, model, "5")
+        assert versions(misfit.url) == ["default"]  # never claimed a version it lacks
+    finally:
+        misfit.stop()
