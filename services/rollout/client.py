@@ -142,9 +142,10 @@ class RouterClient:
         rid: str,
         *,
         priority: int = FRESH,
-    ) -> dict[str, Any]:
+    ) -> Any:
         """One `/generate` with `return_logprob`; the engine's JSON answer (text, output_ids,
-        meta_info). GenerationFailed after the retries are spent."""
+        meta_info), or a list of n of them when sampling_params has n > 1 (SGLang's parallel
+        sampling). GenerationFailed after the retries are spent."""
         body = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -196,14 +197,18 @@ class RouterClient:
             answer = response.json()
         except ValueError:
             return None, f"HTTP 200 with a body that is not JSON: {_short(response.text)}"
-        if not isinstance(answer, dict) or "meta_info" not in answer:
-            return None, f"HTTP 200 without meta_info: {_short(response.text)}"
+        answers = answer if isinstance(answer, list) else [answer]
+        n = int(body["sampling_params"].get("n") or 1)
+        if len(answers) != n or not all(isinstance(a, dict) and "meta_info" in a for a in answers):
+            return None, f"HTTP 200 without {n} answer(s) with meta_info: {_short(response.text)}"
         return answer, ""
 
-    def _notice(self, answer: dict[str, Any]) -> None:
-        finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
-        if finish.get("type") != "abort" and self.on_answer is not None:
-            self.on_answer()
+    def _notice(self, answer: Any) -> None:
+        for one in answer if isinstance(answer, list) else [answer]:
+            finish = (one.get("meta_info") or {}).get("finish_reason") or {}
+            if finish.get("type") != "abort" and self.on_answer is not None:
+                self.on_answer()
+                return
 
     async def get_weight_version(self) -> str | None:
         """The version the router serves (`GET /get_weight_version`); None when it gates on

@@ -1,8 +1,12 @@
 """The default rollout function: one group's n samples, all generated concurrently.
 
-Each sample is its own `/generate` request (so the router balances them over the engines),
-and its own task: a sample that finishes early frees its generation slot for other groups at
-once. A sample aborted by a weight sync parks the group in the partial buffer, then:
+A fresh group starts with ONE `/generate` request carrying `n = n_samples` (SGLang's
+parallel sampling): the engine batches the n sequences and the per-request overhead (router,
+HTTP, JSON) is paid once per group instead of once per sample, which is most of the rollout
+cost for short answers. Copy j is seeded sampling_seed + j by the engine. Whatever did not
+finish there (aborted by a weight sync) continues as its own request and its own task, so a
+long-tail sample never holds the others. A sample aborted by a weight sync parks the group in
+the partial buffer, then:
 
   * with `--partial-rollout`, resumes from its tokens: input = prompt + response so far,
     max_new_tokens = what is left of the budget, the new part appended with its own logprobs
@@ -28,7 +32,7 @@ import logging
 from collections.abc import Callable
 
 from millstream.common.config import RunConfig
-from millstream.common.types import PromptGroup, Sample, SampleGroup
+from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus
 
 from .client import FRESH, GenerationFailed, RouterClient
 from .config import GroupPlan, derive_seed, plan_for
@@ -82,13 +86,43 @@ class DefaultRollout:
             view.partial_samples.extend(samples)
             return view
 
+        fresh = [s for s in samples if not is_finished(s) and not len(s.response_token_ids)]
+        aborted: set[int] = set()
+        if len(fresh) > 1:
+            aborted = await self._parallel_first_round(group, fresh, plan, client)
         async with asyncio.TaskGroup() as tasks:
             for sample in samples:
                 if not is_finished(sample):
-                    tasks.create_task(self._sample(group, sample, plan, client, snapshot))
+                    after_abort = sample.index in aborted
+                    tasks.create_task(
+                        self._sample(group, sample, plan, client, snapshot, after_abort)
+                    )
         result = SampleGroup(prompt=group, samples=samples)
         result.prompt.ClearField("partial_samples")  # they live on in `samples`
         return result
+
+    async def _parallel_first_round(
+        self, group: PromptGroup, fresh: list[Sample], plan: GroupPlan, client: RouterClient
+    ) -> set[int]:
+        """One request for all fresh samples; returns the indices that came back aborted,
+        which `_sample` resumes as it would its own aborted request."""
+        params = {
+            **plan.sampling_params,
+            "max_new_tokens": plan.max_new_tokens,
+            "sampling_seed": derive_seed(plan.seed_key, fresh[0].index, 0),
+            "n": len(fresh),
+        }
+        answers = await client.generate(
+            list(group.prompt_token_ids), params, f"{group.group_id}-n{len(fresh)}"
+        )
+        aborted = set()
+        for sample, answer in zip(fresh, answers, strict=True):
+            append_answer(sample, answer, fallback_version=group.admitted_version)
+            if sample.status == SampleStatus.SAMPLE_STATUS_ABORTED:
+                aborted.add(sample.index)
+            else:
+                add_rollout_metadata(sample, requests=1, aborts=0, parallel=len(fresh))
+        return aborted
 
     async def _sample(
         self,
@@ -97,9 +131,14 @@ class DefaultRollout:
         plan: GroupPlan,
         client: RouterClient,
         snapshot: Callable[[], PromptGroup],
+        after_abort: bool = False,
     ) -> None:
         priority, aborts, requests = FRESH, 0, 0
-        if len(sample.response_token_ids):  # carried in partial: this is a resume
+        if after_abort:  # aborted in the parallel first round: that was request 0
+            aborts = requests = 1
+            priority = await self.buffer.wait(group.group_id, snapshot)
+            self._prepare_resume(sample)
+        elif len(sample.response_token_ids):  # carried in partial: this is a resume
             self._prepare_resume(sample)
         while True:
             done = len(sample.response_token_ids)

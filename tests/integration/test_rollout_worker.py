@@ -151,7 +151,8 @@ def test_rollout_process_generates_through_the_router_and_drains(redis_url, tmp_
             assert list(sample.response_token_ids) == [token_at(4 + i) for i in range(6)]
             assert list(sample.weight_versions) == [7] * 6
             assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
-    assert len(requests) == 6
+    # One request per group with n = 2 (parallel sampling): 6 samples in 3 requests.
+    assert len(requests) == 3 and all(b["sampling_params"]["n"] == 2 for _, b in requests)
     assert all(h["traceparent"].split("-")[1] == TRACE_ID for h, _ in requests)
     assert pending_count(redis_url, keys.prompts, GROUP_ROLLOUT) == 0
     assert (tmp_path / "traces").is_dir()

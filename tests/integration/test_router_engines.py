@@ -8,6 +8,7 @@ in the 5xx-retry test. Sync tests drive concurrent load with `asyncio.run`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import threading
@@ -130,7 +131,7 @@ def test_sse_streams_through(engines, router_factory):
     # coalesces growth it has not flushed yet; chunk-by-chunk relaying is covered by the
     # router's unit tests with a controlled upstream.
     assert chunks
-    for before, after in zip(chunks, chunks[1:], strict=False):
+    for before, after in itertools.pairwise(chunks):
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
     whole = httpx.post(router.url + "/generate", json={**body, "stream": False}, timeout=30).json()
     assert chunks[-1]["output_ids"] == whole["output_ids"]

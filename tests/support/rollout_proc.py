@@ -43,6 +43,12 @@ def logprob_at(position: int) -> float:
     return -0.05 - (position % 5) / 10
 
 
+def fake_answers(body: dict[str, Any], version: str) -> dict | list[dict]:
+    """One answer, or n of them when sampling_params asks for n > 1 (parallel sampling)."""
+    n = int(body["sampling_params"].get("n") or 1)
+    return fake_answer(body, version) if n == 1 else [fake_answer(body, version) for _ in range(n)]
+
+
 def fake_answer(body: dict[str, Any], version: str, abort_after: int | None = None) -> dict:
     """SGLang's /generate answer from the fake greedy model; aborted after `abort_after`
     tokens when given and the budget is larger."""
@@ -142,7 +148,7 @@ class FakeRouter:
         if path.startswith("/generate"):
             if self.status is not None:
                 return self.status, {"error": {"message": f"scripted {self.status}"}}
-            return 200, fake_answer(body, self.version)
+            return 200, fake_answers(body, self.version)
         return 404, {"error": {"message": f"no route {path}"}}
 
     def generate_requests(self) -> list[tuple[dict[str, str], dict]]:

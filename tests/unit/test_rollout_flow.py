@@ -60,10 +60,18 @@ class FakeEngine:
         finally:
             self.in_flight -= 1
 
-    def generate(self, body: dict) -> dict:
+    def generate(self, body: dict) -> dict | list[dict]:
+        n = int(body["sampling_params"].get("n") or 1)
+        if n == 1:
+            return self._one(body["rid"], body)
+        # Parallel sampling: copy j stands for sample j, so scripted aborts still apply per sample.
+        group = body["rid"].rsplit("-n", 1)[0]
+        return [self._one(f"{group}-s{j}-r0-a1", body) for j in range(n)]
+
+    def _one(self, rid: str, body: dict) -> dict:
         abort_after = None
         for prefix, k in list(self.aborts.items()):
-            if body["rid"].startswith(prefix):
+            if rid.startswith(prefix):
                 del self.aborts[prefix]
                 abort_after = k
                 asyncio.get_running_loop().call_later(self.bump_after_s, self.bump)
@@ -109,25 +117,27 @@ def expected_tokens(n: int = 8) -> list[int]:
 
 def test_samples_run_concurrently_under_the_worker_bound():
     engine = FakeEngine(latency_s=0.02)
-    groups = [prompt_group(f"g{i}", data_index=i) for i in range(3)]
+    groups = [prompt_group(f"g{i}", data_index=i) for i in range(6)]
     groups.append(prompt_group("e0", is_eval=True, eval_name="dev"))
     results = run_worker(engine, groups, "--n-samples-per-prompt", "4",
                          "--rollout-max-concurrency", "5", "--n-samples-per-eval-prompt", "2",
                          "--eval-temperature", "0")  # fmt: skip
     assert engine.max_in_flight == 5
-    assert [len(r.samples) for r in results] == [4, 4, 4, 2]
+    assert [len(r.samples) for r in results] == [4] * 6 + [2]
     for result in results:
         assert not result.failure_reason and result.prompt.group_id
         for sample in result.samples:
             assert list(sample.response_token_ids) == expected_tokens()
             assert list(sample.weight_versions) == [1] * 8
             assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
-    assert len({r["rid"] for r in engine.requests}) == len(engine.requests) == 14
+    # One request per group, carrying n (parallel sampling): the engine batches the copies.
+    assert len({r["rid"] for r in engine.requests}) == len(engine.requests) == 7
+    assert sorted(r["sampling_params"]["n"] for r in engine.requests) == [2] + [4] * 6
     assert all(r["return_logprob"] for r in engine.requests)
     seeds = {r["sampling_params"]["sampling_seed"] for r in engine.requests}
-    assert len(seeds) == 14
+    assert len(seeds) == 7
     temps = [r["sampling_params"]["temperature"] for r in engine.requests if "e0" in r["rid"]]
-    assert temps == [0, 0]
+    assert temps == [0]
 
 
 def test_partial_rollout_resumes_from_the_partial_tokens():

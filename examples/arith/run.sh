@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The main job (`make run`): GRPO on two-digit addition with a 140k-parameter Qwen2, on CPU.
+# Written as a Miles launch script: bash arrays of Miles flags, then one command.
+# Everything it needs ships in this folder (model/, data/); `millstream train-async` starts a
+# private redis-server, the engine, the router and the workers, and stops them at the end.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+MILLSTREAM="${MILLSTREAM:-$ROOT/.venv/bin/millstream}"
+RUN_DIR="${RUN_DIR:-$ROOT/runs/arith}"
+
+CKPT_ARGS=(
+   --hf-checkpoint "$HERE/model"
+   --save "$RUN_DIR/ckpt"
+   --save-interval 50
+)
+
+ROLLOUT_ARGS=(
+   --prompt-data "$HERE/data/train.jsonl"
+   --input-key prompt
+   --label-key label
+   --rollout-shuffle
+   --rm-type exact
+   --num-rollout "${NUM_ROLLOUT:-100}"
+   --rollout-batch-size 64
+   --n-samples-per-prompt 8
+   --global-batch-size 512
+   --rollout-max-response-len 4
+   --rollout-temperature 1.0
+   --rollout-skip-special-tokens
+)
+
+EVAL_ARGS=(
+   --eval-interval 5
+   --eval-prompt-data arith "$HERE/data/eval.jsonl"
+   --n-samples-per-eval-prompt 1
+   --eval-temperature 0
+   --eval-max-response-len 4
+)
+
+PERF_ARGS=(
+   --micro-batch-size 512
+)
+
+GRPO_ARGS=(
+   --advantage-estimator grpo
+   --eps-clip 0.2
+   --eps-clip-high 0.28
+)
+
+OPTIMIZER_ARGS=(
+   --optimizer adam
+   --lr 5e-4
+   --lr-decay-style constant
+   --weight-decay 0.0
+   --adam-beta1 0.9
+   --adam-beta2 0.98
+)
+
+SGLANG_ARGS=(
+   --rollout-num-engines 1
+   --engine-max-running-requests 128
+)
+
+SERVICE_ARGS=(
+   --run-id arith
+   --run-dir "$RUN_DIR"
+   --max-staleness 1
+   --num-rollout-workers 2
+   --num-reward-workers 1
+   --rollout-max-concurrency 128
+   --log-level warning
+)
+
+rm -rf "$RUN_DIR"
+exec "$MILLSTREAM" train-async \
+   "${CKPT_ARGS[@]}" \
+   "${ROLLOUT_ARGS[@]}" \
+   "${EVAL_ARGS[@]}" \
+   "${PERF_ARGS[@]}" \
+   "${GRPO_ARGS[@]}" \
+   "${OPTIMIZER_ARGS[@]}" \
+   "${SGLANG_ARGS[@]}" \
+   "${SERVICE_ARGS[@]}"
