@@ -21,7 +21,7 @@ ROLLOUT_ARGS=(
    --label-key label
    --rollout-shuffle
    --rm-type exact
-   --num-rollout "${NUM_ROLLOUT:-100}"
+   --num-rollout "${NUM_ROLLOUT:-90}"
    --rollout-batch-size 64
    --n-samples-per-prompt 8
    --global-batch-size 512

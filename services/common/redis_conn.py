@@ -22,16 +22,24 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-async def connect(url: str, password: str | None = None, timeout_s: float = 5.0) -> aioredis.Redis:
+async def connect(
+    url: str, password: str | None = None, timeout_s: float = 5.0, max_connections: int = 64
+) -> aioredis.Redis:
     """An async client that has answered PING; ServiceUnavailable otherwise."""
     password = password or os.environ.get("REDIS_PASSWORD") or None
     try:
-        client = aioredis.from_url(
+        # A blocking pool: a burst of concurrent jobs waits for a free connection instead of
+        # failing with "Too many connections" (a worker runs up to --rollout-max-concurrency
+        # jobs, each of which talks to Redis).
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout_s * 6,
             password=password if urlsplit(url).password is None else None,
             socket_connect_timeout=timeout_s,
             health_check_interval=30,
         )
+        client = aioredis.Redis.from_pool(pool)  # the client owns (and closes) the pool
     except ValueError as err:
         raise ServiceUnavailable(f"bad Redis URL {redact(url)!r}: {err}") from None
     try:
