@@ -30,7 +30,9 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError, Message
 from redis.exceptions import ResponseError
 
+from .config import RunConfig
 from .errors import MillstreamError
+from .keys import RunKeys
 
 SCHEMA_VERSION = 1
 """Version of the entry envelope and its protobuf payloads; consumers refuse other versions."""
@@ -261,6 +263,24 @@ class Consumer:
         self._claim_cursor = "0-0"
         self._ack_and_add = redis.register_script(_ACK_AND_ADD)
         self._renew = redis.register_script(_RENEW)
+
+    @classmethod
+    def for_run(
+        cls, redis: aioredis.Redis, cfg: RunConfig, stream: str, group: str, consumer_name: str
+    ) -> Consumer:
+        """A consumer with the run's --claim-idle-ms, --max-deliveries and --stream-block-ms,
+        dead-lettering to `{run}:dead`."""
+        s = cfg.service
+        return cls(
+            redis,
+            stream,
+            group,
+            consumer_name,
+            claim_idle_ms=s.claim_idle_ms,
+            max_deliveries=s.max_deliveries,
+            dead_stream=RunKeys(cfg.run_id).dead,
+            block_ms=s.stream_block_ms,
+        )
 
     async def ensure_group(self) -> None:
         """Create the group (and the stream) if missing, reading from the first entry."""

@@ -22,9 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from millstream.common.plugins import load_function
 from millstream.common.types import Sample, SampleStatus
-
-from .plugins import load_function
 
 _STD_EPS = 1e-8
 

@@ -27,10 +27,10 @@ from typing import Any, TypeVar
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
+from millstream.common.plugins import load_function
 from millstream.common.types import Sample
 
 from .math_utils import last_boxed
-from .plugins import load_function
 from .remote_rm import RemoteRM
 from .rm_hub import REMOTE, rule_reward, split_rm_type, to_reward
 

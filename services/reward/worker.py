@@ -73,16 +73,8 @@ class RewardWorker:
     def __init__(self, redis: Any, cfg: RunConfig, scorer: GroupScorer, consumer_name: str):
         self.keys = RunKeys(cfg.run_id)
         self.scorer = scorer
-        s = cfg.service
-        self.consumer = Consumer(
-            redis,
-            self.keys.generated,
-            GROUP_REWARD,
-            consumer_name,
-            claim_idle_ms=s.claim_idle_ms,
-            max_deliveries=s.max_deliveries,
-            dead_stream=self.keys.dead,
-            block_ms=s.stream_block_ms,
+        self.consumer = Consumer.for_run(
+            redis, cfg, self.keys.generated, GROUP_REWARD, consumer_name
         )
         self.stream_worker = StreamWorker(
             self.consumer,

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,23 +141,3 @@ def derive_seed(seed_key: str, sample_index: int, tokens_done: int = 0) -> int:
     text = f"{seed_key}:{sample_index}:{tokens_done}".encode()
     digest = hashlib.blake2b(text, digest_size=8).digest()
     return int.from_bytes(digest, "big") % SEED_MODULUS
-
-
-def load_function(path: str, what: str) -> Callable[..., Any]:
-    """The callable at `pkg.mod.fn` (or `pkg.mod:fn`); MillstreamError naming the flag otherwise."""
-    module_name, sep, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise MillstreamError(f"{what} {path!r} must look like pkg.module.function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise MillstreamError(
-            f"{what} {path!r}: cannot import module {module_name!r} ({err}); is it on the "
-            "PYTHONPATH of every rollout worker?"
-        ) from err
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise MillstreamError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
-    if not callable(fn):
-        raise MillstreamError(f"{what} {path!r} is a {type(fn).__name__}, not a function")
-    return fn

@@ -30,13 +30,13 @@ import redis.asyncio as aioredis
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import GROUP_ROLLOUT, RunKeys
+from millstream.common.plugins import load_function
 from millstream.common.streams import Consumer, StreamEntry, decode
 from millstream.common.telemetry import context_from_fields, inject_fields, tracer
 from millstream.common.types import PromptGroup, SampleGroup
 from millstream.common.worker import StreamWorker
 
 from .client import GenerationFailed, RouterClient
-from .config import load_function
 from .group import DefaultRollout
 from .partial import BufferFilter, PartialBuffer, fifo
 
@@ -73,7 +73,7 @@ class RolloutWorker:
         partial_poll_s: float = 0.5,
         partial_max_wait_s: float = 5.0,
     ):
-        r, s = cfg.rollout, cfg.service
+        r = cfg.rollout
         if r.custom_generate_function_path:
             raise MillstreamError(
                 "--custom-generate-function-path is not supported by the rollout worker; "
@@ -96,15 +96,8 @@ class RolloutWorker:
         )
         if r.rollout_function_path:
             self.rollout_fn = load_function(r.rollout_function_path, "--rollout-function-path")
-        self.consumer = Consumer(
-            redis,
-            self.keys.prompts,
-            GROUP_ROLLOUT,
-            consumer_name,
-            claim_idle_ms=s.claim_idle_ms,
-            max_deliveries=s.max_deliveries,
-            dead_stream=self.keys.dead,
-            block_ms=s.stream_block_ms,
+        self.consumer = Consumer.for_run(
+            redis, cfg, self.keys.prompts, GROUP_ROLLOUT, consumer_name
         )
         self.stream_worker = StreamWorker(
             self.consumer,

@@ -13,12 +13,12 @@ import pytest
 
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
+from millstream.common.plugins import load_function
 from millstream.common.types import PromptGroup, SampleStatus
 from millstream.rollout.client import FRESH, Slots
 from millstream.rollout.config import (
     SEED_MODULUS,
     derive_seed,
-    load_function,
     parse_worker_args,
     plan_for,
 )

@@ -22,8 +22,8 @@ def load_function(path: str, what: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise MillstreamError(
-            f"{what} {path!r}: cannot import module {module_name!r} ({err}); is it on PYTHONPATH "
-            "of every reward worker (and Celery worker)?"
+            f"{what} {path!r}: cannot import module {module_name!r} ({err}); is it on the "
+            "PYTHONPATH of every worker that runs it (rollout, reward, Celery)?"
         ) from err
     fn = getattr(module, attr, None)
     if fn is None:
