@@ -62,6 +62,7 @@ class Buffer:
         self.duplicates = 0
         self._on_terminal = on_terminal
         self._kept: deque[ScoredGroup] = deque()
+        self._waiting: set[str] = set()  # ids of the kept groups in `_kept`
         self._arrived = asyncio.Condition()
         self._eval: dict[str, ScoredGroup] = {}
         self._contexts: dict[str, SpanContext] = {}
@@ -85,13 +86,14 @@ class Buffer:
         scored = streams.decode(entry, ScoredGroup)
         gid = scored.group.prompt.group_id
         async with self._arrived:
-            if gid in self.consumed or gid in self._eval:
+            if gid in self.consumed or gid in self._waiting or gid in self._eval:
                 self.duplicates += 1
                 return
             if scored.group.prompt.is_eval:
                 self._eval[gid] = scored
             elif scored.verdict == Verdict.VERDICT_KEPT:
                 self._kept.append(scored)
+                self._waiting.add(gid)
                 span = trace.get_current_span(telemetry.context_from_fields(entry.trace_fields))
                 if span.get_span_context().is_valid:
                     self._contexts[gid] = span.get_span_context()
@@ -105,6 +107,7 @@ class Buffer:
             self._arrived.notify_all()
 
     def _terminal(self, gid: str, state: str) -> None:
+        self._waiting.discard(gid)
         self.consumed.add(gid)
         self._on_terminal(gid, state)
 
