@@ -52,7 +52,7 @@ async def connect(
     except (RedisError, OSError) as err:
         await client.aclose()
         raise ServiceUnavailable(
-            f"cannot reach Redis at {redact(url)}: {err}. Is redis-server running there? "
+            f"cannot reach Redis at {redact(url)}: {str(err).rstrip('.')}. Is redis-server running there? "
             "Without --redis-url, `millstream train` starts its own."
         ) from None
     return client
