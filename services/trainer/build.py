@@ -13,12 +13,13 @@ from millstream.common.errors import MillstreamError
 from millstream.common.keys import RunKeys
 from millstream.common.streams import default_consumer_name
 
-from . import checkpoint
+from . import checkpoint, distributed
 from .admission import Admission, TerminalCounts
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
 from .coordinator import Coordinator
 from .data import PromptDataSource
+from .distributed import DataParallel
 from .evaluate import Evaluator
 from .metrics import MetricsLogger
 from .trainer import Parts, Trainer
@@ -78,11 +79,9 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
     total = num_rollouts(cfg, source)
     resume_from = checkpoint.latest_iteration(cfg.ckpt.load)
     state = checkpoint.load_state(cfg.ckpt.load, resume_from) if resume_from is not None else None  # type: ignore[arg-type]
-    actor = cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load
-    ref = (cfg.ckpt.ref_load or cfg.ckpt.hf_checkpoint) if cfg.algo.use_kl_loss else None
-    backend = TorchBackend(
-        cfg, actor, ref_dir=ref, total_steps=total * cfg.rollout.num_steps_per_rollout
-    )  # type: ignore[arg-type]
+    backend: TorchBackend | DataParallel = build_backend(cfg, total)
+    if distributed.world_size_from_env() > 1:
+        backend = DataParallel(backend)
 
     r = cfg.rollout
     slack = (r.over_sampling_batch_size - r.rollout_batch_size) if r.over_sampling_batch_size else 0
@@ -133,8 +132,32 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
     return trainer, [coordinator.stop, sync.close, buffer.stop, close_logger]
 
 
+def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
+    actor = cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load
+    ref = (cfg.ckpt.ref_load or cfg.ckpt.hf_checkpoint) if cfg.algo.use_kl_loss else None
+    return TorchBackend(
+        cfg, actor, ref_dir=ref, total_steps=total_rollouts * cfg.rollout.num_steps_per_rollout
+    )  # type: ignore[arg-type]
+
+
+def build_follower(cfg: RunConfig) -> DataParallel:
+    """A data parallel rank > 0: the backend alone, from the same model, seed and --load
+    checkpoint as rank 0, so that all ranks start with the same weights and optimizer."""
+    total = cfg.rollout.num_rollout or num_rollouts(cfg, data_sources(cfg, load_tokenizer(cfg))[0])
+    backend = build_backend(cfg, total)
+    resume_from = checkpoint.latest_iteration(cfg.ckpt.load)
+    if resume_from is not None:
+        state = checkpoint.load_state(cfg.ckpt.load, resume_from)  # type: ignore[arg-type]
+        checkpoint.set_rng_state(state["rng"])
+        backend.load(
+            checkpoint.iter_dir(cfg.ckpt.load, resume_from),  # type: ignore[arg-type]
+            load_optimizer=not cfg.ckpt.no_load_optim,
+        )
+    return DataParallel(backend)
+
+
 def restore(
-    cfg: RunConfig, state: dict[str, Any], backend: TorchBackend, source: PromptDataSource,
+    cfg: RunConfig, state: dict[str, Any], backend: TorchBackend | DataParallel, source: PromptDataSource,
     admission: Admission, buffer: Buffer, iteration: int,
 ) -> tuple[int, int]:  # fmt: skip
     checkpoint.set_rng_state(state["rng"])

@@ -59,6 +59,26 @@ from .procs import (
 HOST = "127.0.0.1"
 TAIL_LINES = 20
 PROGRESS_EVERY_S = 15.0
+TORCHRUN_ENV = frozenset(
+    [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+    ]
+)
 
 # Shutdown order: the highest tier stops first.
 TIER_REDIS, TIER_ENGINE, TIER_ROUTER, TIER_WORKER = range(4)
@@ -272,7 +292,9 @@ class LocalCluster:
         ]
 
     def _env(self, **extra: str | None) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # A trainer under torchrun: its services are not ranks of the trainer's group.
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+        env["PYTHONUNBUFFERED"] = "1"
         env.update({k: v for k, v in extra.items() if v})
         return env
 

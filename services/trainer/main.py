@@ -4,6 +4,10 @@ Thin entry: parse and validate flags (exit 2 on bad ones), start what is missing
 Redis, engines, router and workers, unless --redis-url/--router-url say where they are),
 publish the resolved config, build the trainer's parts (resuming from --load when it holds a
 checkpoint), train, print the summary, and stop everything in `finally`.
+
+Under torchrun (WORLD_SIZE > 1) rank 0 does all of the above and ranks > 0 only train
+(distributed.DataParallel): they build the backend alone and follow rank 0 until it says
+STOP, which rank 0 does in `finally` (on error, torchrun ends the other ranks).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,11 +59,46 @@ def _run(argv: Sequence[str], mode: str, prog: str) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _run_data_parallel(cfg)
+    ranks = cfg.megatron.actor_num_nodes * cfg.megatron.actor_num_gpus_per_node
+    if ranks > 1:
+        command = prog.replace("millstream ", "", 1)
+        print(
+            f"{prog}: error: --actor-num-nodes x --actor-num-gpus-per-node = {ranks} trainer "
+            "ranks: start them with torchrun, e.g.\n  torchrun --nnodes "
+            f"{cfg.megatron.actor_num_nodes} --nproc-per-node "
+            f"{cfg.megatron.actor_num_gpus_per_node} -m millstream.cli {command} " + " ".join(argv),
+            file=sys.stderr,
+        )
+        return 2
+    return _run_trainer(cfg)
+
+
+def _run_trainer(cfg: RunConfig) -> int:
     provider = setup_tracing("trainer", cfg.run_dir)
     try:
         return asyncio.run(train_with_cluster(cfg))
     finally:
         shutdown_tracing(provider)
+
+
+def _run_data_parallel(cfg: RunConfig) -> int:
+    from . import distributed
+
+    rank = distributed.init()
+    try:
+        if rank > 0:
+            from .build import build_follower
+
+            build_follower(cfg).follow()
+            return 0
+        try:
+            return _run_trainer(cfg)
+        finally:
+            distributed.send_stop()
+    finally:
+        distributed.shutdown()
 
 
 def train(argv: Sequence[str]) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -58,6 +58,13 @@ def lr_factor(step: int, cfg: RunConfig, total_steps: int) -> float:
     return 1.0
 
 
+def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[lo, hi) of rank's contiguous share of n items; shares differ in size by at most one."""
+    base, extra = divmod(n, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
 class TorchBackend:
     def __init__(
         self, cfg: RunConfig, actor_dir: str | Path, *, ref_dir: str | Path | None, total_steps: int
@@ -85,6 +92,10 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, cfg, total_steps)
         )
+        # Set by DataParallel: this rank's place, and the sum across ranks of the gradients
+        # and of the per-shard metric sums it is given.
+        self.rank, self.world_size = 0, 1
+        self.reduce_across_ranks: Callable[[dict[str, float]], dict[str, float]] | None = None
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -146,16 +157,22 @@ class TorchBackend:
         """`num_steps` optimizer steps over consecutive equal slices of the samples."""
         if len(samples) % num_steps:
             raise ValueError(f"{len(samples)} samples do not split into {num_steps} equal steps")
-        old = self.logprobs(samples) if num_steps > 1 else None
-        ref = self.logprobs(samples, use_ref=True) if self.ref is not None else None
         per_step = len(samples) // num_steps
+        if per_step < self.world_size:
+            raise ValueError(
+                f"{per_step} samples per step cannot be shared by {self.world_size} trainer ranks"
+            )
+        lo, hi = shard_bounds(per_step, self.rank, self.world_size)
+        mine = [s for k in range(num_steps) for s in samples[k * per_step + lo : k * per_step + hi]]
+        old = self.logprobs(mine) if num_steps > 1 else None
+        ref = self.logprobs(mine, use_ref=True) if self.ref is not None else None
+        n = hi - lo
         totals: dict[str, float] = defaultdict(float)
         for k in range(num_steps):
-            lo, hi = k * per_step, (k + 1) * per_step
             step_metrics = self._step(
-                samples[lo:hi],
-                None if old is None else old[lo:hi],
-                None if ref is None else ref[lo:hi],
+                samples[k * per_step : (k + 1) * per_step],
+                None if old is None else old[k * n : (k + 1) * n],
+                None if ref is None else ref[k * n : (k + 1) * n],
             )
             for name, value in step_metrics.items():
                 totals[name] += value / num_steps
@@ -167,8 +184,15 @@ class TorchBackend:
         old: list[torch.Tensor] | None,
         ref: list[torch.Tensor] | None,
     ) -> dict[str, float]:
+        """One optimizer step over the slice `samples`; `old`/`ref` cover this rank's shard."""
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(samples, old, ref)
+        denom = Denominator(
+            n_samples=len(samples), n_tokens=max(1, sum(sum(s.loss_mask) for s in samples))
+        )
+        lo, hi = shard_bounds(len(samples), self.rank, self.world_size)
+        metrics = self.accumulate_gradients(samples[lo:hi], old, ref, denom)
+        if self.reduce_across_ranks is not None:
+            metrics = self.reduce_across_ranks(metrics)
         clip = self.cfg.optimizer.clip_grad
         metrics["grad_norm"] = float(
             clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
@@ -183,9 +207,11 @@ class TorchBackend:
         samples: list[TrainSample],
         old: list[torch.Tensor] | None,
         ref: list[torch.Tensor] | None,
+        denom: Denominator | None = None,
     ) -> dict[str, float]:
-        """Backward over micro-batches; the summed gradient is the whole slice's gradient."""
-        denom = Denominator(
+        """Backward over micro-batches; the summed gradient is the gradient of the loss over
+        the slice `denom` counts (by default, `samples` itself)."""
+        denom = denom or Denominator(
             n_samples=len(samples), n_tokens=max(1, sum(sum(s.loss_mask) for s in samples))
         )
         metrics: dict[str, float] = defaultdict(float)

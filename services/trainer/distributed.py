@@ -1,0 +1,170 @@
+"""Data parallel training under torchrun: rank 0 is the trainer, ranks > 0 only train.
+
+Rank 0 alone talks to the services (admits, reads the buffer, syncs weights, logs, saves).
+Per rollout it broadcasts a command and the samples to every rank; each rank trains on its
+contiguous shard of every step slice with the Denominator of the whole slice, so the SUM of
+the ranks' gradients (all_reduce, not averaged) is the one-rank gradient of that slice.
+Every rank then clips and steps alike; starting from the same weights (same checkpoint, same
+seed) with the same optimizer state, the weights stay identical on all ranks. Metrics that
+are per-shard sums are summed the same way; grad_norm and lr are then equal on every rank.
+
+Samples cross as tensors, never pickles: a header [command, num_steps, n_samples, and the
+lengths of the flat payloads], then per-sample ints (len(tokens), prompt_len, len(loss_mask),
+len(rollout_logprobs), version_lag), the flat tokens and loss masks (int64), and the flat
+rollout logprobs and the advantages (float64, as the samples hold them).
+
+Blocking calls: run `DataParallel.train_rollout` from a worker thread, never the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from itertools import accumulate, pairwise
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .backends.base import TrainSample
+from .backends.torch_backend import TorchBackend
+
+TRAIN, STOP = 1, 0
+HEADER = 7
+# Followers wait in a broadcast while rank 0 collects a rollout, which may take long; a dead
+# rank 0 is torchrun's to detect (it ends the other ranks), so this only bounds true hangs.
+TIMEOUT = timedelta(hours=24)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init() -> int:
+    """Join the default process group from torchrun's env (gloo on CPU, nccl with CUDA);
+    return this rank."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=TIMEOUT)
+    return dist.get_rank()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def encode(samples: list[TrainSample]) -> list[torch.Tensor]:
+    """[ints_N5, tokens, loss masks, rollout logprobs, advantages_N] of the samples."""
+    ints = torch.tensor(
+        [
+            [len(s.tokens), s.prompt_len, len(s.loss_mask), len(s.rollout_logprobs), s.version_lag]
+            for s in samples
+        ],
+        dtype=torch.int64,
+    ).reshape(-1, 5)
+    return [
+        ints,
+        torch.tensor([t for s in samples for t in s.tokens], dtype=torch.int64),
+        torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.int64),
+        torch.tensor([x for s in samples for x in s.rollout_logprobs], dtype=torch.float64),
+        torch.tensor([s.advantage for s in samples], dtype=torch.float64),
+    ]
+
+
+def decode(payload: list[torch.Tensor]) -> list[TrainSample]:
+    ints, tokens, masks, logps, advs = (t.cpu().tolist() for t in payload)
+
+    def split(flat: list, lengths: list[int]) -> Iterator[list]:
+        starts = [0, *accumulate(lengths)]
+        return (flat[a:b] for a, b in pairwise(starts))
+
+    cols = list(zip(*ints, strict=True)) if ints else [()] * 5
+    return [
+        TrainSample(
+            tokens=tok, prompt_len=p, loss_mask=m, rollout_logprobs=lp, advantage=a, version_lag=v
+        )
+        for tok, p, m, lp, a, v in zip(
+            split(tokens, cols[0]), cols[1], split(masks, cols[2]), split(logps, cols[3]),
+            advs, cols[4], strict=True,
+        )
+    ]  # fmt: skip
+
+
+def _broadcast_header(header: list[int]) -> list[int]:
+    t = torch.tensor(header, dtype=torch.int64, device=_device())
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
+def send_stop(timeout: timedelta = timedelta(seconds=60)) -> None:
+    """Rank 0: tell the followers to return from `follow`. Bounded: after an error in the
+    middle of a rollout the followers wait in another collective and never take it; rank 0
+    then exits with its error and torchrun ends them."""
+    t = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64, device=_device())
+    work = dist.broadcast(t, src=0, async_op=True)
+    assert work is not None
+    work.wait(timeout=timeout)
+
+
+class DataParallel:
+    """A TorchBackend on one rank of the default process group, with the backend's interface
+    for rank 0 (`train_rollout`, `named_weights`, `save`, `load`) and `follow` for the others."""
+
+    def __init__(self, backend: TorchBackend):
+        self.backend = backend
+        self.device = _device()
+        backend.rank, backend.world_size = dist.get_rank(), dist.get_world_size()
+        backend.reduce_across_ranks = self._sum_across_ranks
+
+    def train_rollout(self, samples: list[TrainSample], num_steps: int) -> dict[str, float]:
+        payload = encode(samples)
+        _broadcast_header([TRAIN, num_steps, len(samples), *(t.numel() for t in payload[1:4])])
+        for t in payload:
+            dist.broadcast(t.to(self.device), src=0)
+        return self.backend.train_rollout(samples, num_steps)
+
+    def follow(self) -> None:
+        """Ranks > 0: train on what rank 0 broadcasts, until it says STOP."""
+        while True:
+            command, num_steps, n, n_tokens, n_masks, n_logps = _broadcast_header([0] * HEADER)[:6]
+            if command == STOP:
+                return
+            shapes = [((n, 5), torch.int64), ((n_tokens,), torch.int64), ((n_masks,), torch.int64),
+                      ((n_logps,), torch.float64), ((n,), torch.float64)]  # fmt: skip
+            payload = [
+                torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes
+            ]
+            for t in payload:
+                dist.broadcast(t, src=0)
+            self.backend.train_rollout(decode(payload), num_steps)
+
+    def _sum_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        params = [p for p in self.backend.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.device)
+        dist.all_reduce(flat)
+        flat = flat.to(grads[0].device)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        names = sorted(metrics)
+        values = torch.tensor([metrics[k] for k in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)
+        return dict(zip(names, values.tolist(), strict=True))
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.backend.named_weights()
+
+    def save(self, directory: Path, save_optimizer: bool = True) -> None:
+        self.backend.save(directory, save_optimizer)
+
+    def load(self, directory: Path, load_optimizer: bool = True) -> None:
+        self.backend.load(directory, load_optimizer)

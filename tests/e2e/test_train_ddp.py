@@ -1,0 +1,59 @@
+"""`millstream train` under torchrun with two trainer ranks (gloo on CPU): rank 0 runs the
+loop and the services, rank 1 only trains; both exit cleanly and nothing is left running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_train import _check_run, _flags, prompts  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(200)]
+
+
+def _tagged(tag: str) -> list[int]:
+    """Pids of live processes whose environment carries MILLSTREAM_TEST_TAG=tag."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if f"MILLSTREAM_TEST_TAG={tag}".encode() in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_two_trainer_ranks_under_torchrun(tiny_model_dir, prompts, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run-ddp"
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MILLSTREAM_TEST_TAG": tag}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--standalone", "-m", "millstream.cli", "train"]  # fmt: skip
+    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "2")
+    child = subprocess.Popen(
+        [*torchrun, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        out, err = child.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        _kill(_tagged(tag))
+        out, err = child.communicate()
+        pytest.fail(f"timed out:\n{out[-3000:]}{err[-3000:]}")
+    left = _tagged(tag)
+    _kill(left)
+    _check_run(subprocess.CompletedProcess(child.args, child.returncode, out, err), run_dir, 2)
+    assert left == [], "processes left behind"
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:  # this run's own ranks and services, found by the tag
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,114 @@
+"""Data parallel training: two gloo ranks take the same step as one rank over the whole
+slice, and end with identical weights; samples survive the tensor encoding."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from millstream.common.config import parse_run_config
+from millstream.trainer.backends.torch_backend import TorchBackend, shard_bounds
+from millstream.trainer.distributed import decode, encode
+from tests.unit.test_torch_backend import _samples
+
+pytestmark = pytest.mark.timeout(120)
+
+# SGD with lr 1 and no clipping: the weight change IS the gradient, so a sum mistaken for a
+# mean shows. (Adam's first step, lr * g / (|g| + eps), would turn float rounding in a
+# gradient near eps into a visible change.)
+FLAGS = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--optimizer", "sgd",
+         "--lr", "1", "--clip-grad", "0"]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, model: str, out: str, extra: list[str]) -> None:
+    import torch.distributed as dist
+
+    from millstream.trainer.distributed import DataParallel, init, send_stop, shutdown
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    init()
+    try:
+        cfg = parse_run_config([*FLAGS, *extra])
+        dp = DataParallel(TorchBackend(cfg, model, ref_dir=None, total_steps=2))
+        if rank == 0:
+            dp.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
+            send_stop()
+        else:
+            dp.follow()
+        torch.save(dict(dp.named_weights()), Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        shutdown()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--calculate-per-token-loss"],
+        ["--num-steps-per-rollout", "2", "--global-batch-size", "2"],
+    ],
+    ids=["per-sample", "per-token", "two-steps"],
+)
+def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path, extra):
+    cfg = parse_run_config([*FLAGS, *extra])
+    single = TorchBackend(cfg, tiny_model_dir, ref_dir=None, total_steps=2)
+    single.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
+    expected = dict(single.named_weights())
+    before = load_file(Path(tiny_model_dir) / "model.safetensors")
+
+    mp.spawn(_rank, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path), extra), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    moved = 0
+    for name, want in expected.items():
+        for got in ranks:
+            torch.testing.assert_close(got[name], want, atol=1e-6, rtol=0)
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        moved += int(name in before and not torch.equal(before[name], want))
+    assert moved > 0
+
+
+def test_samples_cross_as_tensors_unchanged():
+    samples = _samples()
+    assert decode(encode(samples)) == samples
+    assert decode(encode([])) == []
+
+
+def test_shards_cover_the_slice_and_differ_by_at_most_one():
+    for n, world in [(4, 2), (5, 2), (7, 3), (3, 3)]:
+        bounds = [shard_bounds(n, r, world) for r in range(world)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+        sizes = [hi - lo for lo, hi in bounds]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_several_trainer_ranks_without_torchrun_say_how_to_start_them(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    from millstream.trainer.main import train
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(prompts),
+            "--rm-type", "exact", "--num-rollout", "1", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--actor-num-gpus-per-node", "2"]  # fmt: skip
+    assert train(argv) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nnodes 1 --nproc-per-node 2 -m millstream.cli train --hf-checkpoint" in err
