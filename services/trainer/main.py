@@ -38,6 +38,11 @@ def check_trainer_flags(cfg: RunConfig) -> None:
         raise ConfigError("the trainer needs --rm-type or --custom-rm-path: how samples are scored")
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
         raise ConfigError("the trainer needs --num-rollout or --num-epoch: how long to train")
+    if cfg.algo.advantage_estimator != "grpo":
+        raise ConfigError(
+            f"--advantage-estimator {cfg.algo.advantage_estimator} is not built yet (grpo is); "
+            "the other estimators land with the RL objective family"
+        )
     if cfg.ckpt.train_backend != "torch":
         raise ConfigError(f"--train-backend {cfg.ckpt.train_backend} is not built yet (torch is)")
     if cfg.rollout.n_samples_per_prompt < 2 and not cfg.algo.disable_grpo_std_normalization:

@@ -102,6 +102,21 @@ def test_abbreviated_flag_is_not_accepted(tmp_path):
             "--num-rollout",
             ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rm-type", "math"],
         ),
+        (
+            "--advantage-estimator gspo",
+            [
+                "--hf-checkpoint",
+                "m",
+                "--prompt-data",
+                "p.jsonl",
+                "--rm-type",
+                "math",
+                "--num-rollout",
+                "1",
+                "--advantage-estimator",
+                "gspo",
+            ],
+        ),
     ],
 )
 def test_trainer_names_the_flag_it_needs(tmp_path, missing, flags):
