@@ -46,6 +46,7 @@ GRPO_ARGS=(
    --advantage-estimator grpo
    --eps-clip 0.2
    --eps-clip-high 0.28
+   --use-tis
 )
 
 OPTIMIZER_ARGS=(
