@@ -17,22 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import redis
 
-from millstream.common.keys import RunKeys
 from millstream.common.streams import entry_fields
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.worker_procs import WorkerProcs
 
 
 def token_at(position: int) -> int:
@@ -155,78 +149,15 @@ class FakeRouter:
         return [(h, b) for _m, p, h, b in list(self.requests) if p.startswith("/generate")]
 
 
-class RolloutProcs:
+class RolloutProcs(WorkerProcs):
     """`millstream rollout` processes of one run, each logging to `{log_dir}/{name}.log`."""
 
-    def __init__(self, redis_url: str, run_id: str, log_dir: Path):
-        self.redis_url = redis_url
-        self.run_id = run_id
-        self.log_dir = Path(log_dir)
-        self.procs: dict[str, subprocess.Popen] = {}
-
     def start(self, name: str, *extra: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "millstream.cli", "rollout", "--redis-url", self.redis_url]
-        argv += ["--run-id", self.run_id, "--consumer-name", name]
-        argv += ["--run-dir", str(self.log_dir), *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        with (self.log_dir / f"{name}.log").open("w") as log:
-            proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")
-
-    def wait_for_log(self, name: str, text: str, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while text not in self.log(name):
-            if self.procs[name].poll() is not None:
-                raise AssertionError(f"rollout {name} exited early:\n{self.log(name)}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"rollout {name} never logged {text!r}:\n{self.log(name)}")
-            time.sleep(0.05)
+        flags = ["--consumer-name", name, "--run-dir", str(self.log_dir)]
+        return self.spawn("rollout", name, [*flags, *extra])
 
     def wait_ready(self, name: str, timeout_s: float = 30.0) -> None:
-        """Until the worker's heartbeat key exists (it read the config and is consuming)."""
-        key = RunKeys(self.run_id).heartbeat("rollout", name)
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while not client.exists(key):
-                if self.procs[name].poll() is not None:
-                    raise AssertionError(f"rollout {name} exited early:\n{self.log(name)}")
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"rollout {name} never beat:\n{self.log(name)}")
-                time.sleep(0.05)
-        finally:
-            client.close()
-
-    def kill(self, name: str) -> None:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait()
-
-    def stop(self, name: str, timeout_s: float = 15.0) -> int:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"rollout {name} ignored SIGTERM:\n{self.log(name)}") from None
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        self.wait_beating("rollout", name, timeout_s)
 
 
 def publish_prompts(
