@@ -20,6 +20,15 @@ from .buffer import Buffer
 from .data import PromptDataSource
 
 
+def accuracies(names: list[str], metrics: dict[str, float]) -> dict[str, float]:
+    """Each eval set's accuracy, picked by name (names may contain underscores)."""
+    return {name: metrics[f"eval/{name}"] for name in names}
+
+
+def format_accuracies(acc: dict[str, float]) -> str:
+    return " ".join(f"{name}={value:.3f}" for name, value in acc.items())
+
+
 class Evaluator:
     def __init__(
         self,

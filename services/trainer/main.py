@@ -19,11 +19,20 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.redis_conn import connect
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
+
+from .evaluate import format_accuracies
+
+if TYPE_CHECKING:  # the heavy modules load only when a run starts
+    from redis.asyncio import Redis
+
+    from .launcher import LocalCluster
+    from .trainer import Trainer
 
 log = logging.getLogger("millstream.trainer")
 
@@ -133,13 +142,13 @@ async def train_with_cluster(cfg: RunConfig) -> int:
         cluster.stop()
 
 
-async def train_loop(cfg: RunConfig, redis: object, cluster: object) -> int:
+async def train_loop(cfg: RunConfig, redis: Redis, cluster: LocalCluster) -> int:
     from .build import build_trainer
 
     trainer, closers = await build_trainer(cfg, redis)
     try:
         run = asyncio.create_task(trainer.run(), name="trainer")
-        watch = asyncio.create_task(cluster.watch(), name="watchdog")  # type: ignore[attr-defined]
+        watch = asyncio.create_task(cluster.watch(), name="watchdog")
         done, _ = await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch in done and not run.done():
             run.cancel()
@@ -155,27 +164,21 @@ async def train_loop(cfg: RunConfig, redis: object, cluster: object) -> int:
     return 0
 
 
-def print_summary(trainer: object, run_dir: Path) -> None:
-    t = trainer  # the Trainer; typed loosely to keep this module's imports light
-    c = t.p.admission.counts  # type: ignore[attr-defined]
+def print_summary(t: Trainer, run_dir: Path) -> None:
+    c = t.p.admission.counts
     counts = {
         k: getattr(c, k)
         for k in ("admitted", "trained", "filtered", "failed", "dropped_stale", "dropped_at_end")
     }
-    counts["in_flight_lost"] = len(t.p.admission.in_flight)  # type: ignore[attr-defined]
-    counts["duplicates_ignored"] = t.p.buffer.duplicates  # type: ignore[attr-defined]
+    counts["in_flight_lost"] = len(t.p.admission.in_flight)
+    counts["duplicates_ignored"] = t.p.buffer.duplicates
     print(
         "[trainer] terminal states: " + " ".join(f"{k}={v}" for k, v in counts.items())
         + f" (admitted == trained + filtered + failed + dropped: {c.admitted == c.terminal})"
     )  # fmt: skip
-    curve = [(it, round(secs, 1), m) for it, secs, m in t.eval_history]  # type: ignore[attr-defined]
-    for it, secs, m in curve:
-        acc = " ".join(
-            f"{k.removeprefix('eval/')}={v:.3f}"
-            for k, v in m.items()
-            if "_" not in k.removeprefix("eval/")
-        )
-        print(f"[trainer] eval curve: iter {it:>4} at {secs:>7.1f}s  {acc}")
-    print(f"[trainer] completions/s: {t.completions_per_s:.1f}")  # type: ignore[attr-defined]
-    summary = {"counts": counts, "eval_curve": curve, "completions_per_s": t.completions_per_s}  # type: ignore[attr-defined]
+    curve = [(it, round(secs, 1), acc) for it, secs, acc in t.eval_history]
+    for it, secs, acc in curve:
+        print(f"[trainer] eval curve: iter {it:>4} at {secs:>7.1f}s  {format_accuracies(acc)}")
+    print(f"[trainer] completions/s: {t.completions_per_s:.1f}")
+    summary = {"counts": counts, "eval_curve": curve, "completions_per_s": t.completions_per_s}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

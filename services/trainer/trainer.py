@@ -26,7 +26,7 @@ from . import checkpoint
 from .admission import Admission
 from .batch import build_samples
 from .buffer import Buffer
-from .evaluate import Evaluator
+from .evaluate import Evaluator, accuracies, format_accuracies
 from .metrics import MetricsLogger, format_row
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Trainer:
         self.completions = 0
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
+        # (iteration, seconds since start, accuracy per eval set)
         self.eval_history: list[tuple[int, float, dict[str, float]]] = []
         self._start = time.monotonic()
 
@@ -120,7 +121,7 @@ class Trainer:
         self.iteration = it
         self.completions += len(samples)
         metrics = {**stats, **train, **self._timings(t0, t1, t2, t3), **self._counts()}
-        metrics["engines_removed"] = len(getattr(report, "removed", []) or [])
+        metrics["engines_removed"] = len(report.removed)
         metrics["group_ids"] = [g.group.prompt.group_id for g in groups]
         if (
             self.p.evaluator
@@ -154,14 +155,11 @@ class Trainer:
     async def evaluate(self) -> dict[str, float]:
         assert self.p.evaluator is not None
         metrics = await self.p.evaluator.run(self.iteration, self.version)
-        self.eval_history.append((self.iteration, time.monotonic() - self._start, metrics))
-        summary = " ".join(
-            f"{k.removeprefix('eval/')}={v:.3f}"
-            for k, v in metrics.items()
-            if "_" not in k.removeprefix("eval/")
-        )
+        acc = accuracies(list(self.p.evaluator.datasets), metrics)
+        self.eval_history.append((self.iteration, time.monotonic() - self._start, acc))
         print(
-            f"[trainer] eval at iter {self.iteration} (version {self.version}): {summary}",
+            f"[trainer] eval at iter {self.iteration} (version {self.version}): "
+            f"{format_accuracies(acc)}",
             flush=True,
         )
         return metrics

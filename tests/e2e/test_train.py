@@ -79,8 +79,20 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
     extra = ["--num-rollout", "3", "--save", str(run_dir / "ckpt"), "--save-interval", "3"]
     if command == "train-async":
         extra += ["--max-staleness", "2"]
+    else:  # eval through the same services: before training and after iteration 3
+        extra += ["--eval-prompt-data", "dev_set", str(prompts), "--eval-interval", "3",
+                  "--eval-temperature", "0", "--eval-max-prompt-len", "4"]  # fmt: skip
     proc = _train(command, _flags(tiny_model_dir, prompts, run_dir, *extra))
-    _check_run(proc, run_dir, 3)
+    summary = _check_run(proc, run_dir, 3)
+    if command == "train":
+        assert [(it, sorted(acc)) for it, _, acc in summary["eval_curve"]] == [
+            (0, ["dev_set"]),
+            (3, ["dev_set"]),
+        ]
+        assert (
+            "eval/dev_set" in _records(run_dir)[-1]
+            and "eval at iter 3 (version 3): dev_set=" in proc.stdout
+        )
     versions = [r["version"] for r in _records(run_dir)]
     assert versions == [1, 2, 3]
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"

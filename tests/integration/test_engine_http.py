@@ -230,19 +230,22 @@ def test_pause_abort_in_place_and_continue(client: httpx.Client, pool: ThreadPoo
     post(client, "/continue_generation", {})
     assert queued.result(30)["meta_info"]["completion_tokens"] == 5
 
+    # Long enough that it cannot finish between "running" and the pause, even on a fast box.
     medium = {
         "input_ids": list(b"keep"),
-        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
     }
     kept = pool.submit(post, client, "/generate", medium)
     wait_for(lambda: info(client)["num_running_reqs"] == 1)
     post(client, "/pause_generation", {"mode": "in_place"})
-    state = info(client)
-    assert state["paused"] and state["num_running_reqs"] == 1
-    time.sleep(0.3)
-    assert not kept.done()
-    post(client, "/continue_generation", {})
-    assert kept.result(60)["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+    try:
+        state = info(client)
+        assert state["paused"] and state["num_running_reqs"] == 1
+        time.sleep(0.3)
+        assert not kept.done()
+    finally:  # never leave the module's shared engine paused for the next test
+        post(client, "/continue_generation", {})
+    assert kept.result(60)["meta_info"]["finish_reason"] == {"type": "length", "length": 1000}
 
 
 @pytest.mark.parametrize(
