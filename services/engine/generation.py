@@ -8,9 +8,19 @@ that). Requests without a seed get one from the engine RNG (--seed).
 
 Output object: {text, output_ids, meta_info} with meta_info id, finish_reason (object or
 null while streaming), prompt_tokens, completion_tokens, cached_tokens, weight_version,
-e2e_latency and, with return_logprob, output_token_logprobs = [[logprob, token_id, text]]
-(text only with return_text_in_logprobs, else null, as SGLang). Streaming sends the
-cumulative object so far as `data: {json}` server-sent events, then `data: [DONE]`.
+e2e_latency and, with return_logprob, input_token_logprobs and output_token_logprobs, both
+lists of [logprob, token_id, text] (text only with return_text_in_logprobs, else null, as
+SGLang). Streaming sends the cumulative object so far as `data: {json}` server-sent events,
+then `data: [DONE]`.
+
+Input logprobs (SGLang's scheduler and output processor): `logprob_start_len` s (per prompt,
+default -1) picks the prompt positions s .. L-1; -1 means L-1, so a plain return_logprob
+request gets one entry. Entry k is [log P(prompt[s+k] | prompt[:s+k]), prompt[s+k], text],
+except that entry 0 is always [null, prompt[s], text]: SGLang never scores the first returned
+position, whatever s is (to score prompt[j], ask for s <= j - 1). An s outside [-1, L) is a
+400 naming it; without return_logprob, s is ignored, as SGLang does. With n > 1 every copy
+carries the same list (computed once). `max_new_tokens: 0` prefills, scores, and returns no
+output tokens (finish_reason length 0).
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from .core import EngineCore
 from .protocol import GenerateReqIn, SamplingParamsIn
 from .sampling import SamplingParams
 from .scheduler import RequestError
-from .sequence import Sequence, output_text
+from .sequence import InputLogprobs, Sequence, output_text
 
 
 class Waiter:
@@ -101,6 +111,22 @@ def resolve_params(p: SamplingParamsIn, prompt_len: int, context_length: int) ->
     )
 
 
+def input_logprobs_for(prompt: list[int], start: int, where: str) -> InputLogprobs:
+    """SGLang's resolution of logprob_start_len for a request with return_logprob."""
+    length = len(prompt)
+    if not prompt:  # rejected by Scheduler.validate ("the prompt is empty")
+        return InputLogprobs(start=0, values=[])
+    if start == -1:
+        return InputLogprobs(start=length - 1, values=[None])
+    if not 0 <= start < length:
+        raise RequestError(
+            f"logprob_start_len{where}: {start} is not a position of the {length}-token "
+            f"prompt; use 0 .. {length - 1}, or -1 for output logprobs only"
+        )
+    # start == L - 1: the one entry is the unscored first one; nothing to compute.
+    return InputLogprobs(start=start, values=[None] if start == length - 1 else None)
+
+
 def make_job(
     core: EngineCore,
     prompts: list[list[int]],
@@ -109,12 +135,18 @@ def make_job(
     return_logprob: list[bool],
     *,
     force_list: bool,
+    logprob_start_len: list[int] | None = None,
 ) -> Job:
     waiter = Waiter()
     items: list[Item] = []
-    for prompt, p, rid, logprob in zip(prompts, params, rids, return_logprob, strict=True):
+    starts = logprob_start_len or [-1] * len(prompts)
+    for i, (prompt, p, rid, logprob, start) in enumerate(
+        zip(prompts, params, rids, return_logprob, starts, strict=True)
+    ):
         resolved = resolve_params(p, len(prompt), core.scheduler.context_length)
         base = rid or uuid.uuid4().hex
+        where = f"[{i}]" if force_list else ""
+        holder = input_logprobs_for(prompt, start, where) if logprob else None
         for j in range(p.n):
             seed = core.fresh_seed() if p.sampling_seed is None else p.sampling_seed + j
             seq = Sequence(
@@ -124,6 +156,7 @@ def make_job(
                 generator=torch.Generator().manual_seed(seed),
                 notify=waiter,
                 request_rid=rid,
+                input_logprobs=holder,
             )
             items.append(Item(seq, logprob))
     as_list = force_list or any(p.n > 1 for p in params)
@@ -144,7 +177,10 @@ def job_from_generate(core: EngineCore, req: GenerateReqIn) -> Job:
     else:
         rids = per_prompt(req.rid, count, "rid", None)
     logprob = per_prompt(req.return_logprob, count, "return_logprob", False)
-    job = make_job(core, prompts, params, rids, logprob, force_list=req.is_batch)
+    starts = per_prompt(req.logprob_start_len, count, "logprob_start_len", -1)
+    job = make_job(
+        core, prompts, params, rids, logprob, force_list=req.is_batch, logprob_start_len=starts
+    )
     job.text_in_logprobs = req.return_text_in_logprobs
     return job
 
@@ -166,6 +202,16 @@ def output_of(core: EngineCore, item: Item, text_in_logprobs: bool) -> dict[str,
     }
     if item.return_logprob:
         tok = core.tokenizer
+        holder = seq.input_logprobs
+        values = holder.values if holder is not None else None
+        meta["input_token_logprobs"] = (
+            []  # not computed: the request ended (abort) before its prefill
+            if holder is None or values is None
+            else [
+                [lp, tid, tok.decode([tid]) if text_in_logprobs else None]
+                for lp, tid in zip(values, seq.prompt_ids[holder.start :], strict=True)
+            ]
+        )
         meta["output_token_logprobs"] = [
             [lp, tid, tok.decode([tid]) if text_in_logprobs else None]
             for lp, tid in zip(seq.output_logprobs[:n], ids, strict=True)

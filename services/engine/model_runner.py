@@ -83,16 +83,26 @@ class ModelRunner:
         return self._cache_class(config=self.model.config)
 
     @torch.inference_mode()
-    def prefill(self, prefixes: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def prefill(
+        self, prefixes: list[list[int]], logits_to_keep: int = 1
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Prefill equal-length prefixes together (no padding needed).
 
-        Returns (cache, mask_BT of ones, logits_BV at each row's last position)."""
+        Returns (cache, mask_BT of ones, logits_BKV at each row's last K = `logits_to_keep`
+        positions; [:, -1] is the next-token distribution). The model's own forward keeps
+        only those positions (transformers' `logits_to_keep`), so the LM head runs on K
+        positions, not the whole prefix, and model-specific logit post-processing applies."""
         lengths = {len(p) for p in prefixes}
         assert len(lengths) == 1, f"prefill needs equal lengths, got {sorted(lengths)}"
+        (length,) = lengths
+        assert 1 <= logits_to_keep <= length, f"logits_to_keep {logits_to_keep} of {length}"
         input_ids_BT = torch.tensor(prefixes)
         cache = self.new_cache()
         out = self.model(
-            input_ids=input_ids_BT, past_key_values=cache, use_cache=True, logits_to_keep=1
+            input_ids=input_ids_BT,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
         )
         mask_BT = torch.ones_like(input_ids_BT)
-        return cache, mask_BT, out.logits[:, -1, :]
+        return cache, mask_BT, out.logits[:, -logits_to_keep:, :]

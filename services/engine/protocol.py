@@ -87,7 +87,9 @@ class GenerateReqIn(Strict):
     sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] | None = None
-    # Only output logprobs are returned; SGLang's default (-1) asks for exactly that.
+    # First prompt position of meta_info.input_token_logprobs (with return_logprob); None or
+    # -1 (SGLang's default): the last prompt position only. Checked against each prompt's
+    # length in generation.py (a 400 naming it).
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False

@@ -11,7 +11,11 @@ One step (`_step`):
      when set, --max-total-tokens reserved as prompt + max_new_tokens per row);
   2. prefill them, grouped by prefix length so each group needs no padding; a new sequence
      samples its first token from the prefill logits, a retracted one (output so far kept)
-     re-prefills prompt + output[:-1] and samples nothing;
+     re-prefills prompt + output[:-1] and samples nothing. A sequence that asked for input
+     logprobs from position s (SGLang's logprob_start_len) is grouped by (length, s) too:
+     its prefill keeps logits for the last L - s positions only, scores prompt[s+1:] from
+     them (same temperature rule as the output logprobs, sampling.py) before sampling, and a
+     max_new_tokens = 0 sequence finishes right there without sampling;
   3. merge survivors into the running batch (counted in `joined_running_batch` when the
      batch was already decoding: continuous batching);
   4. one decode step for every row; finished rows leave the batch at once.
@@ -38,7 +42,7 @@ import torch
 from .kv_batch import RunningBatch
 from .model_runner import ModelRunner
 from .sampling import sample_next
-from .sequence import FinishReason, Sequence, StopChecker
+from .sequence import FinishReason, InputLogprobs, Sequence, StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,25 @@ PAUSE_MODES = ("abort", "in_place", "retract")
 
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the offending input."""
+
+
+SCORE_CHUNK = 512  # positions per log_softmax: bounds the float32 copies to CHUNK x vocab
+
+
+def score_prompt(logits_KV: torch.Tensor, seq: Sequence, holder: InputLogprobs) -> None:
+    """Fill `holder.values` from the prefill logits at positions start .. L-1 (K = L - start
+    rows): values = [None] + [log P(prompt[j] | prompt[:j]) for j in start+1 .. L-1], where
+    log P = log_softmax(logits / T) with T = 1 for greedy, as for output logprobs."""
+    start, prompt = holder.start, seq.prompt_ids
+    assert logits_KV.shape[0] == len(prompt) - start
+    temperature = 1.0 if seq.params.greedy else seq.params.temperature
+    next_K = torch.tensor(prompt[start + 1 :], dtype=torch.long)
+    scored: list[float | None] = [None]
+    for lo in range(0, len(next_K), SCORE_CHUNK):
+        hi = min(lo + SCORE_CHUNK, len(next_K))
+        logp_CV = torch.log_softmax(logits_KV[lo:hi].float() / temperature, dim=-1)
+        scored += logp_CV.gather(-1, next_K[lo:hi, None])[:, 0].tolist()
+    holder.values = scored
 
 
 @dataclass
@@ -117,6 +140,12 @@ class Scheduler:
             raise RequestError(
                 f"input_ids: the prompt has {n_prompt} tokens, the context length is "
                 f"{self.context_length}"
+            )
+        holder = seq.input_logprobs
+        if holder is not None and not 0 <= holder.start < n_prompt:
+            raise RequestError(
+                f"logprob_start_len: {holder.start} is not a position of the {n_prompt}-token "
+                f"prompt; use 0 .. {n_prompt - 1}, or -1 for output logprobs only"
             )
         if self.max_total_tokens is not None and seq.reserved_tokens > self.max_total_tokens:
             raise RequestError(
@@ -228,7 +257,7 @@ class Scheduler:
             ):
                 break
             self._waiting.popleft()
-            if seq.params.max_new_tokens == 0:
+            if seq.params.max_new_tokens == 0 and seq.pending_logprob_start is None:
                 self._finish(seq, FinishReason("length", length=0))
                 continue
             admitted.append(seq)
@@ -237,12 +266,20 @@ class Scheduler:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         was_decoding = bool(self._batch.seqs)
-        groups: dict[int, list[Sequence]] = {}
+        groups: dict[tuple[int, int | None], list[Sequence]] = {}
         for seq in seqs:
-            groups.setdefault(len(seq.prefix_ids()), []).append(seq)
-        for group in groups.values():
-            cache, mask_BT, logits_BV = self.runner.prefill([s.prefix_ids() for s in group])
+            groups.setdefault((len(seq.prefix_ids()), seq.pending_logprob_start), []).append(seq)
+        for (length, start), group in groups.items():
+            keep = 1 if start is None else length - start
+            cache, mask_BT, logits_BKV = self.runner.prefill([s.prefix_ids() for s in group], keep)
+            if start is not None:
+                self._score_prompts(group, logits_BKV)
+            logits_BV = logits_BKV[:, -1, :]
             fresh = [i for i, s in enumerate(group) if not s.output_ids]
+            for i in fresh:
+                if group[i].params.max_new_tokens == 0:
+                    self._finish(group[i], FinishReason("length", length=0))
+            fresh = [i for i in fresh if not group[i].done]
             if fresh:
                 self._append_sampled([group[i] for i in fresh], logits_BV[fresh])
             rows = [i for i, s in enumerate(group) if not s.done]
@@ -255,6 +292,14 @@ class Scheduler:
                 self.stats.joined_running_batch += len(rows)
             self._batch.add([group[i] for i in rows], cache, mask_BT)
             self.stats.prefill_batches += 1
+
+    def _score_prompts(self, group: list[Sequence], logits_BKV: torch.Tensor) -> None:
+        """Input logprobs for every row of a (length, start) group; the n copies of one
+        request share their InputLogprobs, so each is computed once."""
+        for b, seq in enumerate(group):
+            holder = seq.input_logprobs
+            if holder is not None and holder.pending:
+                score_prompt(logits_BKV[b], seq, holder)
 
     def _append_sampled(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> None:
         tokens, logprobs = sample_next(

@@ -13,6 +13,12 @@ Stop rules, in SGLang's order (scheduler `check_finished`):
   3. a stop string appears in the decoded output  -> {"type": "stop", "matched": "the string"}
 `output_ids` keep the matched token; the returned text drops it (and cuts at a matched stop
 string) unless `no_stop_trim`, as SGLang's detokenizer does.
+
+Input logprobs (SGLang's `logprob_start_len`): `InputLogprobs.values[k]` belongs to prompt
+token `start + k`; values[0] is None (SGLang never scores the first returned position) and
+values[k >= 1] = log P(prompt[start + k] | prompt[:start + k]). The scheduler fills `values`
+from the prefill logits before the sequence samples or finishes, so a reader that saw a token
+or `finish` sees them.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ class FinishReason:
         return out
 
 
+@dataclass(eq=False)
+class InputLogprobs:
+    """The input logprobs a request asked for; the n copies of a request share one, so
+    they are computed once. `values` is None until the prefill computed them."""
+
+    start: int
+    values: list[float | None] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.values is None
+
+
 def _noop(_: Sequence) -> None:
     return None
 
@@ -59,6 +78,8 @@ class Sequence:
     # The rid the client sent, shared by the n copies of a request: /abort_request by it
     # reaches all of them.
     request_rid: str | None = None
+    # Set when the request asked for input logprobs (return_logprob).
+    input_logprobs: InputLogprobs | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
@@ -79,6 +100,12 @@ class Sequence:
     def next_position(self) -> int:
         """Position of the token the next decode step feeds (the last sampled one)."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def pending_logprob_start(self) -> int | None:
+        """`logprob_start_len` while the input logprobs still have to be computed, else None."""
+        holder = self.input_logprobs
+        return holder.start if holder is not None and holder.pending else None
 
     @property
     def reserved_tokens(self) -> int:

@@ -1,8 +1,10 @@
-"""Scored groups -> train samples: advantages per estimator, and the rollout's statistics.
+"""Scored groups -> train samples: each sample's sequence-level reward, and the rollout's statistics.
 
-Each kept group carries n scored samples of one prompt; the estimator turns their rewards
-into one advantage per sample (GRPO: normalised within the group). Failed samples never reach
-here: a group with one is failed as a whole by the reward worker.
+Each kept group carries n scored samples of one prompt; the estimator's group stage
+(`algorithms.advantages.group_rewards`) turns their rewards into the reward each sample's
+token stage starts from (GRPO: normalised within the group). The token stage needs model
+forwards (old, reference, critic, teacher) and runs in the backend. Failed samples never
+reach here: a group with one is failed as a whole by the reward worker.
 """
 
 from __future__ import annotations
@@ -14,14 +16,11 @@ import torch
 from millstream.common.config import RunConfig
 from millstream.common.types import SampleStatus, ScoredGroup
 
-from .algorithms.advantages import grpo_advantages
+from .algorithms.advantages import group_rewards
 from .backends.base import TrainSample
 
 
-def advantages_for(groups: list[ScoredGroup], cfg: RunConfig) -> list[list[float]]:
-    estimator = cfg.algo.advantage_estimator
-    if estimator != "grpo":
-        raise NotImplementedError(f"--advantage-estimator {estimator} is not built yet (grpo is)")
+def sample_rewards(groups: list[ScoredGroup], cfg: RunConfig) -> list[list[float]]:
     sizes = {len(g.group.samples) for g in groups}
     if len(sizes) != 1:
         raise ValueError(
@@ -30,26 +29,26 @@ def advantages_for(groups: list[ScoredGroup], cfg: RunConfig) -> list[list[float
     rewards_GN = torch.tensor(
         [[s.reward for s in g.group.samples] for g in groups], dtype=torch.float64
     )
-    adv_GN = grpo_advantages(rewards_GN, normalize_std=not cfg.algo.disable_grpo_std_normalization)
-    return adv_GN.tolist()
+    return group_rewards(rewards_GN, cfg.algo).tolist()
 
 
 def build_samples(
     groups: list[ScoredGroup], version: int, cfg: RunConfig
 ) -> tuple[list[TrainSample], dict[str, float]]:
-    advantages = advantages_for(groups, cfg)
+    rewards = sample_rewards(groups, cfg)
     samples: list[TrainSample] = []
-    for group, adv_N in zip(groups, advantages, strict=True):
-        for s, adv in zip(group.group.samples, adv_N, strict=True):
-            lag = version - min(s.weight_versions) if s.weight_versions else 0
+    for group, reward_N in zip(groups, rewards, strict=True):
+        for s, reward in zip(group.group.samples, reward_N, strict=True):
+            behavior = min(s.weight_versions) if s.weight_versions else version
             samples.append(
                 TrainSample(
                     tokens=list(s.prompt_token_ids) + list(s.response_token_ids),
                     prompt_len=len(s.prompt_token_ids),
                     loss_mask=list(s.loss_mask) or [1] * len(s.response_token_ids),
                     rollout_logprobs=list(s.rollout_logprobs),
-                    advantage=adv,
-                    version_lag=lag,
+                    reward=reward,
+                    behavior_version=behavior,
+                    version_lag=version - behavior,
                 )
             )
     return samples, rollout_stats(groups, samples)
@@ -68,4 +67,5 @@ def rollout_stats(groups: list[ScoredGroup], samples: list[TrainSample]) -> dict
         / len(flat),
         "staleness_mean": statistics.fmean(lags),
         "staleness_max": max(lags),
+        "behavior_version_min": min(t.behavior_version for t in samples),
     }

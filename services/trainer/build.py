@@ -22,6 +22,7 @@ from .data import PromptDataSource
 from .distributed import DataParallel
 from .evaluate import Evaluator
 from .metrics import MetricsLogger
+from .teacher import TeacherClient
 from .trainer import Parts, Trainer
 from .weight_sync import WeightSync
 
@@ -116,7 +117,10 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
             redis, keys.prompts, eval_sources, cfg.eval.n_samples_per_eval_prompt, buffer
         )
     logger = MetricsLogger(cfg, Path(cfg.run_dir))
-    parts = Parts(backend, admission, buffer, sync, evaluator, logger, coordinator)
+    teacher = None
+    if cfg.algo.distills and cfg.algo.opd_teacher_url:
+        teacher = TeacherClient(cfg.algo.opd_teacher_url, cfg.rollout.logprob_temperature)
+    parts = Parts(backend, admission, buffer, sync, evaluator, logger, coordinator, teacher)
     trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
     await buffer.start()
     if state is not None:
@@ -129,15 +133,23 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
     async def close_logger() -> None:
         logger.close()
 
-    return trainer, [coordinator.stop, sync.close, buffer.stop, close_logger]
+    closers = [coordinator.stop, sync.close, buffer.stop, close_logger]
+    return trainer, closers + ([teacher.close] if teacher else [])
 
 
 def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
+    """The actor from --hf-checkpoint; the reference when a KL needs it; the critic (ppo)
+    from --critic-load or the actor's weights; a local teacher from --opd-teacher-load."""
+    a = cfg.algo
     actor = cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load
-    ref = (cfg.ckpt.ref_load or cfg.ckpt.hf_checkpoint) if cfg.algo.use_kl_loss else None
+    needs_ref = a.use_kl_loss or a.use_kl_in_reward
+    ref = (cfg.ckpt.ref_load or cfg.ckpt.hf_checkpoint) if needs_ref else None
+    critic = (a.critic_load or actor) if a.uses_critic else None
+    teacher = a.opd_teacher_load if a.distills else None
     return TorchBackend(
-        cfg, actor, ref_dir=ref, total_steps=total_rollouts * cfg.rollout.num_steps_per_rollout
-    )  # type: ignore[arg-type]
+        cfg, actor, ref_dir=ref, critic_dir=critic, teacher_dir=teacher,  # type: ignore[arg-type]
+        total_steps=total_rollouts * cfg.rollout.num_steps_per_rollout,  # type: ignore[operator]
+    )  # fmt: skip
 
 
 def build_follower(cfg: RunConfig) -> DataParallel:

@@ -8,10 +8,11 @@ Every rank then clips and steps alike; starting from the same weights (same chec
 seed) with the same optimizer state, the weights stay identical on all ranks. Metrics that
 are per-shard sums are summed the same way; grad_norm and lr are then equal on every rank.
 
-Samples cross as tensors, never pickles: a header [command, num_steps, n_samples, and the
-lengths of the flat payloads], then per-sample ints (len(tokens), prompt_len, len(loss_mask),
-len(rollout_logprobs), version_lag), the flat tokens and loss masks (int64), and the flat
-rollout logprobs and the advantages (float64, as the samples hold them).
+Samples cross as tensors, never pickles: a header [command, num_steps, n_samples, the lengths
+of the flat payloads, rollout_id], then per-sample ints (len(tokens), prompt_len,
+len(loss_mask), len(rollout_logprobs), len(teacher_logprobs), behavior_version, version_lag),
+the flat tokens and loss masks (int64), and the flat rollout and teacher logprobs and the
+rewards (float64, as the samples hold them).
 
 Blocking calls: run `DataParallel.train_rollout` from a worker thread, never the event loop.
 """
@@ -31,7 +32,8 @@ from .backends.base import TrainSample
 from .backends.torch_backend import TorchBackend
 
 TRAIN, STOP = 1, 0
-HEADER = 7
+HEADER = 8
+INTS = 7  # per-sample ints
 # Followers wait in a broadcast while rank 0 collects a rollout, which may take long; a dead
 # rank 0 is torchrun's to detect (it ends the other ranks), so this only bounds true hangs.
 TIMEOUT = timedelta(hours=24)
@@ -61,38 +63,41 @@ def _device() -> torch.device:
 
 
 def encode(samples: list[TrainSample]) -> list[torch.Tensor]:
-    """[ints_N5, tokens, loss masks, rollout logprobs, advantages_N] of the samples."""
+    """[ints_N7, tokens, loss masks, rollout logprobs, teacher logprobs, rewards_N]."""
     ints = torch.tensor(
         [
-            [len(s.tokens), s.prompt_len, len(s.loss_mask), len(s.rollout_logprobs), s.version_lag]
+            [len(s.tokens), s.prompt_len, len(s.loss_mask), len(s.rollout_logprobs),
+             len(s.teacher_logprobs), s.behavior_version, s.version_lag]
             for s in samples
         ],
         dtype=torch.int64,
-    ).reshape(-1, 5)
+    ).reshape(-1, INTS)  # fmt: skip
     return [
         ints,
         torch.tensor([t for s in samples for t in s.tokens], dtype=torch.int64),
         torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.int64),
         torch.tensor([x for s in samples for x in s.rollout_logprobs], dtype=torch.float64),
-        torch.tensor([s.advantage for s in samples], dtype=torch.float64),
+        torch.tensor([x for s in samples for x in s.teacher_logprobs], dtype=torch.float64),
+        torch.tensor([s.reward for s in samples], dtype=torch.float64),
     ]
 
 
 def decode(payload: list[torch.Tensor]) -> list[TrainSample]:
-    ints, tokens, masks, logps, advs = (t.cpu().tolist() for t in payload)
+    ints, tokens, masks, logps, teacher, rewards = (t.cpu().tolist() for t in payload)
 
     def split(flat: list, lengths: list[int]) -> Iterator[list]:
         starts = [0, *accumulate(lengths)]
         return (flat[a:b] for a, b in pairwise(starts))
 
-    cols = list(zip(*ints, strict=True)) if ints else [()] * 5
+    cols = list(zip(*ints, strict=True)) if ints else [()] * INTS
     return [
         TrainSample(
-            tokens=tok, prompt_len=p, loss_mask=m, rollout_logprobs=lp, advantage=a, version_lag=v
+            tokens=tok, prompt_len=p, loss_mask=m, rollout_logprobs=lp, reward=r,
+            behavior_version=bv, version_lag=v, teacher_logprobs=tl,
         )
-        for tok, p, m, lp, a, v in zip(
+        for tok, p, m, lp, tl, bv, v, r in zip(
             split(tokens, cols[0]), cols[1], split(masks, cols[2]), split(logps, cols[3]),
-            advs, cols[4], strict=True,
+            split(teacher, cols[4]), cols[5], cols[6], rewards, strict=True,
         )
     ]  # fmt: skip
 
@@ -122,31 +127,37 @@ class DataParallel:
         self.device = _device()
         backend.rank, backend.world_size = dist.get_rank(), dist.get_world_size()
         backend.reduce_across_ranks = self._sum_across_ranks
+        backend.sum_across_ranks = self._sum_tensor
 
-    def train_rollout(self, samples: list[TrainSample], num_steps: int) -> dict[str, float]:
+    def train_rollout(
+        self, samples: list[TrainSample], num_steps: int, rollout_id: int = 0
+    ) -> dict[str, float]:
         payload = encode(samples)
-        _broadcast_header([TRAIN, num_steps, len(samples), *(t.numel() for t in payload[1:4])])
+        sizes = [t.numel() for t in payload[1:5]]
+        _broadcast_header([TRAIN, num_steps, len(samples), *sizes, rollout_id])
         for t in payload:
             dist.broadcast(t.to(self.device), src=0)
-        return self.backend.train_rollout(samples, num_steps)
+        return self.backend.train_rollout(samples, num_steps, rollout_id)
 
     def follow(self) -> None:
         """Ranks > 0: train on what rank 0 broadcasts, until it says STOP."""
         while True:
-            command, num_steps, n, n_tokens, n_masks, n_logps = _broadcast_header([0] * HEADER)[:6]
+            header = _broadcast_header([0] * HEADER)
+            command, num_steps, n, n_tokens, n_masks, n_logps, n_teacher, rollout_id = header
             if command == STOP:
                 return
-            shapes = [((n, 5), torch.int64), ((n_tokens,), torch.int64), ((n_masks,), torch.int64),
-                      ((n_logps,), torch.float64), ((n,), torch.float64)]  # fmt: skip
+            shapes = [((n, INTS), torch.int64), ((n_tokens,), torch.int64), ((n_masks,), torch.int64),
+                      ((n_logps,), torch.float64), ((n_teacher,), torch.float64),
+                      ((n,), torch.float64)]  # fmt: skip
             payload = [
                 torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes
             ]
             for t in payload:
                 dist.broadcast(t, src=0)
-            self.backend.train_rollout(decode(payload), num_steps)
+            self.backend.train_rollout(decode(payload), num_steps, rollout_id)
 
     def _sum_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        params = [p for p in self.backend.model.parameters() if p.requires_grad]
+        params = self.backend.trainable_parameters()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]).to(self.device)
         dist.all_reduce(flat)
@@ -159,6 +170,11 @@ class DataParallel:
         values = torch.tensor([metrics[k] for k in names], dtype=torch.float64, device=self.device)
         dist.all_reduce(values)
         return dict(zip(names, values.tolist(), strict=True))
+
+    def _sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone().to(self.device)
+        dist.all_reduce(out)
+        return out.to(t.device)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.backend.named_weights()

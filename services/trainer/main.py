@@ -47,18 +47,28 @@ def check_trainer_flags(cfg: RunConfig) -> None:
         raise ConfigError("the trainer needs --rm-type or --custom-rm-path: how samples are scored")
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
         raise ConfigError("the trainer needs --num-rollout or --num-epoch: how long to train")
-    if cfg.algo.advantage_estimator != "grpo":
-        raise ConfigError(
-            f"--advantage-estimator {cfg.algo.advantage_estimator} is not built yet (grpo is); "
-            "the other estimators land with the RL objective family"
-        )
     if cfg.ckpt.train_backend != "torch":
         raise ConfigError(f"--train-backend {cfg.ckpt.train_backend} is not built yet (torch is)")
-    if cfg.rollout.n_samples_per_prompt < 2 and not cfg.algo.disable_grpo_std_normalization:
+    a = cfg.algo
+    grpo = a.advantage_estimator in ("grpo", "gspo")
+    if grpo and cfg.rollout.n_samples_per_prompt < 2 and not a.disable_grpo_std_normalization:
         raise ConfigError(
-            f"GRPO needs --n-samples-per-prompt >= 2 (got {cfg.rollout.n_samples_per_prompt}), "
-            "or --disable-grpo-std-normalization"
+            f"{a.advantage_estimator} needs --n-samples-per-prompt >= 2 "
+            f"(got {cfg.rollout.n_samples_per_prompt}), or --disable-grpo-std-normalization"
         )
+    if (
+        a.advantage_estimator == "reinforce_plus_plus_baseline"
+        and cfg.rollout.n_samples_per_prompt < 2
+    ):
+        raise ConfigError(
+            "reinforce_plus_plus_baseline subtracts the group mean: it needs "
+            f"--n-samples-per-prompt >= 2 (got {cfg.rollout.n_samples_per_prompt})"
+        )
+    for name in ("critic_load", "opd_teacher_load"):
+        path = getattr(a, name)
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {path} is not a Hugging Face model dir (no config.json)")
 
 
 def _run(argv: Sequence[str], mode: str, prog: str) -> int:

@@ -43,6 +43,7 @@ class Parts:
     evaluator: Evaluator | None
     logger: MetricsLogger
     coordinator: Any | None = None  # .publish_version(v)
+    teacher: Any | None = None  # .score(samples) -> samples with teacher logprobs (OPD)
 
 
 class Trainer:
@@ -109,8 +110,12 @@ class Trainer:
         links = [trace.Link(c) for c in self.p.buffer.pop_span_contexts(groups)]
         attributes = {"iteration": it, "version": self.version, "groups": len(groups)}
         with tracer.start_as_current_span("trainer.step", links=links, attributes=attributes):
+            if self.p.teacher is not None:
+                samples = await self.p.teacher.score(samples)
             steps = self.cfg.rollout.num_steps_per_rollout
-            train = await asyncio.to_thread(self.p.backend.train_rollout, samples, steps)
+            train = await asyncio.to_thread(
+                self.p.backend.train_rollout, samples, steps, self.iteration
+            )
         t2 = time.monotonic()
         joins = self.p.coordinator.take_pending_joins() if self.p.coordinator else ()
         report = await self.p.weight_sync.sync(

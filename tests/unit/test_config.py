@@ -103,7 +103,7 @@ def test_abbreviated_flag_is_not_accepted(tmp_path):
             ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rm-type", "math"],
         ),
         (
-            "--advantage-estimator gspo",
+            "--critic-load",
             [
                 "--hf-checkpoint",
                 "m",
@@ -114,7 +114,24 @@ def test_abbreviated_flag_is_not_accepted(tmp_path):
                 "--num-rollout",
                 "1",
                 "--advantage-estimator",
-                "gspo",
+                "ppo",
+                "--critic-load",
+                "nowhere",
+            ],
+        ),
+        (
+            "--opd-teacher-url",
+            [
+                "--hf-checkpoint",
+                "m",
+                "--prompt-data",
+                "p.jsonl",
+                "--rm-type",
+                "math",
+                "--num-rollout",
+                "1",
+                "--advantage-estimator",
+                "on_policy_distillation",
             ],
         ),
     ],
@@ -153,6 +170,21 @@ def test_sync_mode_rejects_staleness_and_async_defaults_to_one():
         ["--rollout-batch-size", "2", "--micro-batch-size", "4"],
         ["--rollout-batch-size", "2", "--rollout-temperature", "-1"],
         ["--rollout-batch-size", "2", "--kl-loss-type", "k9"],
+        ["--rollout-batch-size", "2", "--kl-coef", "0.1"],
+        ["--rollout-batch-size", "2", "--use-kl-in-reward"],  # grpo takes no reward-side KL
+        ["--rollout-batch-size", "2", "--custom-tis-function-path", "my.module.fancy_tis"],
+        ["--rollout-batch-size", "2", "--gamma", "1.5"],
+        ["--rollout-batch-size", "2", "--value-clip", "0"],
+        ["--rollout-batch-size", "2", "--use-opd"],
+        [
+            "--rollout-batch-size",
+            "2",
+            "--use-opd",
+            "--opd-teacher-url",
+            "http://t:1",
+            "--opd-teacher-load",
+            "m",
+        ],
     ],
 )
 def test_bad_combinations_exit_2(argv, capsys):
@@ -160,6 +192,15 @@ def test_bad_combinations_exit_2(argv, capsys):
         parse_run_config(argv)
     assert exit_info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_miles_tis_spellings_map_to_ours():
+    cfg = parse_run_config(
+        ["--rollout-batch-size", "2", "--use-tis", "--tis-clip", "3", "--custom-tis-function-path",
+         "miles.backends.training_utils.loss_hub.corrections.icepop_function"]
+    )  # fmt: skip
+    assert (cfg.algo.tis_clip_high, cfg.algo.tis_mode) == (3.0, "icepop")
+    assert parse_run_config(["--rollout-batch-size", "2"]).algo.tis_mode == "tis"
 
 
 def test_config_is_frozen():

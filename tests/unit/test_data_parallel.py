@@ -33,6 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def build_backend(cfg, model: str) -> TorchBackend:
+    critic = model if cfg.algo.uses_critic else None
+    return TorchBackend(cfg, model, ref_dir=None, critic_dir=critic, total_steps=2)
+
+
 def _rank(rank: int, world: int, port: int, model: str, out: str, extra: list[str]) -> None:
     import torch.distributed as dist
 
@@ -44,7 +49,7 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, extra: list[st
     init()
     try:
         cfg = parse_run_config([*FLAGS, *extra])
-        dp = DataParallel(TorchBackend(cfg, model, ref_dir=None, total_steps=2))
+        dp = DataParallel(build_backend(cfg, model))
         if rank == 0:
             dp.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
             send_stop()
@@ -62,12 +67,15 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, extra: list[st
         [],
         ["--calculate-per-token-loss"],
         ["--num-steps-per-rollout", "2", "--global-batch-size", "2"],
+        ["--balance-data", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6"],
+        ["--advantage-estimator", "reinforce_plus_plus", "--calculate-per-token-loss"],
+        ["--advantage-estimator", "ppo", "--normalize-advantages"],
     ],
-    ids=["per-sample", "per-token", "two-steps"],
+    ids=["per-sample", "per-token", "two-steps", "balanced-packed", "reinforce++", "ppo"],
 )
 def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path, extra):
     cfg = parse_run_config([*FLAGS, *extra])
-    single = TorchBackend(cfg, tiny_model_dir, ref_dir=None, total_steps=2)
+    single = build_backend(cfg, str(tiny_model_dir))
     single.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
     expected = dict(single.named_weights())
     before = load_file(Path(tiny_model_dir) / "model.safetensors")

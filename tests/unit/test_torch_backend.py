@@ -29,28 +29,28 @@ def _samples() -> list[TrainSample]:
             prompt_len=2,
             loss_mask=[1, 1, 1],
             rollout_logprobs=[-1.0] * 3,
-            advantage=1.0,
+            reward=1.0,
         ),
         TrainSample(
             tokens=[20, 21, 22],
             prompt_len=2,
             loss_mask=[1],
             rollout_logprobs=[-1.0],
-            advantage=-1.0,
+            reward=-1.0,
         ),
         TrainSample(
             tokens=[30, 31, 32, 33],
             prompt_len=1,
             loss_mask=[1, 0, 1],
             rollout_logprobs=[-1.0] * 3,
-            advantage=0.5,
+            reward=0.5,
         ),
         TrainSample(
             tokens=[40, 41, 42, 43],
             prompt_len=3,
             loss_mask=[1],
             rollout_logprobs=[-1.0],
-            advantage=-0.5,
+            reward=-0.5,
         ),
     ]
 
@@ -88,7 +88,7 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_model_dir, per_token):
         backend = TorchBackend(
             _cfg("--micro-batch-size", mbs, *extra), tiny_model_dir, ref_dir=None, total_steps=1
         )
-        backend.accumulate_gradients(_samples(), old=None, ref=None)
+        backend.accumulate_gradients(_samples(), backend.prepare([_samples()]))
         grads.append(
             torch.cat([p.grad.flatten() for p in backend.model.parameters() if p.grad is not None])
         )

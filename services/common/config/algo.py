@@ -1,4 +1,4 @@
-"""Algorithm flags (Miles' GRPO_ARGS): estimator, clipping, KL, entropy, TIS."""
+"""Algorithm flags (Miles' GRPO_ARGS): estimator, clipping, KL, entropy, TIS, critic, OPD."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ ESTIMATORS = (
     "ppo",
     "on_policy_distillation",
 )
+# Estimators whose returns take the reward-side KL (--use-kl-in-reward / --kl-coef).
+KL_IN_REWARD_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+# Miles selects icepop with a function path; we accept its two built-in names.
+MILES_TIS_FUNCTIONS = {"vanilla_tis_function": "tis", "icepop_function": "icepop"}
 
 
 @dataclass(frozen=True)
@@ -34,17 +38,30 @@ class AlgoConfig:
     lambd: float = flag(1.0, "GAE lambda")
     value_clip: float = flag(0.2, "PPO critic value clip")
     use_tis: bool = flag(False, "truncated importance sampling on train/rollout logprob mismatch")
-    tis_clip_low: float = flag(0.0, "")
-    tis_clip_high: float = flag(2.0, "")
+    tis_mode: str = flag(
+        "tis", "tis: clamp the weight into the range; icepop: zero tokens outside it",
+        choices=("tis", "icepop"),
+    )  # fmt: skip
+    custom_tis_function_path: str | None = flag(
+        None, "Miles' way to pick icepop (...icepop_function); same as --tis-mode"
+    )
+    tis_clip_low: float = flag(0.0, "TIS range, low end")
+    tis_clip_high: float = flag(2.0, "TIS range, high end", aliases=("--tis-clip",))
     calculate_per_token_loss: bool = flag(
         False, "token-mean over the global batch instead of per-sample mean"
     )
     normalize_advantages: bool = flag(False, "whiten advantages over the batch")
+    use_opd: bool = flag(False, "add the on-policy distillation term to any estimator")
     opd_kl_coef: float = flag(
         1.0, "on-policy distillation: advantage -= coef * (student - teacher)"
     )
     opd_teacher_url: str | None = flag(None, "on-policy distillation teacher engine (SGLang API)")
     opd_teacher_load: str | None = flag(None, "on-policy distillation teacher model dir")
+    critic_load: str | None = flag(
+        None, "PPO critic: a model dir to start from (default: the actor's), or a critic checkpoint"
+    )
+    critic_lr: float | None = flag(None, "PPO critic learning rate (default: --lr)")
+    num_critic_only_steps: int = flag(0, "PPO: train only the critic for the first N rollouts")
 
     def __post_init__(self) -> None:
         if self.eps_clip < 0:
@@ -57,3 +74,40 @@ class AlgoConfig:
             )
         if self.kl_loss_coef and not self.use_kl_loss:
             raise ConfigError(f"--kl-loss-coef {self.kl_loss_coef} needs --use-kl-loss")
+        if self.kl_coef and not self.use_kl_in_reward:
+            raise ConfigError(f"--kl-coef {self.kl_coef} needs --use-kl-in-reward")
+        if self.use_kl_in_reward and self.advantage_estimator not in KL_IN_REWARD_ESTIMATORS:
+            raise ConfigError(
+                f"--use-kl-in-reward applies to {', '.join(KL_IN_REWARD_ESTIMATORS)}, "
+                f"not --advantage-estimator {self.advantage_estimator}"
+            )
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lambd <= 1:
+            raise ConfigError(
+                f"--gamma and --lambd must be in [0, 1] (got {self.gamma}, {self.lambd})"
+            )
+        if self.value_clip <= 0:
+            raise ConfigError(f"--value-clip must be > 0 (got {self.value_clip})")
+        if self.custom_tis_function_path is not None:
+            name = self.custom_tis_function_path.rsplit(".", 1)[-1]
+            if name not in MILES_TIS_FUNCTIONS:
+                raise ConfigError(
+                    f"--custom-tis-function-path {self.custom_tis_function_path}: only Miles' "
+                    f"{' and '.join(MILES_TIS_FUNCTIONS)} are understood; use --tis-mode"
+                )
+            object.__setattr__(self, "tis_mode", MILES_TIS_FUNCTIONS[name])
+        if self.distills and not (self.opd_teacher_url or self.opd_teacher_load):
+            raise ConfigError(
+                "on-policy distillation needs a teacher: --opd-teacher-url (an engine) "
+                "or --opd-teacher-load (a model dir the trainer loads)"
+            )
+        if self.opd_teacher_url and self.opd_teacher_load:
+            raise ConfigError("give one teacher: --opd-teacher-url or --opd-teacher-load, not both")
+
+    @property
+    def distills(self) -> bool:
+        """The on-policy distillation term is on (the estimator itself, or --use-opd)."""
+        return self.use_opd or self.advantage_estimator == "on_policy_distillation"
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "ppo"

@@ -64,6 +64,11 @@ class RolloutConfig:
         "pkg.mod.fn(samples, cfg) -> keep; built-ins: check_reward_nonzero_std, check_no_aborted",
     )
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature logprobs are taken at, as the engine reports them (1 for greedy)."""
+        return self.rollout_temperature if self.rollout_temperature > 1e-6 else 1.0
+
     def __post_init__(self) -> None:
         for name in (
             "rollout_batch_size",

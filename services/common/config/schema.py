@@ -19,9 +19,16 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def flag(default: Any = None, help: str = "", *, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field that is also a command-line flag."""
-    metadata = {"help": help, "choices": choices}
+def flag(
+    default: Any = None,
+    help: str = "",
+    *,
+    choices: tuple[str, ...] | None = None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
+    """A dataclass field that is also a command-line flag (`aliases`: other spellings, e.g.
+    Miles' name where the issue or SGLang uses another)."""
+    metadata = {"help": help, "choices": choices, "aliases": aliases}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -52,7 +59,8 @@ def add_group(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
             kwargs["type"] = typing.get_args(tp)[0]
         else:
             kwargs["type"] = tp
-        group.add_argument(option, default=argparse.SUPPRESS, **kwargs)
+        aliases = f.metadata.get("aliases", ())
+        group.add_argument(option, *aliases, default=argparse.SUPPRESS, **kwargs)
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:

@@ -1,14 +1,25 @@
 """The policy-gradient loss with its regularisers, and how it is reduced over a batch.
 
 Per token (B samples x T response positions; mask_BT = 1 where a token trains):
-    ratio      = exp(logp - old_logp)                        old_logp: the policy before step 1
+    log_ratio  = logp - old_logp                             old_logp: the policy before step 1
+               gspo: the sample's masked mean of it, on each of its tokens (sequence ratio)
+    ratio      = exp(log_ratio)
     pg         = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))
     dual clip  (--eps-clip-c c, A < 0):  pg = min(pg, -A * c)
-    TIS        (--use-tis):  pg *= clip(exp(old_logp - rollout_logp), tis_clip_low, tis_clip_high)
+    TIS        (--use-tis; w = exp(old_logp - rollout_logp), the train/rollout mismatch,
+                with the log clamped to +-20 against overflow):
+                 tis:    pg *= clip(w, tis_clip_low, tis_clip_high)
+                 icepop: pg *= w inside [tis_clip_low, tis_clip_high], 0 outside
     kl         (to the reference, logr = logp - ref_logp):
                  k1 = logr,  k2 = logr^2 / 2,  k3 = exp(-logr) - 1 + logr,
-                 low_var_kl = clip(k3, -10, 10)
+                 low_var_kl = clip(k3 with logr clamped to +-20, -10, 10)
     loss = reduce(pg) - entropy_coef * reduce(entropy) + kl_loss_coef * reduce(kl)
+The critic (ppo), values V against the old values V_old and the returns R:
+    value_loss = reduce(0.5 * max((V - R)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - R)^2))
+Metrics beside the losses: tis (mean w before clipping), tis_clipfrac (tokens whose weight is
+not w), train_rollout_logprob_abs_diff (|old_logp - rollout_logp|), train_rollout_kl
+(rollout_logp - old_logp: a KL(rollout || train) estimate), ess_ratio (per sample
+(sum w)^2 / (n sum w^2) over its n trainable tokens: 1 when train and rollout agree).
 
 Reduction over the GLOBAL batch, so micro-batches and data-parallel ranks add up to exactly
 the gradient of the whole batch in one piece:
@@ -26,6 +37,7 @@ import torch
 from millstream.common.config.algo import AlgoConfig
 
 LOW_VAR_KL_CLAMP = 10.0
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -42,9 +54,12 @@ def approx_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, kind: str) -> to
         return log_ratio_BT
     if kind == "k2":
         return log_ratio_BT.square() / 2
-    if kind in ("k3", "low_var_kl"):
+    if kind == "k3":
+        return torch.exp(-log_ratio_BT) - 1 + log_ratio_BT
+    if kind == "low_var_kl":
+        log_ratio_BT = log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         kl_BT = torch.exp(-log_ratio_BT) - 1 + log_ratio_BT
-        return kl_BT.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP) if kind == "low_var_kl" else kl_BT
+        return kl_BT.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
     raise ValueError(f"unknown --kl-loss-type {kind!r} (k1, k2, k3, low_var_kl)")
 
 
@@ -53,15 +68,24 @@ def masked_reduce(
 ) -> torch.Tensor:
     if per_token:
         return (x_BT * mask_BT).sum() / denom.n_tokens
-    per_sample_B = (x_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
-    return per_sample_B.sum() / denom.n_samples
+    return per_sample_mean(x_BT, mask_BT).sum() / denom.n_samples
+
+
+def per_sample_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return (x_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
 
 
 def clipped_pg(
-    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: torch.Tensor, cfg: AlgoConfig
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    cfg: AlgoConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pg_BT, clipped_BT as 0/1, ppo_kl_BT) for the PPO-style clipped surrogate."""
     ppo_kl_BT = old_logp_BT - logp_BT
+    if cfg.advantage_estimator == "gspo":
+        ppo_kl_BT = per_sample_mean(ppo_kl_BT, mask_BT)[:, None].expand_as(ppo_kl_BT)
     ratio_BT = torch.exp(-ppo_kl_BT)
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     unclipped_BT = -adv_BT * ratio_BT
@@ -92,17 +116,21 @@ def policy_loss(
     def reduce(x_BT: torch.Tensor) -> torch.Tensor:
         return masked_reduce(x_BT, mask_BT, denom, per_token)
 
-    pg_BT, clipfrac_BT, ppo_kl_BT = clipped_pg(logp_BT, old_logp_BT, adv_BT, cfg)
+    pg_BT, clipfrac_BT, ppo_kl_BT = clipped_pg(logp_BT, old_logp_BT, adv_BT, mask_BT, cfg)
     metrics: dict[str, float] = {}
     if rollout_logp_BT is not None:
         diff_BT = (old_logp_BT - rollout_logp_BT).detach()
+        w_BT = torch.exp(diff_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         metrics["train_rollout_logprob_abs_diff"] = reduce(diff_BT.abs()).item()
+        metrics["train_rollout_kl"] = reduce(-diff_BT).item()
+        metrics["ess_ratio"] = reduce_per_sample(
+            ess_ratio(w_BT, mask_BT), mask_BT, denom, per_token
+        )
         if cfg.use_tis:
-            tis_raw_BT = torch.exp(diff_BT)
-            tis_BT = tis_raw_BT.clamp(cfg.tis_clip_low, cfg.tis_clip_high)
-            pg_BT = pg_BT * tis_BT
-            metrics["tis"] = reduce(tis_BT).item()
-            metrics["tis_clipfrac"] = reduce((tis_raw_BT != tis_BT).to(pg_BT.dtype)).item()
+            weight_BT = tis_weights(w_BT, cfg)
+            pg_BT = pg_BT * weight_BT
+            metrics["tis"] = reduce(w_BT).item()
+            metrics["tis_clipfrac"] = reduce((weight_BT != w_BT).to(pg_BT.dtype)).item()
     pg_loss = reduce(pg_BT)
     loss = pg_loss
     metrics |= {
@@ -121,3 +149,47 @@ def policy_loss(
         if cfg.use_kl_loss and cfg.kl_loss_coef:
             loss = loss + cfg.kl_loss_coef * kl
     return loss, metrics
+
+
+def tis_weights(w_BT: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    """The weight on each token's pg term from the train/rollout ratio w (--tis-mode)."""
+    if cfg.tis_mode == "icepop":
+        inside_BT = (w_BT >= cfg.tis_clip_low) & (w_BT <= cfg.tis_clip_high)
+        return torch.where(inside_BT, w_BT, torch.zeros_like(w_BT))
+    return w_BT.clamp(cfg.tis_clip_low, cfg.tis_clip_high)
+
+
+def ess_ratio(w_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Per sample: (sum w)^2 / (n * sum w^2) over its n trainable tokens (1 if none)."""
+    sum_w_B = (w_BT * mask_BT).sum(-1)
+    sum_w2_B = (w_BT.square() * mask_BT).sum(-1)
+    n_B = mask_BT.sum(-1)
+    return torch.where(n_B > 0, sum_w_B.square() / (n_B * sum_w2_B).clamp(min=1e-30), 1.0)
+
+
+def reduce_per_sample(
+    x_B: torch.Tensor, mask_BT: torch.Tensor, denom: Denominator, per_token: bool
+) -> float:
+    """A per-sample value reduced like the loss: weighted by its tokens under per-token loss."""
+    if per_token:
+        return float((x_B * mask_BT.sum(-1)).sum() / denom.n_tokens)
+    return float(x_B.sum() / denom.n_samples)
+
+
+def value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    cfg: AlgoConfig,
+    denom: Denominator,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's clipped value loss (micro-batch share) and its metrics."""
+    clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-cfg.value_clip, cfg.value_clip)
+    surr1_BT = (values_BT - returns_BT).square()
+    surr2_BT = (clipped_BT - returns_BT).square()
+    loss_BT = 0.5 * torch.maximum(surr1_BT, surr2_BT)
+    per_token = cfg.calculate_per_token_loss
+    loss = masked_reduce(loss_BT, mask_BT, denom, per_token)
+    clipfrac = masked_reduce((surr2_BT > surr1_BT).to(loss_BT.dtype), mask_BT, denom, per_token)
+    return loss, {"value_loss": loss.item(), "value_clipfrac": clipfrac.item()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -18,8 +18,12 @@ class TrainSample:
     prompt_len: int
     loss_mask: list[int]  # one per response token
     rollout_logprobs: list[float]  # one per response token, from the engine
-    advantage: float
-    version_lag: int = 0  # policy version at training minus the oldest token's version
+    # The sequence-level reward the estimator's token stage starts from (group-normalised for
+    # grpo/gspo, minus the group mean for reinforce_plus_plus_baseline: algorithms.advantages).
+    reward: float
+    behavior_version: int = 0  # the policy version that sampled it (the oldest, if several)
+    version_lag: int = 0  # policy version at training minus behavior_version
+    teacher_logprobs: list[float] = field(default_factory=list)  # OPD from a teacher engine
 
     @property
     def response_len(self) -> int:
@@ -27,8 +31,11 @@ class TrainSample:
 
 
 class TrainBackend(Protocol):
-    def train_rollout(self, samples: list[TrainSample], num_steps: int) -> dict[str, float]:
-        """Run `num_steps` optimizer steps over the samples; return averaged metrics."""
+    def train_rollout(
+        self, samples: list[TrainSample], num_steps: int, rollout_id: int = 0
+    ) -> dict[str, float]:
+        """Run `num_steps` optimizer steps over the samples; return averaged metrics.
+        `rollout_id` (0-based) lets PPO train only the critic for the first rollouts."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,14 +1,20 @@
-"""The torch backend: a Hugging Face causal LM trained with a torch optimizer.
+"""The torch backend: a Hugging Face causal LM trained with a torch optimizer (and, for PPO,
+a critic with its own optimizer).
 
 Logprobs are computed as the engine reports them (SGLang's default): log_softmax of the
 logits divided by the rollout temperature (1 for greedy). Response token k of a sample whose
-prompt has p tokens is tokens[p + k], predicted by the logits at position p + k - 1.
+prompt has p tokens is tokens[p + k], predicted by the logits at position p + k - 1; the
+critic's value for it is read at the same position.
 
-One rollout = `num_steps` optimizer steps over consecutive slices of `global_batch_size`
-samples, each accumulated over micro-batches of `--micro-batch-size`. With one step per
-rollout, the old policy IS the current one (no update happens between computing it and the
-step), so old_logp = logp.detach() and the ratio is exactly 1; with more steps, the old
-logprobs are recomputed before the first step and kept fixed.
+One rollout = `num_steps` optimizer steps over consecutive equal slices of the samples. Per
+slice, each data-parallel rank takes its share (contiguous, or token-balanced with
+--balance-data), and splits it into micro-batches (--micro-batch-size samples, or packed
+under --max-tokens-per-gpu with --use-dynamic-batch-size: one row, position ids restarting
+per sample). Before the first step, on every slice, `prepare` runs the no-grad forwards the
+estimator needs (old policy, reference, critic, teacher) and computes per-token advantages.
+The old policy: with one step per rollout it IS the current one (nothing changes between
+computing it and the step), so old_logp = logp.detach() and the ratio is exactly 1; with
+more, the logprobs recomputed before the first step stay fixed for all steps.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,10 +31,14 @@ from torch.nn.utils import clip_grad_norm_
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 
-from ..algorithms.loss import Denominator, policy_loss
+from .. import batching
+from ..algorithms.advantages import token_advantages
+from ..algorithms.loss import Denominator, approx_kl, policy_loss, value_loss
 from .base import TrainSample
+from .critic import ValueModel, load_value_model
 
 OPTIMIZER_FILE = "optimizer.pt"
+CRITIC_DIR = "critic"
 
 
 def load_causal_lm(path: str | Path) -> torch.nn.Module:
@@ -58,6 +69,24 @@ def lr_factor(step: int, cfg: RunConfig, total_steps: int) -> float:
     return 1.0
 
 
+def make_optimizer(
+    params: list[torch.nn.Parameter], cfg: RunConfig, lr: float, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    o = cfg.optimizer
+    optimizer: torch.optim.Optimizer
+    if o.optimizer == "adam":
+        optimizer = torch.optim.AdamW(
+            params, lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+            weight_decay=o.weight_decay,
+        )  # fmt: skip
+    else:
+        optimizer = torch.optim.SGD(params, lr=lr, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg, total_steps)
+    )
+    return optimizer, scheduler
+
+
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """[lo, hi) of rank's contiguous share of n items; shares differ in size by at most one."""
     base, extra = divmod(n, world_size)
@@ -65,95 +94,238 @@ def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
+@dataclass
+class Prepared:
+    """Per sample of a slice (1-D tensors over its response tokens): what the loss needs
+    beyond the samples. `old` is None when the ratio's old policy is the current one."""
+
+    advantages: list[torch.Tensor]
+    old: list[torch.Tensor] | None = None
+    ref: list[torch.Tensor] | None = None
+    returns: list[torch.Tensor] | None = None  # ppo: the critic's targets
+    values: list[torch.Tensor] | None = None  # ppo: the critic's values before the step
+
+    def select(self, rows: list[int]) -> Prepared:
+        def pick(xs: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if xs is None else [xs[i] for i in rows]
+
+        return Prepared(
+            [self.advantages[i] for i in rows], pick(self.old), pick(self.ref), pick(self.returns),
+            pick(self.values),
+        )  # fmt: skip
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> fp32 for the softmax; fp32 and fp64 (the exactness tests) stay."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def pad(rows: list[list[float]] | list[torch.Tensor], T: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), T)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
+    return out
+
+
+def unpad(x_BT: torch.Tensor, samples: list[TrainSample]) -> list[torch.Tensor]:
+    return [x_BT[i, : s.response_len].clone() for i, s in enumerate(samples)]
+
+
 class TorchBackend:
     def __init__(
-        self, cfg: RunConfig, actor_dir: str | Path, *, ref_dir: str | Path | None, total_steps: int
+        self,
+        cfg: RunConfig,
+        actor_dir: str | Path,
+        *,
+        ref_dir: str | Path | None,
+        total_steps: int,
+        critic_dir: str | Path | None = None,
+        teacher_dir: str | Path | None = None,
     ):
         torch.manual_seed(cfg.ckpt.seed)
         self.cfg = cfg
-        self.temperature = (
-            cfg.rollout.rollout_temperature if cfg.rollout.rollout_temperature > 1e-6 else 1.0
-        )
+        self.temperature = cfg.rollout.logprob_temperature
         self.model = load_causal_lm(actor_dir)
         self.model.train()
         self.ref = load_causal_lm(ref_dir).eval().requires_grad_(False) if ref_dir else None
-        o = cfg.optimizer
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if o.optimizer == "adam":
-            self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-                params,
-                lr=o.lr,
-                betas=(o.adam_beta1, o.adam_beta2),
-                eps=o.adam_eps,
-                weight_decay=o.weight_decay,
-            )
-        else:
-            self.optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, cfg, total_steps)
+        self.teacher = (
+            load_causal_lm(teacher_dir).eval().requires_grad_(False) if teacher_dir else None
         )
-        # Set by DataParallel: this rank's place, and the sum across ranks of the gradients
-        # and of the per-shard metric sums it is given.
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(params, cfg, cfg.optimizer.lr, total_steps)
+        self.critic: ValueModel | None = None
+        if critic_dir is not None:
+            self.critic = load_value_model(critic_dir)
+            self.critic.train()
+            self.critic_optimizer, self.critic_scheduler = make_optimizer(
+                list(self.critic.parameters()), cfg, cfg.algo.critic_lr or cfg.optimizer.lr,
+                total_steps,
+            )  # fmt: skip
+        # Set by DataParallel: this rank's place; the sum across ranks of the gradients and of
+        # the per-shard metric sums it is given; the sum of a tensor (whitening statistics).
         self.rank, self.world_size = 0, 1
         self.reduce_across_ranks: Callable[[dict[str, float]], dict[str, float]] | None = None
+        self.sum_across_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self.step_metrics: list[dict[str, float]] = []  # the last rollout's, one per step
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter a step updates (actor, then critic): DataParallel sums their grads."""
+        models = [self.model] + ([self.critic] if self.critic is not None else [])
+        return [p for m in models for p in m.parameters() if p.requires_grad]
 
     # -- forward -------------------------------------------------------------------------------
+
+    def _inputs(
+        self, samples: list[TrainSample]
+    ) -> tuple[
+        dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor
+    ]:
+        """(model kwargs, (row_BT, col_BT) of each response token's predicting position,
+        its target_BT, valid_BT). Padded: one row per sample. Packed (dynamic batching): all
+        samples in one row, position ids restarting at each, which transformers turns into a
+        block-diagonal causal mask."""
+        packed = self.cfg.perf.use_dynamic_batch_size
+        B = len(samples)
+        T = max(1, max(s.response_len for s in samples))
+        lengths = [len(s.tokens) for s in samples]
+        starts = [sum(lengths[:i]) for i in range(B)] if packed else [0] * B
+        R, S = (1, sum(lengths)) if packed else (B, max(lengths))
+        ids_RS = torch.zeros(R, S, dtype=torch.long)
+        pos_RS = torch.zeros(R, S, dtype=torch.long)
+        row_BT = torch.zeros(B, T, dtype=torch.long)
+        col_BT = torch.zeros(B, T, dtype=torch.long)
+        target_BT = torch.zeros(B, T, dtype=torch.long)
+        valid_BT = torch.zeros(B, T)
+        for i, (s, start) in enumerate(zip(samples, starts, strict=True)):
+            row, n, k = (0 if packed else i), len(s.tokens), s.response_len
+            ids_RS[row, start : start + n] = torch.tensor(s.tokens)
+            pos_RS[row, start : start + n] = torch.arange(n)
+            row_BT[i] = row
+            col_BT[i, :k] = torch.arange(start + s.prompt_len - 1, start + n - 1)
+            target_BT[i, :k] = torch.tensor(s.tokens[s.prompt_len :])
+            valid_BT[i, :k] = 1
+        if packed:
+            inputs = {"input_ids": ids_RS, "position_ids": pos_RS}
+        else:
+            attn_RS = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).long()
+            inputs = {"input_ids": ids_RS, "attention_mask": attn_RS}
+        return inputs, (row_BT, col_BT), target_BT, valid_BT
 
     def _logprobs(
         self, model: torch.nn.Module, samples: list[TrainSample], with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(logp_BT, entropy_BT or None, valid_BT) over the response positions of each sample."""
-        B, S = len(samples), max(len(s.tokens) for s in samples)
-        T = max(1, max(s.response_len for s in samples))
-        ids_BS = torch.zeros(B, S, dtype=torch.long)
-        attn_BS = torch.zeros(B, S, dtype=torch.long)
-        pos_BT = torch.zeros(B, T, dtype=torch.long)
-        valid_BT = torch.zeros(B, T)
-        for i, s in enumerate(samples):
-            ids_BS[i, : len(s.tokens)] = torch.tensor(s.tokens)
-            attn_BS[i, : len(s.tokens)] = 1
-            pos_BT[i, : s.response_len] = torch.arange(s.prompt_len - 1, len(s.tokens) - 1)
-            valid_BT[i, : s.response_len] = 1
-        logits_BSV = model(input_ids=ids_BS, attention_mask=attn_BS).logits
-        V = logits_BSV.shape[-1]
-        logits_BTV = (
-            logits_BSV.gather(1, pos_BT[..., None].expand(B, T, V)).float() / self.temperature
-        )
+        inputs, (row_BT, col_BT), target_BT, valid_BT = self._inputs(samples)
+        logits_BTV = at_least_fp32(model(**inputs).logits[row_BT, col_BT]) / self.temperature
         logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
-        targets_BT = ids_BS.gather(1, (pos_BT + 1).clamp(max=S - 1))
-        logp_BT = logp_BTV.gather(-1, targets_BT[..., None]).squeeze(-1) * valid_BT
+        logp_BT = logp_BTV.gather(-1, target_BT[..., None]).squeeze(-1) * valid_BT
         entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1) * valid_BT if with_entropy else None
         return logp_BT, entropy_BT, valid_BT
 
+    def _values(self, samples: list[TrainSample]) -> torch.Tensor:
+        assert self.critic is not None
+        inputs, (row_BT, col_BT), _, valid_BT = self._inputs(samples)
+        return self.critic(**inputs)[row_BT, col_BT] * valid_BT
+
     @torch.no_grad()
-    def logprobs(self, samples: list[TrainSample], use_ref: bool = False) -> list[torch.Tensor]:
-        """Per-sample response logprobs under the actor (or the reference), no grad."""
-        model = self.ref if use_ref else self.model
-        if model is None:
-            raise MillstreamError(
-                "no reference model loaded (--use-kl-loss with --ref-load or --hf-checkpoint)"
-            )
-        out: list[torch.Tensor] = []
-        for mb in self._micro_batches(samples):
-            logp_BT, _, _ = self._logprobs(model, mb, with_entropy=False)
-            out += [logp_BT[i, : s.response_len].clone() for i, s in enumerate(mb)]
+    def _per_sample(
+        self, forward: Callable[[list[TrainSample]], torch.Tensor], samples: list[TrainSample]
+    ) -> list[torch.Tensor]:
+        """`forward` (-> x_BT) over the micro-batches training uses, split per sample, no grad
+        (the same micro-batches, so a step's first forward gives the same numbers)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for rows in self._micro_batches(samples):
+            mb = [samples[i] for i in rows]
+            for i, x in zip(rows, unpad(forward(mb), mb), strict=True):
+                out[i] = x
         return out
+
+    def logprobs(
+        self, samples: list[TrainSample], model: torch.nn.Module | None = None
+    ) -> list[torch.Tensor]:
+        """Per-sample response logprobs under `model` (default: the actor)."""
+        model = model or self.model
+        return self._per_sample(lambda mb: self._logprobs(model, mb, False)[0], samples)
+
+    def values(self, samples: list[TrainSample]) -> list[torch.Tensor]:
+        """Per-sample critic values of the response tokens."""
+        return self._per_sample(self._values, samples)
+
+    # -- splitting -----------------------------------------------------------------------------
+
+    def _micro_batches(self, samples: list[TrainSample]) -> list[list[int]]:
+        """Indices of each micro-batch: by count, or packed by tokens (dynamic batching)."""
+        p = self.cfg.perf
+        if p.use_dynamic_batch_size:
+            assert p.max_tokens_per_gpu is not None
+            return batching.pack_by_tokens([len(s.tokens) for s in samples], p.max_tokens_per_gpu)
+        size = p.micro_batch_size
+        return [
+            list(range(lo, min(lo + size, len(samples)))) for lo in range(0, len(samples), size)
+        ]
+
+    def _my_share(self, samples: list[TrainSample]) -> list[int]:
+        """Indices of this rank's share of a step's samples (the same split on every rank)."""
+        if self.cfg.perf.balance_data and self.world_size > 1:
+            lengths = [len(s.tokens) for s in samples]
+            return batching.balance_across_ranks(lengths, self.world_size)[self.rank]
+        lo, hi = shard_bounds(len(samples), self.rank, self.world_size)
+        return list(range(lo, hi))
 
     # -- training ------------------------------------------------------------------------------
 
-    def _micro_batches(self, samples: list[TrainSample]) -> Iterator[list[TrainSample]]:
-        size = self.cfg.perf.micro_batch_size
-        for start in range(0, len(samples), size):
-            yield samples[start : start + size]
+    def prepare(self, slices: list[list[TrainSample]]) -> Prepared:
+        """The no-grad forwards and per-token advantages for this rank's share of a rollout,
+        given per step: forwards per step, with the micro-batches that step uses (so a step's
+        first forward gives the same numbers); advantages over all steps at once (whitening
+        sees the whole rollout)."""
+        algo = self.cfg.algo
+        kl_in_reward = algo.use_kl_in_reward and algo.kl_coef != 0
+        need_old = len(slices) > 1 or kl_in_reward or algo.distills
+        samples = [s for part in slices for s in part]
 
-    @staticmethod
-    def _pad(rows: list[list[float]] | list[torch.Tensor], T: int) -> torch.Tensor:
-        out = torch.zeros(len(rows), T)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
-        return out
+        def each_slice(fn: Callable[[list[TrainSample]], list[torch.Tensor]]) -> list[torch.Tensor]:
+            return [x for part in slices for x in fn(part)]
 
-    def train_rollout(self, samples: list[TrainSample], num_steps: int) -> dict[str, float]:
+        old = each_slice(self.logprobs) if need_old else None
+        ref = None if self.ref is None else each_slice(lambda part: self.logprobs(part, self.ref))
+        values = each_slice(self.values) if self.critic is not None else None
+        teacher = None
+        if algo.distills:
+            if self.teacher is not None:
+                teacher = each_slice(lambda part: self.logprobs(part, self.teacher))
+            else:
+                teacher = [torch.tensor(s.teacher_logprobs, dtype=torch.float32) for s in samples]
+                for s, t in zip(samples, teacher, strict=True):
+                    if len(t) != s.response_len:
+                        raise MillstreamError(
+                            f"a sample has {len(t)} teacher logprobs for {s.response_len} "
+                            "response tokens: --opd-teacher-url must score every response token"
+                        )
+        T = max(1, max(s.response_len for s in samples))
+        mask_BT = pad([s.loss_mask for s in samples], T)
+        kl_BT = None
+        if kl_in_reward:
+            assert old is not None and ref is not None
+            kl_BT = approx_kl(pad(old, T), pad(ref, T), algo.kl_loss_type)
+        adv_BT, returns_BT = token_advantages(
+            torch.tensor([s.reward for s in samples]), mask_BT, algo, kl_BT=kl_BT,
+            values_BT=None if values is None else pad(values, T),
+            student_BT=None if old is None else pad(old, T),
+            teacher_BT=None if teacher is None else pad(teacher, T),
+            sum_across_ranks=self.sum_across_ranks,
+        )  # fmt: skip
+        return Prepared(
+            advantages=unpad(adv_BT, samples),
+            old=old if len(slices) > 1 else None,
+            ref=ref,
+            returns=None if returns_BT is None else unpad(returns_BT, samples),
+            values=values,
+        )
+
+    def train_rollout(
+        self, samples: list[TrainSample], num_steps: int, rollout_id: int = 0
+    ) -> dict[str, float]:
         """`num_steps` optimizer steps over consecutive equal slices of the samples."""
         if len(samples) % num_steps:
             raise ValueError(f"{len(samples)} samples do not split into {num_steps} equal steps")
@@ -162,76 +334,103 @@ class TorchBackend:
             raise ValueError(
                 f"{per_step} samples per step cannot be shared by {self.world_size} trainer ranks"
             )
-        lo, hi = shard_bounds(per_step, self.rank, self.world_size)
-        mine = [s for k in range(num_steps) for s in samples[k * per_step + lo : k * per_step + hi]]
-        old = self.logprobs(mine) if num_steps > 1 else None
-        ref = self.logprobs(mine, use_ref=True) if self.ref is not None else None
-        n = hi - lo
+        steps = [samples[k * per_step : (k + 1) * per_step] for k in range(num_steps)]
+        shares = [[step[i] for i in self._my_share(step)] for step in steps]
+        prepared = self.prepare(shares)
+        critic_only = rollout_id < self.cfg.algo.num_critic_only_steps and self.critic is not None
         totals: dict[str, float] = defaultdict(float)
-        for k in range(num_steps):
-            step_metrics = self._step(
-                samples[k * per_step : (k + 1) * per_step],
-                None if old is None else old[k * n : (k + 1) * n],
-                None if ref is None else ref[k * n : (k + 1) * n],
-            )
+        self.step_metrics = []
+        offset = 0
+        for step, share in zip(steps, shares, strict=True):
+            rows = list(range(offset, offset + len(share)))
+            offset += len(share)
+            step_metrics = self._step(step, share, prepared.select(rows), critic_only)
+            self.step_metrics.append(step_metrics)
             for name, value in step_metrics.items():
                 totals[name] += value / num_steps
         return dict(totals)
 
     def _step(
         self,
+        step_samples: list[TrainSample],
         samples: list[TrainSample],
-        old: list[torch.Tensor] | None,
-        ref: list[torch.Tensor] | None,
+        prepared: Prepared,
+        critic_only: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step over the slice `samples`; `old`/`ref` cover this rank's shard."""
+        """One optimizer step over `step_samples` (the whole slice, for the denominators);
+        this rank trains on `samples`, its share, with `prepared` for them."""
         self.optimizer.zero_grad(set_to_none=True)
         denom = Denominator(
-            n_samples=len(samples), n_tokens=max(1, sum(sum(s.loss_mask) for s in samples))
+            n_samples=len(step_samples),
+            n_tokens=max(1, sum(sum(s.loss_mask) for s in step_samples)),
         )
-        lo, hi = shard_bounds(len(samples), self.rank, self.world_size)
-        metrics = self.accumulate_gradients(samples[lo:hi], old, ref, denom)
+        metrics: dict[str, float] = {}
+        if not critic_only:
+            metrics |= self.accumulate_gradients(samples, prepared, denom)
+        if self.critic is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            metrics |= self.accumulate_critic_gradients(samples, prepared, denom)
         if self.reduce_across_ranks is not None:
             metrics = self.reduce_across_ranks(metrics)
         clip = self.cfg.optimizer.clip_grad
-        metrics["grad_norm"] = float(
-            clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        )
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        max_norm = clip if clip > 0 else float("inf")
+        if not critic_only:
+            metrics["grad_norm"] = float(clip_grad_norm_(self.model.parameters(), max_norm))
+            metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+        if self.critic is not None:
+            metrics["critic_grad_norm"] = float(clip_grad_norm_(self.critic.parameters(), max_norm))
+            metrics["critic_lr"] = self.critic_optimizer.param_groups[0]["lr"]
+            self.critic_optimizer.step()
+            self.critic_scheduler.step()
         return metrics
 
     def accumulate_gradients(
-        self,
-        samples: list[TrainSample],
-        old: list[torch.Tensor] | None,
-        ref: list[torch.Tensor] | None,
-        denom: Denominator | None = None,
+        self, samples: list[TrainSample], prepared: Prepared, denom: Denominator | None = None
     ) -> dict[str, float]:
-        """Backward over micro-batches; the summed gradient is the gradient of the loss over
-        the slice `denom` counts (by default, `samples` itself)."""
+        """Backward of the policy loss over micro-batches; the summed gradient is the gradient
+        of the loss over the slice `denom` counts (by default, `samples` itself)."""
         denom = denom or Denominator(
             n_samples=len(samples), n_tokens=max(1, sum(sum(s.loss_mask) for s in samples))
         )
         metrics: dict[str, float] = defaultdict(float)
-        offset = 0
-        for mb in self._micro_batches(samples):
+        for rows in self._micro_batches(samples):
+            mb, p = [samples[i] for i in rows], prepared.select(rows)
             logp_BT, entropy_BT, valid_BT = self._logprobs(self.model, mb, with_entropy=True)
             T = logp_BT.shape[1]
-            rows = slice(offset, offset + len(mb))
-            offset += len(mb)
-            mask_BT = self._pad([s.loss_mask for s in mb], T) * valid_BT
-            adv_BT = torch.tensor([s.advantage for s in mb])[:, None].expand(-1, T)
-            old_BT = logp_BT.detach() if old is None else self._pad(old[rows], T)
+            mask_BT = pad([s.loss_mask for s in mb], T) * valid_BT
             loss, mb_metrics = policy_loss(
-                logp_BT, old_BT, adv_BT, mask_BT, self.cfg.algo, denom,
-                rollout_logp_BT=self._pad([s.rollout_logprobs for s in mb], T),
-                ref_logp_BT=None if ref is None else self._pad(ref[rows], T),
+                logp_BT,
+                logp_BT.detach() if p.old is None else pad(p.old, T),
+                pad(p.advantages, T),
+                mask_BT,
+                self.cfg.algo,
+                denom,
+                rollout_logp_BT=pad([s.rollout_logprobs for s in mb], T),
+                ref_logp_BT=None if p.ref is None else pad(p.ref, T),
                 entropy_BT=entropy_BT,
-            )  # fmt: skip
+            )
             loss.backward()
             metrics["loss"] += loss.item()
+            for name, value in mb_metrics.items():
+                metrics[name] += value
+        return dict(metrics)
+
+    def accumulate_critic_gradients(
+        self, samples: list[TrainSample], prepared: Prepared, denom: Denominator
+    ) -> dict[str, float]:
+        assert prepared.returns is not None and prepared.values is not None
+        metrics: dict[str, float] = defaultdict(float)
+        for rows in self._micro_batches(samples):
+            mb, p = [samples[i] for i in rows], prepared.select(rows)
+            values_BT = self._values(mb)
+            T = values_BT.shape[1]
+            mask_BT = pad([s.loss_mask for s in mb], T)
+            loss, mb_metrics = value_loss(
+                values_BT, pad(p.values, T), pad(p.returns, T), mask_BT, self.cfg.algo, denom
+            )
+            loss.backward()
             for name, value in mb_metrics.items():
                 metrics[name] += value
         return dict(metrics)
@@ -252,6 +451,17 @@ class TorchBackend:
                 },
                 directory / OPTIMIZER_FILE,
             )
+        if self.critic is not None:
+            critic_dir = directory / CRITIC_DIR
+            self.critic.save(critic_dir)
+            if save_optimizer:
+                torch.save(
+                    {
+                        "optimizer": self.critic_optimizer.state_dict(),
+                        "scheduler": self.critic_scheduler.state_dict(),
+                    },
+                    critic_dir / OPTIMIZER_FILE,
+                )
 
     def load(self, directory: Path, load_optimizer: bool = True) -> None:
         from safetensors.torch import load_model
@@ -262,3 +472,11 @@ class TorchBackend:
             state = torch.load(opt_path, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+        critic_dir = directory / CRITIC_DIR
+        if self.critic is not None and critic_dir.is_dir():
+            self.critic.load(critic_dir)
+            opt_path = critic_dir / OPTIMIZER_FILE
+            if load_optimizer and opt_path.is_file():
+                state = torch.load(opt_path, weights_only=True)
+                self.critic_optimizer.load_state_dict(state["optimizer"])
+                self.critic_scheduler.load_state_dict(state["scheduler"])
