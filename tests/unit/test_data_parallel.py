@@ -3,6 +3,7 @@ slice, and end with identical weights; samples survive the tensor encoding."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import socket
@@ -94,6 +95,13 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path, extra):
 def test_samples_cross_as_tensors_unchanged():
     samples = _samples()
     assert decode(encode(samples)) == samples
+    distilled = [
+        dataclasses.replace(
+            s, teacher_logprobs=[-0.5 - i] * s.response_len, behavior_version=7 + i, version_lag=i
+        )
+        for i, s in enumerate(samples)
+    ]
+    assert decode(encode(distilled)) == distilled
     assert decode(encode([])) == []
 
 
