@@ -201,21 +201,21 @@ def output_of(core: EngineCore, item: Item, text_in_logprobs: bool) -> dict[str,
         "e2e_latency": end - seq.created_at,
     }
     if item.return_logprob:
-        tok = core.tokenizer
+
+        def entries(logprobs: list[float | None], token_ids: list[int]) -> list[list[Any]]:
+            decode = core.tokenizer.decode
+            return [
+                [lp, tid, decode([tid]) if text_in_logprobs else None]
+                for lp, tid in zip(logprobs, token_ids, strict=True)
+            ]
+
         holder = seq.input_logprobs
-        values = holder.values if holder is not None else None
         meta["input_token_logprobs"] = (
             []  # not computed: the request ended (abort) before its prefill
-            if holder is None or values is None
-            else [
-                [lp, tid, tok.decode([tid]) if text_in_logprobs else None]
-                for lp, tid in zip(values, seq.prompt_ids[holder.start :], strict=True)
-            ]
+            if holder is None or holder.values is None
+            else entries(holder.values, seq.prompt_ids[holder.start :])
         )
-        meta["output_token_logprobs"] = [
-            [lp, tid, tok.decode([tid]) if text_in_logprobs else None]
-            for lp, tid in zip(seq.output_logprobs[:n], ids, strict=True)
-        ]
+        meta["output_token_logprobs"] = entries(list(seq.output_logprobs[:n]), ids)
     text = output_text(core.tokenizer, seq, None if done else n)
     return {"text": text, "output_ids": ids, "meta_info": meta}
 

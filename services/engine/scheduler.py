@@ -141,12 +141,6 @@ class Scheduler:
                 f"input_ids: the prompt has {n_prompt} tokens, the context length is "
                 f"{self.context_length}"
             )
-        holder = seq.input_logprobs
-        if holder is not None and not 0 <= holder.start < n_prompt:
-            raise RequestError(
-                f"logprob_start_len: {holder.start} is not a position of the {n_prompt}-token "
-                f"prompt; use 0 .. {n_prompt - 1}, or -1 for output logprobs only"
-            )
         if self.max_total_tokens is not None and seq.reserved_tokens > self.max_total_tokens:
             raise RequestError(
                 f"sampling_params.max_new_tokens: prompt ({n_prompt}) + max_new_tokens "

@@ -108,6 +108,7 @@ def test_one_rank_gets_everything():
 
 
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[lo, hi) of rank's share, written independently of batching.py."""
     base, extra = divmod(n, world_size)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (rank < extra)
@@ -115,7 +116,7 @@ def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("n", range(0, 23))
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8])
-def test_contiguous_shards_match_the_backend_bounds(n, world_size):
+def test_contiguous_shards_match_the_bounds_formula(n, world_size):
     shards = contiguous_shards(n, world_size)
     assert len(shards) == world_size
     assert [i for s in shards for i in s] == list(range(n))

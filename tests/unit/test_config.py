@@ -120,6 +120,23 @@ def test_abbreviated_flag_is_not_accepted(tmp_path):
             ],
         ),
         (
+            "--n-samples-per-prompt",
+            [
+                "--hf-checkpoint",
+                "m",
+                "--prompt-data",
+                "p.jsonl",
+                "--rm-type",
+                "math",
+                "--num-rollout",
+                "1",
+                "--advantage-estimator",
+                "reinforce_plus_plus_baseline",
+                "--n-samples-per-prompt",
+                "1",
+            ],
+        ),
+        (
             "--opd-teacher-url",
             [
                 "--hf-checkpoint",

@@ -4,7 +4,6 @@ slice, and end with identical weights; samples survive the tensor encoding."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import socket
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from millstream.common.config import parse_run_config
-from millstream.trainer.backends.torch_backend import TorchBackend, shard_bounds
+from millstream.trainer.backends.torch_backend import TorchBackend
 from millstream.trainer.distributed import decode, encode
 from tests.unit.test_torch_backend import _samples
 
@@ -103,15 +102,6 @@ def test_samples_cross_as_tensors_unchanged():
     ]
     assert decode(encode(distilled)) == distilled
     assert decode(encode([])) == []
-
-
-def test_shards_cover_the_slice_and_differ_by_at_most_one():
-    for n, world in [(4, 2), (5, 2), (7, 3), (3, 3)]:
-        bounds = [shard_bounds(n, r, world) for r in range(world)]
-        assert bounds[0][0] == 0 and bounds[-1][1] == n
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
-        sizes = [hi - lo for lo, hi in bounds]
-        assert max(sizes) - min(sizes) <= 1
 
 
 def test_several_trainer_ranks_without_torchrun_say_how_to_start_them(

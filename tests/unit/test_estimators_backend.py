@@ -166,7 +166,9 @@ def test_ppo_critic_learns_the_returns(tiny_model_dir):
     samples = _samples()
     first = backend.prepare([samples])
     assert all(v.abs().max() == 0 for v in first.values)  # type: ignore[union-attr]
-    losses = [backend.train_rollout(samples, 1)["value_loss"] for _ in range(8)]
+    metrics = [backend.train_rollout(samples, 1) for _ in range(8)]
+    assert (metrics[0]["critic_lr"], metrics[0]["lr"]) == (3e-3, 1e-2)
+    losses = [m["value_loss"] for m in metrics]
     assert losses[-1] < losses[0] / 2
     assert any(v.abs().max() > 0 for v in backend.values(samples))
 

@@ -87,13 +87,6 @@ def make_optimizer(
     return optimizer, scheduler
 
 
-def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[lo, hi) of rank's contiguous share of n items; shares differ in size by at most one."""
-    base, extra = divmod(n, world_size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (rank < extra)
-
-
 @dataclass
 class Prepared:
     """Per sample of a slice (1-D tensors over its response tokens): what the loss needs
@@ -269,8 +262,7 @@ class TorchBackend:
         if self.cfg.perf.balance_data and self.world_size > 1:
             lengths = [len(s.tokens) for s in samples]
             return batching.balance_across_ranks(lengths, self.world_size)[self.rank]
-        lo, hi = shard_bounds(len(samples), self.rank, self.world_size)
-        return list(range(lo, hi))
+        return batching.contiguous_shards(len(samples), self.world_size)[self.rank]
 
     # -- training ------------------------------------------------------------------------------
 
