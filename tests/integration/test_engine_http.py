@@ -19,7 +19,9 @@ from tests.support.engine_proc import EngineProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-LONG = {"max_new_tokens": 900, "ignore_eos": True}
+# As long as the context allows (1024 - prompt): a request the tests abort or pause must
+# still be running when the call lands, even on a fast, idle machine.
+LONG = {"max_new_tokens": 1000, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,28 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def pause_while_running(
+    client: httpx.Client, pool: ThreadPoolExecutor, body: dict[str, Any], mode: str
+) -> Future:
+    """Submit `body` and pause (`mode`) once it runs. A request that wins the race and
+    finishes before the pause lands (about 0.75 s for LONG on an idle machine; a loaded one
+    can stall the test that long) is tried again, twice at most."""
+    for _ in range(3):
+        running = pool.submit(post, client, "/generate", body)
+        wait_for(lambda: info(client)["num_running_reqs"] == 1)
+        paused = post(client, "/pause_generation", {"mode": mode})
+        caught = (
+            paused["num_paused_requests"] == 1
+            if mode == "abort"
+            else info(client)["num_running_reqs"] == 1
+        )
+        if caught:
+            return running
+        post(client, "/continue_generation", {})
+        running.result(60)
+    raise AssertionError(f"the request finished before each of 3 pauses ({mode})")
 
 
 def logprobs_of(out: dict[str, Any]) -> list[float]:
@@ -196,7 +220,7 @@ def test_abort_by_rid_and_abort_all_return_partial_output(
     assert post(client, "/abort_request", {"rid": "victim"})["num_aborted"] == 1
     out = one.result(30)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < out["meta_info"]["completion_tokens"] < 900
+    assert 0 < out["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
     assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
 
     many = [start(f"all-{i}") for i in range(3)]
@@ -210,16 +234,14 @@ def test_a_client_that_hangs_up_has_its_request_aborted(client: httpx.Client, en
     aborted = info(client)["aborted"]
     body = {"input_ids": list(b"gone"), "sampling_params": LONG}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{engine.url}/generate", json=body, timeout=0.5)
+        httpx.post(f"{engine.url}/generate", json=body, timeout=0.2)  # LONG takes ~0.75 s
     wait_for(lambda: info(client)["aborted"] == aborted + 1)
     wait_for(lambda: info(client)["num_running_reqs"] == 0)
 
 
 def test_pause_abort_in_place_and_continue(client: httpx.Client, pool: ThreadPoolExecutor):
     body = {"input_ids": list(b"pause"), "sampling_params": LONG}
-    running = pool.submit(post, client, "/generate", body)
-    wait_for(lambda: info(client)["num_running_reqs"] == 1)
-    assert post(client, "/pause_generation", {"mode": "abort"})["num_paused_requests"] == 1
+    running = pause_while_running(client, pool, body, "abort")
     assert running.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
 
     short = {"input_ids": list(b"later"), "sampling_params": {"max_new_tokens": 5}}
@@ -230,14 +252,9 @@ def test_pause_abort_in_place_and_continue(client: httpx.Client, pool: ThreadPoo
     post(client, "/continue_generation", {})
     assert queued.result(30)["meta_info"]["completion_tokens"] == 5
 
-    # Long enough that it cannot finish between "running" and the pause, even on a fast box.
-    medium = {
-        "input_ids": list(b"keep"),
-        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
-    }
-    kept = pool.submit(post, client, "/generate", medium)
-    wait_for(lambda: info(client)["num_running_reqs"] == 1)
-    post(client, "/pause_generation", {"mode": "in_place"})
+    kept = pause_while_running(
+        client, pool, {"input_ids": list(b"keep"), "sampling_params": LONG}, "in_place"
+    )
     try:
         state = info(client)
         assert state["paused"] and state["num_running_reqs"] == 1

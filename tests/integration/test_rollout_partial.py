@@ -26,7 +26,7 @@ from tests.support.router_proc import ServiceProcess, start_router
 pytestmark = pytest.mark.integration
 
 PROMPT = [250, 3, 77, 140, 9, 33, 180]
-MAX_NEW = 600
+MAX_NEW = 1000  # long enough that the pause lands mid-generation on a fast machine
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,8 @@ def test_a_sample_aborted_by_a_sync_resumes_as_if_never_interrupted(
         publish_prompts(
             redis_url, keys.prompts, [PromptGroup(group_id="p0", prompt_token_ids=PROMPT)]
         )
-        wait_until_running(engine.url)
-        time.sleep(0.3)  # let it produce some tokens
+        wait_until_running(engine.url)  # its prefill sampled the first token at version 0
+        time.sleep(0.05)
         paused = post(f"{engine.url}/pause_generation", {"mode": "abort"})
         assert paused["num_paused_requests"] == 1
         # The coordinator's order: weights (same ones, new version), then serve it, continue.
