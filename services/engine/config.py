@@ -39,12 +39,17 @@ class EngineConfig:
         None, "bearer token for the router's admin endpoints (or MILLSTREAM_ADMIN_TOKEN)"
     )
     seed: int = flag(0, "seed of the engine's RNG (seeds unseeded requests)")
+    num_threads: int = flag(
+        0, "torch compute threads (0: every core; `millstream train` passes its CPU split)"
+    )
     log_level: str = flag("info", "", choices=("debug", "info", "warning", "error"))
     run_dir: str | None = flag(None, "traces go to RUN_DIR/traces when no OTLP endpoint is set")
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ConfigError("--model-path is required (a Hugging Face model directory)")
+        if self.num_threads < 0:
+            raise ConfigError(f"--num-threads must be >= 0 (got {self.num_threads})")
         for name in ("max_running_requests", "max_total_tokens", "context_length"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -3,7 +3,7 @@
 Expansion (SGLang's order): a batch of P prompts with n samples each becomes P * n sequences,
 grouped by prompt (index = i * n + j); the response is a list whenever the input is a batch
 or n > 1, else one object. Copy j of a request seeded with `sampling_seed` s draws from a
-generator seeded s + j: reproducible, yet the n samples of one prompt differ (GRPO needs
+`random.Random` seeded s + j: reproducible, yet the n samples of one prompt differ (GRPO needs
 that). Requests without a seed get one from the engine RNG (--seed).
 
 Output object: {text, output_ids, meta_info} with meta_info id, finish_reason (object or
@@ -28,13 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from .core import EngineCore
 from .protocol import GenerateReqIn, SamplingParamsIn
@@ -153,7 +152,7 @@ def make_job(
                 rid=base if p.n == 1 else f"{base}-{j}",
                 prompt_ids=list(prompt),
                 params=resolved,
-                generator=torch.Generator().manual_seed(seed),
+                rng=random.Random(seed),
                 notify=waiter,
                 request_rid=rid,
                 input_logprobs=holder,

@@ -12,10 +12,10 @@ model needs per step is therefore
 Padding keys get -inf scores through the mask, so a row's logits equal those of the row run
 alone up to float summation order (tests check 1e-4 against a fresh full forward).
 
-Join: a newcomer is prefilled on its own (no padding), then both caches are left-padded to
-the longer length and concatenated along the batch. Leave: rows are index-selected out and
-columns that are padding for every remaining row are dropped, so T tracks the longest live
-row, not the longest row ever seen.
+Join: newcomers are prefilled together (left-padded, model_runner.prefill), then both
+caches are left-padded to the longer length and concatenated along the batch. Leave: rows
+are index-selected out and columns that are padding for every remaining row are dropped,
+so T tracks the longest live row, not the longest row ever seen.
 """
 
 from __future__ import annotations

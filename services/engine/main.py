@@ -75,9 +75,12 @@ def main(argv: Sequence[str]) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from millstream.common import threads
     from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
     from .core import EngineCore
+
+    print(f"[engine] {threads.apply(config.num_threads)} compute thread(s)", flush=True)
 
     provider = setup_tracing("millstream-engine", config.run_dir)
     core = None

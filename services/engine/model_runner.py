@@ -86,23 +86,38 @@ class ModelRunner:
     def prefill(
         self, prefixes: list[list[int]], logits_to_keep: int = 1
     ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Prefill equal-length prefixes together (no padding needed).
+        """Prefill prefixes together in one forward, left-padded to the longest.
 
-        Returns (cache, mask_BT of ones, logits_BKV at each row's last K = `logits_to_keep`
-        positions; [:, -1] is the next-token distribution). The model's own forward keeps
-        only those positions (transformers' `logits_to_keep`), so the LM head runs on K
-        positions, not the whole prefix, and model-specific logit post-processing applies."""
-        lengths = {len(p) for p in prefixes}
-        assert len(lengths) == 1, f"prefill needs equal lengths, got {sorted(lengths)}"
-        (length,) = lengths
-        assert 1 <= logits_to_keep <= length, f"logits_to_keep {logits_to_keep} of {length}"
-        input_ids_BT = torch.tensor(prefixes)
+        Returns (cache, mask_BT marking real columns, logits_BKV at each row's last
+        K = `logits_to_keep` positions; [:, -1] is the next-token distribution). Rows are
+        right-aligned, so those positions are real for every row; a padded row gets its true
+        positions (position_ids) and padding keys are masked, so its logits equal those of
+        the row alone up to float summation order. Pad columns of the cache are zeroed (a
+        query that sees only padding can come out NaN, and 0 x NaN would leak through the
+        mask later). The model's own forward keeps only the K positions (transformers'
+        `logits_to_keep`), so the LM head runs on K positions, not the whole prefix."""
+        width = max(len(p) for p in prefixes)
+        assert 1 <= logits_to_keep <= min(len(p) for p in prefixes), (
+            f"logits_to_keep {logits_to_keep} of {sorted({len(p) for p in prefixes})}"
+        )
+        input_ids_BT = torch.zeros(len(prefixes), width, dtype=torch.long)
+        mask_BT = torch.zeros(len(prefixes), width, dtype=torch.long)
+        for b, prefix in enumerate(prefixes):
+            input_ids_BT[b, width - len(prefix) :] = torch.tensor(prefix)
+            mask_BT[b, width - len(prefix) :] = 1
+        padded = bool((mask_BT == 0).any())
         cache = self.new_cache()
         out = self.model(
             input_ids=input_ids_BT,
+            attention_mask=mask_BT if padded else None,
+            position_ids=(mask_BT.cumsum(-1) - 1).clamp_(min=0) if padded else None,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
-        mask_BT = torch.ones_like(input_ids_BT)
+        if padded:
+            pad_B1T1 = (mask_BT == 0)[:, None, :, None]
+            for layer in cache.layers:
+                layer.keys.masked_fill_(pad_B1T1, 0.0)
+                layer.values.masked_fill_(pad_B1T1, 0.0)
         return cache, mask_BT, out.logits[:, -logits_to_keep:, :]

@@ -11,12 +11,16 @@ softmax(logits / T) restricted to the tokens that survive all three filters
     top_p:  the smallest prefix of the sorted distribution whose mass reaches p (the first
             token always survives),
     min_p:  tokens with p >= min_p * p_max,
-renormalised. Every row draws with its own torch.Generator, so a request seeded with
-`sampling_seed` samples the same tokens whatever else shares its batch.
+renormalised. Every row draws one uniform u from its own `random.Random`, so a request
+seeded with `sampling_seed` samples the same tokens whatever else shares its batch; the
+token is then picked for all rows at once by inverse CDF (the first token whose cumulative
+probability exceeds u times the row's total), one searchsorted over the batch instead of a
+multinomial call per row (that loop was a third of the engine's step time).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -67,30 +71,39 @@ def _filter_probs(probs_BV: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return torch.where(keep_BV, sorted_BV, torch.zeros_like(sorted_BV)), order_BV
 
 
+def _inverse_cdf(probs_BV: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Per row, the first column whose cumulative probability exceeds u * total (u in [0, 1));
+    a column with zero probability is never picked (rounding at the top falls back to the
+    row's most likely column)."""
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    u_B1 = torch.tensor(uniforms, dtype=cdf_BV.dtype)[:, None] * cdf_BV[:, -1:]
+    pick_B = torch.searchsorted(cdf_BV, u_B1, right=True)[:, 0].clamp_(max=probs_BV.shape[1] - 1)
+    picked_B = probs_BV.gather(-1, pick_B[:, None])[:, 0]
+    return torch.where(picked_B > 0, pick_B, probs_BV.argmax(dim=-1))
+
+
 def sample_next(
     logits_BV: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator],
+    rngs: Sequence[random.Random],
 ) -> tuple[list[int], list[float]]:
     """Sample one token per row; returns (token ids, their logprobs as defined above)."""
     logits_BV = logits_BV.float()
     temps_B = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
     logp_BV = torch.log_softmax(logits_BV / temps_B[:, None], dim=-1)
-    tokens = logits_BV.argmax(dim=-1).tolist()
+    token_B = logits_BV.argmax(dim=-1)
 
     sampled = [b for b, p in enumerate(params) if not p.greedy]
-    truncated = [b for b in sampled if params[b].truncates]
     plain = [b for b in sampled if not params[b].truncates]
-    for b in plain:
-        probs_V = logp_BV[b].exp()
-        tokens[b] = int(torch.multinomial(probs_V, 1, generator=generators[b]))
+    truncated = [b for b in sampled if params[b].truncates]
+    if plain:
+        rows_R = torch.tensor(plain)
+        token_B[rows_R] = _inverse_cdf(logp_BV[rows_R].exp(), [rngs[b].random() for b in plain])
     if truncated:
-        rows = torch.tensor(truncated)
-        kept_BV, order_BV = _filter_probs(logp_BV[rows].exp(), [params[b] for b in truncated])
-        for i, b in enumerate(truncated):
-            choice = int(torch.multinomial(kept_BV[i], 1, generator=generators[b]))
-            tokens[b] = int(order_BV[i, choice])
+        rows_R = torch.tensor(truncated)
+        kept_RV, order_RV = _filter_probs(logp_BV[rows_R].exp(), [params[b] for b in truncated])
+        choice_R = _inverse_cdf(kept_RV, [rngs[b].random() for b in truncated])
+        token_B[rows_R] = order_RV.gather(-1, choice_R[:, None])[:, 0]
 
-    token_B = torch.tensor(tokens)
     logprobs = logp_BV.gather(-1, token_B[:, None])[:, 0].tolist()
-    return tokens, logprobs
+    return token_B.tolist(), logprobs

@@ -9,13 +9,15 @@ a forward pass.
 One step (`_step`):
   1. admit waiting sequences while the batch has room (--max-running-requests rows and,
      when set, --max-total-tokens reserved as prompt + max_new_tokens per row);
-  2. prefill them, grouped by prefix length so each group needs no padding; a new sequence
-     samples its first token from the prefill logits, a retracted one (output so far kept)
-     re-prefills prompt + output[:-1] and samples nothing. A sequence that asked for input
-     logprobs from position s (SGLang's logprob_start_len) is grouped by (length, s) too:
-     its prefill keeps logits for the last L - s positions only, scores prompt[s+1:] from
-     them (same temperature rule as the output logprobs, sampling.py) before sampling, and a
-     max_new_tokens = 0 sequence finishes right there without sampling;
+  2. prefill them in as few forwards as padding allows (`prefill_groups`: left-padded,
+     mixed lengths), each distinct prefix once (the n copies of a request share it; the KV
+     cache rows are copied after); a new sequence samples its first token from the prefill
+     logits, a retracted one (output so far kept) re-prefills prompt + output[:-1] and
+     samples nothing. A sequence that asked for input logprobs from position s (SGLang's
+     logprob_start_len) is grouped by (length, s): its prefill keeps logits for the last
+     L - s positions only, scores prompt[s+1:] from them (same temperature rule as the
+     output logprobs, sampling.py) before sampling, and a max_new_tokens = 0 sequence
+     finishes right there without sampling;
   3. merge survivors into the running batch (counted in `joined_running_batch` when the
      batch was already decoding: continuous batching);
   4. one decode step for every row; finished rows leave the batch at once.
@@ -53,6 +55,7 @@ class RequestError(ValueError):
     """A request the engine cannot serve; the message names the offending input."""
 
 
+PREFILL_PAD_RATIO = 2.0  # a mixed-length prefill computes at most 2 tokens per real one
 SCORE_CHUNK = 512  # positions per log_softmax: bounds the float32 copies to CHUNK x vocab
 
 
@@ -70,6 +73,32 @@ def score_prompt(logits_KV: torch.Tensor, seq: Sequence, holder: InputLogprobs) 
         logp_CV = torch.log_softmax(logits_KV[lo:hi].float() / temperature, dim=-1)
         scored += logp_CV.gather(-1, next_K[lo:hi, None])[:, 0].tolist()
     holder.values = scored
+
+
+def prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Split newly admitted sequences into prefill forwards. A sequence that asked for input
+    logprobs from position s goes with others of the same (length, s): their kept logit
+    positions must line up. All others go together, left-padded, longest first, cut where
+    a forward would compute more than PREFILL_PAD_RATIO tokens per real token (counted over
+    distinct prefixes: copies of one prompt are prefilled once)."""
+    scoring: dict[tuple[int, int], list[Sequence]] = {}
+    by_prefix: dict[tuple[int, ...], list[Sequence]] = {}
+    for seq in seqs:
+        start = seq.pending_logprob_start
+        if start is None:
+            by_prefix.setdefault(tuple(seq.prefix_ids()), []).append(seq)
+        else:
+            scoring.setdefault((len(seq.prefix_ids()), start), []).append(seq)
+    groups: list[list[Sequence]] = []
+    width = distinct = real = 0
+    for prefix, copies in sorted(by_prefix.items(), key=lambda item: -len(item[0])):
+        if groups and width * (distinct + 1) <= PREFILL_PAD_RATIO * (real + len(prefix)):
+            groups[-1].extend(copies)
+            distinct, real = distinct + 1, real + len(prefix)
+        else:
+            groups.append(list(copies))
+            width, distinct, real = len(prefix), 1, len(prefix)
+    return groups + list(scoring.values())
 
 
 @dataclass
@@ -260,32 +289,37 @@ class Scheduler:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         was_decoding = bool(self._batch.seqs)
-        groups: dict[tuple[int, int | None], list[Sequence]] = {}
-        for seq in seqs:
-            groups.setdefault((len(seq.prefix_ids()), seq.pending_logprob_start), []).append(seq)
-        for (length, start), group in groups.items():
-            keep = 1 if start is None else length - start
-            cache, mask_BT, logits_BKV = self.runner.prefill([s.prefix_ids() for s in group], keep)
-            if start is not None:
-                self._score_prompts(group, logits_BKV)
-            logits_BV = logits_BKV[:, -1, :]
-            fresh = [i for i, s in enumerate(group) if not s.output_ids]
-            for i in fresh:
-                if group[i].params.max_new_tokens == 0:
-                    self._finish(group[i], FinishReason("length", length=0))
-            fresh = [i for i in fresh if not group[i].done]
-            if fresh:
-                self._append_sampled([group[i] for i in fresh], logits_BV[fresh])
-            rows = [i for i, s in enumerate(group) if not s.done]
-            if len(rows) < len(group):
-                index_B = torch.tensor(rows, dtype=torch.long)
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[index_B], layer.values[index_B]
-                mask_BT = mask_BT[index_B]
-            if was_decoding:
-                self.stats.joined_running_batch += len(rows)
-            self._batch.add([group[i] for i in rows], cache, mask_BT)
-            self.stats.prefill_batches += 1
+        for group in prefill_groups(seqs):
+            self._prefill_group(group, was_decoding)
+
+    def _prefill_group(self, group: list[Sequence], was_decoding: bool) -> None:
+        """One forward for the group's distinct prefixes (the n copies of a request share
+        theirs), then every copy samples its own first token from the shared logits."""
+        start = group[0].pending_logprob_start
+        keep = 1 if start is None else len(group[0].prefix_ids()) - start
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(s.prefix_ids()), len(distinct)) for s in group]
+        cache, mask_UT, logits_UKV = self.runner.prefill([list(p) for p in distinct], keep)
+        logits_BKV = logits_UKV[torch.tensor(row_of)] if len(distinct) < len(group) else logits_UKV
+        if start is not None:
+            self._score_prompts(group, logits_BKV)
+        fresh = [i for i, s in enumerate(group) if not s.output_ids]
+        for i in fresh:
+            if group[i].params.max_new_tokens == 0:
+                self._finish(group[i], FinishReason("length", length=0))
+        fresh = [i for i in fresh if not group[i].done]
+        if fresh:
+            self._append_sampled([group[i] for i in fresh], logits_BKV[fresh, -1, :])
+        rows = [i for i, s in enumerate(group) if not s.done]
+        if rows != list(range(len(distinct))):
+            index_B = torch.tensor([row_of[i] for i in rows], dtype=torch.long)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[index_B], layer.values[index_B]
+            mask_UT = mask_UT[index_B]
+        if was_decoding:
+            self.stats.joined_running_batch += len(rows)
+        self._batch.add([group[i] for i in rows], cache, mask_UT)
+        self.stats.prefill_batches += 1
 
     def _score_prompts(self, group: list[Sequence], logits_BKV: torch.Tensor) -> None:
         """Input logprobs for every row of a (length, start) group; the n copies of one
@@ -296,9 +330,7 @@ class Scheduler:
                 score_prompt(logits_BKV[b], seq, holder)
 
     def _append_sampled(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> None:
-        tokens, logprobs = sample_next(
-            logits_BV, [s.params for s in seqs], [s.generator for s in seqs]
-        )
+        tokens, logprobs = sample_next(logits_BV, [s.params for s in seqs], [s.rng for s in seqs])
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.output_ids.append(token)
             seq.output_logprobs.append(logprob)

@@ -23,12 +23,11 @@ or `finish` sees them.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from .sampling import SamplingParams
 
@@ -73,7 +72,7 @@ class Sequence:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    rng: random.Random  # draws this sequence's sampling uniforms (sampling.py)
     notify: Callable[[Sequence], None] = _noop
     # The rid the client sent, shared by the n copies of a request: /abort_request by it
     # reaches all of them.

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from millstream.common.errors import MillstreamError
+from millstream.common.http_pool import make_client
 from millstream.common.telemetry import inject_headers
 
 log = logging.getLogger("millstream.rollout")
@@ -126,11 +127,8 @@ class RouterClient:
         self.on_answer: Callable[[], None] | None = None
         # A generation may take minutes (long responses, requests held while engines are
         # paused for a sync); connecting should not.
-        self._http = httpx.AsyncClient(
-            transport=transport,
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=max_concurrency + 8),
-        )
+        # One keep-alive connection per request in flight, reused (common/http_pool.py).
+        self._http = make_client(httpx.Timeout(timeout_s, connect=5.0), transport)
 
     async def aclose(self) -> None:
         await self._http.aclose()

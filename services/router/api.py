@@ -25,13 +25,14 @@ from opentelemetry import trace
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from millstream.common.http_pool import make_client
+
 from .config import RouterConfig, normalize_worker_url
 from .health import HealthChecker
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policies import make_policy
 from .proxy import Proxy, error_response
 from .registry import Registry, Worker
-from .upstream import make_client
 
 PROXY_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 WORKER_FIELDS = {"url", "worker_url"}

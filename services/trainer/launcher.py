@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 
 import httpx
 
+from millstream.common import threads
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import RunKeys
@@ -132,6 +133,17 @@ def given_router_url(cfg: RunConfig) -> str | None:
     return f"http://{ip}:{port}" if ip and port else None
 
 
+def cpu_budget(cfg: RunConfig) -> threads.CpuBudget:
+    """How this machine's cores are split between the trainer and the engines started here
+    (none when --router-url names running ones); --num-threads and --engine-num-threads
+    override the split (common/threads.py)."""
+    engines = 0 if given_router_url(cfg) else cfg.sglang.rollout_num_engines
+    budget = threads.split_cores(threads.machine_cores(), engines, cfg.service.num_threads)
+    if cfg.service.engine_num_threads:
+        budget = replace(budget, engine=cfg.service.engine_num_threads)
+    return budget
+
+
 def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
@@ -168,6 +180,7 @@ class LocalCluster:
             cfg.connection.redis_password or os.environ.get("REDIS_PASSWORD") or None
         )
         self.starts_anything = not cfg.connection.redis_url or given_router_url(cfg) is None
+        self.budget = cpu_budget(cfg)
         self.children: list[Child] = []
         self.urls: ClusterUrls | None = None
         self._state = "running"  # -> "stopping" -> "stopped"
@@ -193,6 +206,8 @@ class LocalCluster:
                     f"another launcher ({err}) is running services for run dir {self.run_dir}: "
                     "stop it, or give this run another --run-dir"
                 ) from None
+        if self.starts_anything:
+            self.say(self.budget.describe())
         try:
             redis_url = self.cfg.connection.redis_url or await self._start_redis()
             engine_urls: tuple[str, ...] = ()
@@ -291,10 +306,11 @@ class LocalCluster:
             self.cfg.connection.log_level,
         ]
 
-    def _env(self, **extra: str | None) -> dict[str, str]:
+    def _env(self, num_threads: int = 1, **extra: str | None) -> dict[str, str]:
         # A trainer under torchrun: its services are not ranks of the trainer's group.
         env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(threads.pool_env(num_threads))
         env.update({k: v for k, v in extra.items() if v})
         return env
 
@@ -386,10 +402,13 @@ class LocalCluster:
                 str(self.cfg.sglang.engine_max_running_requests),
                 "--weight-update-timeout",
                 str(self.cfg.sglang.weight_sync_timeout),
+                "--num-threads",
+                str(self.budget.engine),
             )
             # SIGKILL as the death signal: the engine ignores SIGTERM while it loads its model,
             # and a death signal is sent once; a lost one would leave an orphan.
-            child = self._spawn(f"engine-{i}", argv, TIER_ENGINE, self._env(), signal.SIGKILL)
+            env = self._env(self.budget.engine)
+            child = self._spawn(f"engine-{i}", argv, TIER_ENGINE, env, signal.SIGKILL)
             started.append((child, f"http://{HOST}:{port}"))
         timeout_s = self.timeouts.engine_s
         async with httpx.AsyncClient(timeout=2.0) as client:

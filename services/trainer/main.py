@@ -83,6 +83,7 @@ def _run(argv: Sequence[str], mode: str, prog: str) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    _apply_cpu_budget(cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _run_data_parallel(cfg)
     ranks = cfg.megatron.actor_num_nodes * cfg.megatron.actor_num_gpus_per_node
@@ -97,6 +98,17 @@ def _run(argv: Sequence[str], mode: str, prog: str) -> int:
         )
         return 2
     return _run_trainer(cfg)
+
+
+def _apply_cpu_budget(cfg: RunConfig) -> None:
+    """The trainer's share of the cores (launcher.cpu_budget), split among local ranks."""
+    from millstream.common import threads
+
+    from .launcher import cpu_budget
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    n = threads.apply(max(1, cpu_budget(cfg).trainer // local_ranks))
+    print(f"[trainer] {n} compute thread(s)", flush=True)
 
 
 def _run_trainer(cfg: RunConfig) -> int:

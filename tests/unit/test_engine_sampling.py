@@ -1,14 +1,16 @@
-"""sample_next: greedy, truncation filters, per-row generators, and the logprob definition."""
+"""sample_next: greedy, truncation filters, per-row RNGs, and the logprob definition."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 from millstream.engine.sampling import SamplingParams, sample_next
 
 
-def gens(n: int, seed: int = 0) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+def gens(n: int, seed: int = 0) -> list[random.Random]:
+    return [random.Random(seed + i) for i in range(n)]
 
 
 def test_greedy_takes_the_argmax_and_reports_the_temperature_1_logprob():
@@ -52,22 +54,35 @@ def test_top_k_and_top_p_only_ever_pick_surviving_tokens():
     assert picked == {0, 1, 2}
 
 
-def test_each_row_draws_with_its_own_generator():
-    logits_BV = torch.zeros(4, 100)
-    params = [SamplingParams()] * 4
-    alone, _ = sample_next(logits_BV[:1], params[:1], [torch.Generator().manual_seed(42)])
-    batch_gens = gens(4, seed=7)
-    batch_gens[2] = torch.Generator().manual_seed(42)
-    together, _ = sample_next(logits_BV, params, batch_gens)
-    assert together[2] == alone[0]
+def test_each_row_draws_with_its_own_rng():
+    logits_BV = torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(), SamplingParams(top_k=20), SamplingParams(), SamplingParams()]
+    for seed in range(20):
+        alone, _ = sample_next(logits_BV[2:3], params[2:3], [random.Random(seed)])
+        batch_rngs = gens(4, seed=1000 + seed)
+        batch_rngs[2] = random.Random(seed)
+        together, _ = sample_next(logits_BV, params, batch_rngs)
+        assert together[2] == alone[0]
+
+
+def test_a_zero_probability_token_is_never_sampled():
+    logits_BV = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf")]] * 64)
+    params = [SamplingParams(), SamplingParams(top_k=2)] * 32
+    rngs = gens(64)
+    for rng in rngs[:8]:  # u at the very top of [0, 1): rounding must not reach column 3
+        rng.random = lambda: 1.0 - 2**-53
+    for _ in range(20):
+        tokens, logprobs = sample_next(logits_BV, params, rngs)
+        assert set(tokens) <= {0, 2}
+        assert all(abs(lp - torch.log(torch.tensor(0.5)).item()) < 1e-6 for lp in logprobs)
 
 
 def test_sampling_follows_the_tempered_distribution():
     logits_V = torch.tensor([1.0, 0.0, -1.0])
     params = SamplingParams(temperature=2.0)
-    generator = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
     counts = torch.zeros(3)
     for _ in range(3000):
-        tokens, _ = sample_next(logits_V[None], [params], [generator])
+        tokens, _ = sample_next(logits_V[None], [params], [rng])
         counts[tokens[0]] += 1
     assert torch.allclose(counts / 3000, torch.softmax(logits_V / 2.0, -1), atol=0.03)

@@ -7,6 +7,7 @@ left-padded decoding must agree within 1e-4.
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +40,7 @@ class Tracked:
             rid=rid,
             prompt_ids=list(prompt),
             params=SamplingParams(**params),
-            generator=torch.Generator().manual_seed(seed),
+            rng=random.Random(seed),
             notify=self._notify,
         )
 
@@ -127,6 +128,33 @@ def test_logprobs_equal_full_forward_with_requests_joining_mid_batch(
         expected = full_forward_logprobs(reference, seq, temperature)
         got = torch.tensor(seq.output_logprobs)
         assert torch.allclose(got, expected, atol=1e-4), (seq.rid, (got - expected).abs().max())
+
+
+def test_a_burst_of_mixed_lengths_and_copies_is_prefilled_in_one_forward(
+    runner: ModelRunner, reference
+):
+    """Four prompts of 2..64 tokens, three copies each (a request with n = 3), arriving
+    together: one padded prefill of the four distinct prefixes, and every copy's logprobs
+    still equal a fresh full forward of its own prompt + response."""
+    sched = Scheduler(runner, max_running_requests=16)
+    tracked = [
+        Tracked(f"p{i}-{j}", prompt, seed=10 * i + j, max_new_tokens=8, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS)
+        for j in range(3)
+    ]
+    sched._waiting.extend(t.seq for t in tracked)  # all present at the first step
+    sched.start()
+    try:
+        seqs = [t.result() for t in tracked]
+    finally:
+        sched.stop()
+    assert sched.stats.prefill_batches == 2  # 64 + 19 tokens, then 9 + 2 (PREFILL_PAD_RATIO)
+    for seq in seqs:
+        expected = full_forward_logprobs(reference, seq)
+        got = torch.tensor(seq.output_logprobs)
+        assert torch.allclose(got, expected, atol=1e-4), (seq.rid, (got - expected).abs().max())
+    copies = [[s.output_ids for s in seqs[3 * i : 3 * i + 3]] for i in range(len(PROMPTS))]
+    assert any(len({tuple(c) for c in group}) > 1 for group in copies)  # copies sample apart
 
 
 def test_batched_greedy_output_equals_the_request_run_alone(scheduler: Scheduler):

@@ -49,6 +49,12 @@ class ServiceConfig:
     claim_idle_ms: int = flag(30_000, "take over a dead consumer's entries after this idle time")
     max_deliveries: int = flag(5, "dead-letter an entry to {run}:dead after this many deliveries")
     stream_block_ms: int = flag(1000, "how long a consumer blocks waiting for entries")
+    num_threads: int = flag(
+        0, "the trainer's torch compute threads (0: half the cores when engines run here too)"
+    )
+    engine_num_threads: int = flag(
+        0, "compute threads of each engine started here (0: the cores the trainer leaves)"
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,6 +66,11 @@ class ServiceConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})"
+                )
+        for name in ("num_threads", "engine_num_threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})"
                 )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0 (got {self.max_staleness})")

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from millstream.router.upstream import StackPool, StackPoolTransport
+from millstream.common.http_pool import StackPool, StackPoolTransport
 
 
 class Server:

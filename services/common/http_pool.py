@@ -1,9 +1,14 @@
-"""The router's HTTP client to its workers: httpx over a connection pool with O(1) bookkeeping.
+"""One HTTP client per process: httpx over a connection pool with O(1) bookkeeping.
+
+Used by the router (to its engines) and the rollout worker (to the router): every request
+of a rollout goes through both, so each hop's per-request cost counts twice.
 
 Why not httpx's default pool: on every request start and end, httpcore's pool walks every
 connection it holds (a readability poll per idle one, and an idle count per idle one), so
 its cost per request grows with the square of the connections in use. At 32 requests in
-flight that walk was most of the router's CPU (bench/bench_router.py, profiled). Here each
+flight that walk was most of the router's CPU (bench/bench_router.py, profiled); in the
+rollout worker it was the top of the profile, and httpx's default of 20 kept-alive
+connections made every request beyond 20 in flight open (and the router accept) a new one. Here each
 origin keeps a stack of idle connections: checkout pops one (dropping any the server closed
 or that outlived the keep-alive expiry), release pushes it back. Everything else stays
 httpx's and httpcore's: one `httpcore.AsyncHTTPConnection` per socket does the HTTP/1.1,
@@ -127,7 +132,7 @@ class StackPoolTransport(httpx.AsyncHTTPTransport):
 def make_client(
     timeout: httpx.Timeout, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
-    """The router's one shared client; `transport` replaces the socket pool in tests."""
+    """A process's one shared client; `transport` replaces the socket pool in tests."""
     return httpx.AsyncClient(
         transport=transport or StackPoolTransport(), timeout=timeout, follow_redirects=False
     )

@@ -1,0 +1,80 @@
+"""The CPU budget: how many compute threads each co-located service may use.
+
+Why. torch's intra-op pool defaults to one thread per core. An engine and a trainer on the
+same machine then each spin up a full pool; in async mode they compute at the same time and
+every parallel region waits on threads the other process holds. On 2 cores that made a
+0.08 s train step take 1.0 s. So the machine's cores are split, once, at start-up:
+
+    budget = split_cores(cores=2, engines=1)   # trainer 1 thread, engine 1 thread
+    budget = split_cores(cores=16, engines=2)  # trainer 8, each engine 4
+
+Rule: the trainer gets half the cores (rounded up), the engines share the rest evenly, and
+everyone gets at least one thread; with more engines than cores, engines share. The stream
+workers, the router and Redis are single-threaded asyncio processes; they get one compute
+thread each (`OMP_NUM_THREADS=1` and friends), so no native library they load (tokenizers,
+math-verify's sympy, numpy) starts a pool of its own.
+
+A service given `--num-threads N` uses N; 0 or nothing means "decide from the machine"
+(the launcher passes its split to the services it starts). `apply(n)` sets torch's pools
+once per process and returns what was set, for the start-up line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+# Native thread pools a library may start on its own, capped for a service's process.
+POOL_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (its CPU affinity, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    cores: int
+    trainer: int
+    engine: int  # per engine
+    engines: int
+
+    def describe(self) -> str:
+        return (
+            f"CPU budget: {self.cores} core(s): trainer {self.trainer} thread(s), "
+            f"{self.engines} engine(s) x {self.engine} thread(s), workers and router 1 each"
+        )
+
+
+def split_cores(cores: int, engines: int, trainer: int | None = None) -> CpuBudget:
+    """Split `cores` between the trainer and `engines` engines (module docstring);
+    `trainer` fixes the trainer's share (e.g. from its --num-threads)."""
+    cores = max(1, cores)
+    if trainer is None or trainer <= 0:
+        trainer = (cores + 1) // 2 if engines else cores
+    trainer = min(trainer, cores)
+    engine = max(1, (cores - trainer) // engines) if engines else 0
+    return CpuBudget(cores=cores, trainer=max(1, trainer), engine=engine, engines=engines)
+
+
+def pool_env(threads: int) -> dict[str, str]:
+    """Environment that caps native thread pools of a child process at `threads`."""
+    return {name: str(threads) for name in POOL_ENV_VARS} | {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def apply(threads: int | None) -> int:
+    """Set this process's torch intra-op threads to `threads` (None or 0: every core this
+    process may use) and inter-op threads to 1; returns the intra-op count in force."""
+    import torch
+
+    n = threads if threads and threads > 0 else machine_cores()
+    torch.set_num_threads(n)
+    # Already set, or parallel work already ran: keep what is there.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    return torch.get_num_threads()
