@@ -213,8 +213,12 @@ class LocalCluster:
             engine_urls: tuple[str, ...] = ()
             router_url = given_router_url(self.cfg)
             if router_url is None:
-                engine_urls = await self._start_engines()
-                router_url = await self._start_router(engine_urls)
+                # Engines and router start together: the router's readiness already waits
+                # for an engine, and the engines' model loading is most of the start-up.
+                engine_urls, engines_ready = self._spawn_engines()
+                router_url, router_ready = self._spawn_router(engine_urls)
+                async with httpx.AsyncClient(timeout=2.0) as client:
+                    await _all([*engines_ready(client), router_ready(client)])
         except BaseException:
             self.stop()
             raise
@@ -376,7 +380,10 @@ class LocalCluster:
         os.chmod(path, 0o600)
         return path
 
-    async def _start_engines(self) -> tuple[str, ...]:
+    def _spawn_engines(
+        self,
+    ) -> tuple[tuple[str, ...], Callable[[httpx.AsyncClient], list[Coroutine[Any, Any, None]]]]:
+        """Spawn the engines; returns their URLs and the waits for their health."""
         model = self.model_path or self.cfg.ckpt.hf_checkpoint
         if not model:
             raise MillstreamError(
@@ -410,15 +417,21 @@ class LocalCluster:
             env = self._env(self.budget.engine)
             child = self._spawn(f"engine-{i}", argv, TIER_ENGINE, env, signal.SIGKILL)
             started.append((child, f"http://{HOST}:{port}"))
-        timeout_s = self.timeouts.engine_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            await _all(
-                self._wait_healthy(child, _http_ok(client, url + "/health"), timeout_s, url)
-                for child, url in started
-            )
-        return tuple(url for _, url in started)
 
-    async def _start_router(self, engine_urls: Sequence[str]) -> str:
+        def waits(client: httpx.AsyncClient) -> list[Coroutine[Any, Any, None]]:
+            return [
+                self._wait_healthy(
+                    child, _http_ok(client, url + "/health"), self.timeouts.engine_s, url
+                )
+                for child, url in started
+            ]
+
+        return tuple(url for _, url in started), waits
+
+    def _spawn_router(
+        self, engine_urls: Sequence[str]
+    ) -> tuple[str, Callable[[httpx.AsyncClient], Coroutine[Any, Any, None]]]:
+        """Spawn the router; returns its URL and the wait for its readiness."""
         port = free_port(HOST)
         argv = self._service_argv(
             "router", "--host", HOST, "--port", str(port), "--worker-urls", *engine_urls
@@ -426,11 +439,15 @@ class LocalCluster:
         env = self._env(MILLSTREAM_ADMIN_TOKEN=self.cfg.service.admin_token)
         child = self._spawn("router", argv, TIER_ROUTER, env)
         url = f"http://{HOST}:{port}"
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            # /readiness: the router is up AND its health round found an engine.
+
+        def wait(client: httpx.AsyncClient) -> Coroutine[Any, Any, None]:
+            # /readiness: the router is up AND its health round found an engine, so its
+            # time includes the engines' start.
             ready = _http_ok(client, url + "/readiness")
-            await self._wait_healthy(child, ready, self.timeouts.router_s, url)
-        return url
+            timeout_s = self.timeouts.router_s + self.timeouts.engine_s
+            return self._wait_healthy(child, ready, timeout_s, url)
+
+        return url, wait
 
     async def _start_workers(self, redis) -> None:
         assert self.urls is not None
