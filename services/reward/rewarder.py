@@ -5,14 +5,14 @@ with `--group-rm` your `fn(samples, cfg) -> list`), the sample's metadata `rm_ty
 `--rm-type`. Functions may be sync or async and may return a number or a dict (`to_reward`
 reads `--reward-key`). The RunConfig is passed as `cfg`, like Miles passes `args`.
 
-Sync code (your sync function, the rule-based built-ins, which may sit in sympy for a long
-time) runs in a daemon thread per call, at most `max_threads` at once, so the event loop keeps
-serving other groups and a hung verifier can neither block the process from exiting nor be
-waited for past `--reward-timeout`: the scorer stops waiting, and the thread is abandoned,
-keeping its slot until it returns (`ThreadRunner.alive` counts live threads). A thread pool
-would not do: its threads are joined at exit, so one hung verifier would block shutdown.
-Timeouts and retries live in the scorer, around an attempt, identically for every executor;
-this module only runs one attempt.
+Sync code (your sync function, the math built-ins, which may sit in sympy for a long time) runs
+in a daemon thread per call, at most `max_threads` at once (`exact` and `f1`, plain string
+work, run inline), so the event loop keeps serving other groups and a hung verifier can neither
+block the process from exiting nor be waited for past `--reward-timeout`: the scorer stops
+waiting, and the thread is abandoned, keeping its slot until it returns (`ThreadRunner.alive`
+counts live threads). A thread pool would not do: its threads are joined at exit, so one hung
+verifier would block shutdown. Timeouts and retries live in the scorer, around an attempt,
+identically for every executor; this module only runs one attempt.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from millstream.common.types import Sample
 
 from .math_utils import last_boxed
 from .remote_rm import RemoteRM
-from .rm_hub import REMOTE, rule_reward, split_rm_type, to_reward
+from .rm_hub import INSTANT_RULES, REMOTE, rule_reward, split_rm_type, to_reward
 
 T = TypeVar("T")
 
@@ -120,7 +120,10 @@ class Rewarder:
                 response = last_boxed(response) or ""
             value = await self.remote(sample, prompt, response)
             return to_reward(value, self.reward_key)
-        value = await self.threads.run(rule_reward, rm_type, sample.response_text, sample.label)
+        if base in INSTANT_RULES:
+            value = rule_reward(rm_type, sample.response_text, sample.label)
+        else:
+            value = await self.threads.run(rule_reward, rm_type, sample.response_text, sample.label)
         return to_reward(value, self.reward_key)
 
     async def group_rewards(self, samples: Sequence[Sample]) -> list[float]:

@@ -89,6 +89,9 @@ RULES: dict[str, Callable[[str, str], float]] = {
     "exact": exact_reward,
 }
 RM_TYPES = (*RULES, REMOTE)
+# Plain string work, linear in the response: run on the event loop. Starting a thread per
+# sample for these cost more than the rule itself (the reward worker's top cost, py-spy).
+INSTANT_RULES = frozenset({"exact", "f1"})
 
 
 def split_rm_type(rm_type: str) -> tuple[bool, str]:
