@@ -241,6 +241,29 @@ def test_miles_launch_script_parses_unchanged():
     assert cfg.optimizer.adam_beta2 == 0.98 and cfg.perf.max_tokens_per_gpu == 9216
 
 
+@pytest.mark.parametrize("mode", ["train", "train-async"])
+def test_the_main_job_script_parses_in_both_modes(tmp_path, mode):
+    recorder = tmp_path / "millstream"
+    recorder.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
+    recorder.chmod(0o755)
+    env = {
+        **os.environ,
+        "MILLSTREAM": str(recorder),
+        "RUN_DIR": str(tmp_path / "run"),
+        "MODE": mode,
+    }
+    out = subprocess.run(
+        ["bash", str(REPO / "examples" / "arith" / "run.sh")], env=env,
+        capture_output=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    command, *argv = out.decode().split("\0")[:-1]
+    assert command == mode
+    sync = mode == "train"
+    cfg = parse_run_config(argv, mode="sync" if sync else "async", prog=f"millstream {mode}")
+    assert cfg.max_staleness == (0 if sync else 1)
+    assert cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt == 512
+
+
 def test_json_round_trip_is_exact():
     cfg = parse_run_config(
         ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-stop", "</s>", "\n\n",
