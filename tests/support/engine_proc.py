@@ -41,6 +41,10 @@ class EngineProcess:
             str(model_dir),
             "--port",
             str(self.port),
+            # One compute thread: tests run engines beside pytest and each other on 2 cores
+            # (the CPU budget, common/threads.py); a later --num-threads in extra_args wins.
+            "--num-threads",
+            "1",
             *extra_args,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
