@@ -224,11 +224,6 @@ class WeightSync:
         self._group: UpdateGroup | None = None
         self._members: list[str] = []
         self._generation = itertools.count(1)
-        # One client for the life of the trainer (a new one per sync built its SSL context
-        # and opened fresh connections every time: a third of a small model's sync).
-        self._http = httpx.AsyncClient(timeout=timeout_s)
-        self._calls = EngineCalls(self._http, timeout_s)
-        self._router = RouterAdmin(self._http, self.router_url, admin_token, timeout_s)
 
     @property
     def members(self) -> list[str]:
@@ -253,11 +248,13 @@ class WeightSync:
             span.set_attributes(
                 {"version": version, "bytes": report.bytes, "buckets": len(buckets)}
             )
-            calls, router = self._calls, self._router
-            engines = await self._paused_engines(calls, router, join, report)
-            backend = self.backend or backend_for(buckets[0].tensors[0].device)
-            engines = await self._push(calls, router, engines, buckets, backend, report)
-            await self._serve(calls, router, engines, report)
+            async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+                calls = EngineCalls(http, self.timeout_s)
+                router = RouterAdmin(http, self.router_url, self.admin_token, self.timeout_s)
+                engines = await self._paused_engines(calls, router, join, report)
+                backend = self.backend or backend_for(buckets[0].tensors[0].device)
+                engines = await self._push(calls, router, engines, buckets, backend, report)
+                await self._serve(calls, router, engines, report)
             report.engines = engines
             report.add_time("total", time.monotonic() - start)
             span.set_attributes({"engines": len(engines), "removed": len(report.removed)})
@@ -274,11 +271,9 @@ class WeightSync:
         return report
 
     async def close(self) -> None:
-        """Leave the update group on both sides (best effort on engines); close the client."""
-        try:
-            await self._drop_group(self._calls, self._members)
-        finally:
-            await self._http.aclose()
+        """Leave the update group on both sides (best effort on engines)."""
+        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+            await self._drop_group(EngineCalls(http, self.timeout_s), self._members)
 
     # -- the steps --------------------------------------------------------------------------
 
