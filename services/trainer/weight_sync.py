@@ -224,6 +224,10 @@ class WeightSync:
         self._group: UpdateGroup | None = None
         self._members: list[str] = []
         self._generation = itertools.count(1)
+        # One client for the life of the trainer's event loop, made at the first sync (a new
+        # one per sync built its SSL context and opened fresh connections every time: a
+        # third of a small model's sync). Use one WeightSync from one event loop.
+        self._http: httpx.AsyncClient | None = None
 
     @property
     def members(self) -> list[str]:
@@ -248,13 +252,11 @@ class WeightSync:
             span.set_attributes(
                 {"version": version, "bytes": report.bytes, "buckets": len(buckets)}
             )
-            async with httpx.AsyncClient(timeout=self.timeout_s) as http:
-                calls = EngineCalls(http, self.timeout_s)
-                router = RouterAdmin(http, self.router_url, self.admin_token, self.timeout_s)
-                engines = await self._paused_engines(calls, router, join, report)
-                backend = self.backend or backend_for(buckets[0].tensors[0].device)
-                engines = await self._push(calls, router, engines, buckets, backend, report)
-                await self._serve(calls, router, engines, report)
+            calls, router = self._clients()
+            engines = await self._paused_engines(calls, router, join, report)
+            backend = self.backend or backend_for(buckets[0].tensors[0].device)
+            engines = await self._push(calls, router, engines, buckets, backend, report)
+            await self._serve(calls, router, engines, report)
             report.engines = engines
             report.add_time("total", time.monotonic() - start)
             span.set_attributes({"engines": len(engines), "removed": len(report.removed)})
@@ -271,9 +273,21 @@ class WeightSync:
         return report
 
     async def close(self) -> None:
-        """Leave the update group on both sides (best effort on engines)."""
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
-            await self._drop_group(EngineCalls(http, self.timeout_s), self._members)
+        """Leave the update group on both sides (best effort on engines); close the client."""
+        try:
+            await self._drop_group(self._clients()[0], self._members)
+        finally:
+            if self._http is not None:
+                await self._http.aclose()
+                self._http = None
+
+    def _clients(self) -> tuple[EngineCalls, RouterAdmin]:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self.timeout_s)
+        return (
+            EngineCalls(self._http, self.timeout_s),
+            RouterAdmin(self._http, self.router_url, self.admin_token, self.timeout_s),
+        )
 
     # -- the steps --------------------------------------------------------------------------
 

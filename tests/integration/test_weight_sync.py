@@ -15,7 +15,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -138,12 +138,21 @@ def listed(router: ServiceProcess) -> list[str]:
     return httpx.get(f"{router.url}/list_workers").json()["urls"]
 
 
-def sync(ws: WeightSync, model, version: int) -> SyncReport:
-    return asyncio.run(ws.sync(model.named_parameters(), version))
+@pytest.fixture
+def run() -> Iterator[Callable[[Awaitable[Any]], Any]]:
+    """One event loop per test, as in the trainer: a WeightSync keeps its HTTP client for
+    the life of the loop it first synced from."""
+    loop = asyncio.new_event_loop()
+    yield loop.run_until_complete
+    loop.close()
+
+
+def sync(run, ws: WeightSync, model, version: int) -> SyncReport:
+    return run(ws.sync(model.named_parameters(), version))
 
 
 def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
-    engines: list[EngineProcess], router_of, tiny_model_dir: Path
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, run
 ):
     urls = sorted(e.url for e in engines)
     router = router_of(urls[0])  # the other one asks to join (Coordinator.JoinEngine)
@@ -160,7 +169,7 @@ def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
     )
     try:
         model = hf_model(tiny_model_dir, seed=1)
-        first = asyncio.run(ws.sync(model.named_parameters(), 1, join=[urls[1]]))
+        first = run(ws.sync(model.named_parameters(), 1, join=[urls[1]]))
         assert first.engines == urls and first.removed == {} and ws.members == urls
         assert first.new_group and first.buckets >= 3 and first.attempts == 1
         assert first.bytes == sum(p.numel() * p.element_size() for p in model.parameters())
@@ -171,7 +180,7 @@ def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
             assert_engine_equals(url, model, "1")
 
         model = hf_model(tiny_model_dir, seed=2)
-        second = sync(ws, model, 2)
+        second = sync(run, ws, model, 2)
         assert not second.new_group and "init" not in second.seconds
         assert second.engines == urls and versions(*urls) == ["2", "2"]
         for url in urls:
@@ -187,11 +196,11 @@ def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
         # Membership changes: a new group for the engines left; the one that left keeps v2.
         headers = {"Authorization": f"Bearer {TOKEN}"}
         httpx.post(f"{router.url}/remove_worker", params={"url": urls[1]}, headers=headers)
-        third = sync(ws, hf_model(tiny_model_dir, seed=3), 3)
+        third = sync(run, ws, hf_model(tiny_model_dir, seed=3), 3)
         assert third.new_group and third.engines == [urls[0]] and ws.members == [urls[0]]
         assert versions(*urls) == ["3", "2"]
     finally:
-        asyncio.run(ws.close())
+        run(ws.close())
     for engine in engines:
         info = httpx.get(f"{engine.url}/get_server_info").json()
         assert info["weight_update_groups"] == []
@@ -203,7 +212,7 @@ def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
 
 
 def test_an_engine_that_never_answers_is_removed_and_the_rest_synced(
-    engines: list[EngineProcess], router_of, hanging_url: str, tiny_model_dir: Path
+    engines: list[EngineProcess], router_of, hanging_url: str, tiny_model_dir: Path, run
 ):
     healthy = engines[0].url
     router = router_of(healthy, hanging_url)
@@ -213,7 +222,7 @@ def test_an_engine_that_never_answers_is_removed_and_the_rest_synced(
     try:
         model = hf_model(tiny_model_dir, seed=3)
         start = time.monotonic()
-        report = sync(ws, model, 3)
+        report = sync(run, ws, model, 3)
         assert time.monotonic() - start < timeout_s + 10
         assert report.engines == [healthy]
         assert list(report.removed) == [hanging_url]
@@ -223,20 +232,20 @@ def test_an_engine_that_never_answers_is_removed_and_the_rest_synced(
         assert_engine_equals(healthy, model, "3")
 
         model = hf_model(tiny_model_dir, seed=4)
-        again = sync(ws, model, 4)
+        again = sync(run, ws, model, 4)
         assert again.engines == [healthy] and again.removed == {} and not again.new_group
         assert_engine_equals(healthy, model, "4")
 
         headers = {"Authorization": f"Bearer {TOKEN}"}
         httpx.post(f"{router.url}/remove_worker", params={"url": healthy}, headers=headers)
         with pytest.raises(MillstreamError, match="no engine left to sync"):
-            sync(ws, model, 5)
+            sync(run, ws, model, 5)
     finally:
-        asyncio.run(ws.close())
+        run(ws.close())
 
 
 def test_an_engine_failing_mid_broadcast_is_removed_and_the_group_rebuilt(
-    engines: list[EngineProcess], router_of, tiny_model_dir: Path, tmp_path: Path
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, tmp_path: Path, run
 ):
     """The other engine runs a model of another shape: it joins the group but refuses the
     first bucket, so rank 0's broadcast times out. The same sync must finish for the rest."""
@@ -250,9 +259,9 @@ def test_an_engine_failing_mid_broadcast_is_removed_and_the_group_rebuilt(
         ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=3.0, group_name="misfit")
         model = hf_model(tiny_model_dir, seed=5)
         try:
-            report = sync(ws, model, 5)
+            report = sync(run, ws, model, 5)
         finally:
-            asyncio.run(ws.close())
+            run(ws.close())
         assert report.engines == [healthy] and report.attempts == 2
         assert list(report.removed) == [misfit.url]
         assert "shapes" in report.removed[misfit.url]
