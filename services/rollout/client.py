@@ -14,8 +14,19 @@ Owns two things every generation request passes through:
   e.g. a prompt longer than the context) fails at once: retrying cannot help. Each attempt
   has its own `rid` (SGLang refuses a rid that is still running somewhere).
 
+* Coalescing: `/generate` calls made within `coalesce_window_s` (2 ms) of each other with
+  the same `n` go out as ONE batch request (SGLang's batch form: lists of input_ids,
+  sampling_params and rids; the answer is the flat list, prompt by prompt), and each caller
+  gets its own part back. A rollout's groups are claimed together, so the router, the HTTP
+  stacks and the engine's request handling see one request per claim instead of one per
+  group: on a small model those per-request costs were most of the rollout (py-spy).
+  Failures stay per caller: a retryable failure of the batch is each member's failed
+  attempt; a batch rejected as bad is re-sent one request each, so only the bad one fails.
+  Only prompts with the same `n` share a batch (SGLang requires one n per batch).
+
 An infrastructure failure is never a zero reward: callers turn GenerationFailed into a group
-published with `failure_reason`. The W3C trace context of the caller rides in the headers.
+published with `failure_reason`. The W3C trace context of the caller rides in the headers
+(a batch carries its first member's).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import heapq
 import itertools
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +112,10 @@ class Slots:
         self.busy -= 1
 
 
+COALESCE_WINDOW_S = 0.002
+MAX_BATCH = 64
+
+
 def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -120,10 +135,17 @@ class RouterClient:
         retry: RetryPolicy | None = None,
         timeout_s: float = 900.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        coalesce_window_s: float = COALESCE_WINDOW_S,
+        max_batch: int = MAX_BATCH,
     ):
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
         self.slots = Slots(max_concurrency)
+        self.coalesce_window_s = coalesce_window_s
+        self.max_batch = max_batch
+        self.batches_sent = 0  # batch requests of more than one prompt (tests, curiosity)
+        self._pending: dict[int, list[tuple[dict[str, Any], asyncio.Future[Any]]]] = {}
+        self._flushing: set[asyncio.Future[None]] = set()
         self.on_answer: Callable[[], None] | None = None
         # A generation may take minutes (long responses, requests held while engines are
         # paused for a sync); connecting should not.
@@ -175,8 +197,72 @@ class RouterClient:
             f"{last_error}"
         )
 
-    async def _post_once(self, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        """(answer, "") or (None, why it may be retried); GenerationFailed when it must not."""
+    async def _post_once(self, body: dict[str, Any]) -> tuple[Any, str]:
+        """(answer, "") or (None, why it may be retried); GenerationFailed when it must not.
+        Coalesced with the other calls of the same moment (module docstring)."""
+        if self.coalesce_window_s <= 0:
+            return await self._post_single(body)
+        n = int(body["sampling_params"].get("n") or 1)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        members = self._pending.setdefault(n, [])
+        members.append((body, future))
+        if len(members) == 1:
+            asyncio.get_running_loop().call_later(self.coalesce_window_s, self._flush, n)
+        elif len(members) >= self.max_batch:
+            self._flush(n)
+        return await future
+
+    def _flush(self, n: int) -> None:
+        members = self._pending.pop(n, None)
+        if members:
+            task = asyncio.ensure_future(self._post_batch(members, n))
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
+
+    async def _post_batch(
+        self, members: list[tuple[dict[str, Any], asyncio.Future[Any]]], n: int
+    ) -> None:
+        """Send `members` as one batch request and hand each future its part."""
+        if len(members) == 1:
+            results: list[Any] = [await self._settle(self._post_single(members[0][0]))]
+        else:
+            self.batches_sent += 1
+            batch = {
+                "input_ids": [body["input_ids"] for body, _ in members],
+                "sampling_params": [body["sampling_params"] for body, _ in members],
+                "rid": [body["rid"] for body, _ in members],
+                "return_logprob": True,
+            }
+            outcome = await self._settle(self._post_single(batch, count=len(members) * n))
+            if isinstance(outcome, GenerationFailed):  # rejected as bad: find which one
+                results = await asyncio.gather(
+                    *(self._settle(self._post_single(body)) for body, _ in members)
+                )
+            elif outcome[0] is None:
+                results = [outcome] * len(members)
+            else:
+                answers = outcome[0]
+                results = [
+                    (answers[i] if n == 1 else answers[i * n : (i + 1) * n], "")
+                    for i in range(len(members))
+                ]
+        for (_, future), result in zip(members, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    @staticmethod
+    async def _settle(post: Awaitable[tuple[Any, str]]) -> Any:
+        try:
+            return await post
+        except GenerationFailed as err:
+            return err
+
+    async def _post_single(self, body: dict[str, Any], count: int | None = None) -> tuple[Any, str]:
+        """One HTTP request; `count`: answers a batch body must come back with."""
         try:
             response = await self._http.post(
                 f"{self.url}/generate", json=body, headers=inject_headers()
@@ -196,7 +282,7 @@ class RouterClient:
         except ValueError:
             return None, f"HTTP 200 with a body that is not JSON: {_short(response.text)}"
         answers = answer if isinstance(answer, list) else [answer]
-        n = int(body["sampling_params"].get("n") or 1)
+        n = count or int(body["sampling_params"].get("n") or 1)
         if len(answers) != n or not all(isinstance(a, dict) and "meta_info" in a for a in answers):
             return None, f"HTTP 200 without {n} answer(s) with meta_info: {_short(response.text)}"
         return answer, ""

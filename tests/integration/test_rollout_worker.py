@@ -36,6 +36,10 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACE = {"traceparent": f"00-{TRACE_ID}-b7ad6b7169203331-01", "tracestate": ""}
 
 
+def as_batch(value):
+    return value if isinstance(value, list) else [value]
+
+
 def run_config(run_id: str, router_url: str, *flags: str):
     return parse_run_config(
         ["--run-id", run_id, "--router-url", router_url, "--rollout-batch-size", "2",
@@ -151,8 +155,10 @@ def test_rollout_process_generates_through_the_router_and_drains(redis_url, tmp_
             assert list(sample.response_token_ids) == [token_at(4 + i) for i in range(6)]
             assert list(sample.weight_versions) == [7] * 6
             assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
-    # One request per group with n = 2 (parallel sampling): 6 samples in 3 requests.
-    assert len(requests) == 3 and all(b["sampling_params"]["n"] == 2 for _, b in requests)
+    # One prompt per group with n = 2 (parallel sampling): 6 samples from 3 prompts, and
+    # prompts claimed together go out together (SGLang's batch form, client.py).
+    params = [p for _, b in requests for p in as_batch(b["sampling_params"])]
+    assert len(params) == 3 and all(p["n"] == 2 for p in params)
     assert all(h["traceparent"].split("-")[1] == TRACE_ID for h, _ in requests)
     assert pending_count(redis_url, keys.prompts, GROUP_ROLLOUT) == 0
     assert (tmp_path / "traces").is_dir()

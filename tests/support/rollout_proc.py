@@ -38,7 +38,14 @@ def logprob_at(position: int) -> float:
 
 
 def fake_answers(body: dict[str, Any], version: str) -> dict | list[dict]:
-    """One answer, or n of them when sampling_params asks for n > 1 (parallel sampling)."""
+    """One answer, or n of them when sampling_params asks for n > 1 (parallel sampling); a
+    batch body (lists of input_ids and sampling_params) gets the flat list, prompt by prompt."""
+    if body["input_ids"] and isinstance(body["input_ids"][0], list):
+        out: list[dict] = []
+        for ids, params in zip(body["input_ids"], body["sampling_params"], strict=True):
+            one = fake_answers({**body, "input_ids": ids, "sampling_params": params}, version)
+            out += one if isinstance(one, list) else [one]
+        return out
     n = int(body["sampling_params"].get("n") or 1)
     return fake_answer(body, version) if n == 1 else [fake_answer(body, version) for _ in range(n)]
 

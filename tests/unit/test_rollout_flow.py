@@ -97,6 +97,7 @@ def run_worker(engine: FakeEngine, groups: list[PromptGroup], *flags: str, attem
             max_concurrency=cfg.rollout.rollout_max_concurrency,
             retry=RetryPolicy(attempts=attempts, backoff_s=0.001),
             transport=engine.transport(),
+            coalesce_window_s=0,  # one HTTP request per call: the flows are what is tested
         )
         redis = aioredis.Redis()  # never used: rollout() does not touch the streams
         worker = RolloutWorker(cfg, redis, client, "unit", partial_poll_s=0.01)
@@ -324,3 +325,84 @@ def test_a_group_carried_back_with_partial_samples_resumes_them():
     assert list(resumed.weight_versions) == [1] * 3 + [2] * 5
     assert list(finished.weight_versions) == [1] * 8  # kept as carried, not regenerated
     assert len(engine.requests) == 1 and not result.prompt.partial_samples
+
+
+class BatchingEngine(FakeEngine):
+    """The fake engine, also answering SGLang's batch form (lists of input_ids,
+    sampling_params and rids): the flat list of answers, prompt by prompt."""
+
+    def __init__(self, *, bad_prompt: list[int] | None = None, **kw):
+        super().__init__(**kw)
+        self.bad_prompt = bad_prompt
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        prompts = (
+            body["input_ids"] if isinstance(body["input_ids"][0], list) else [body["input_ids"]]
+        )
+        if self.bad_prompt in prompts:
+            self.requests.append(body)
+            return httpx.Response(400, text="input_ids: scripted bad prompt")
+        return await super().handle(request)
+
+    def generate(self, body: dict) -> dict | list[dict]:
+        if not isinstance(body["input_ids"][0], list):
+            return super().generate(body)
+        out: list[dict] = []
+        for ids, params, rid in zip(
+            body["input_ids"], body["sampling_params"], body["rid"], strict=True
+        ):
+            one = super().generate(
+                {**body, "input_ids": ids, "sampling_params": params, "rid": rid}
+            )
+            out += one if isinstance(one, list) else [one]
+        return out
+
+
+def coalescing_calls(engine: BatchingEngine, prompts: list[list[int]], n: int):
+    async def main():
+        client = RouterClient(
+            "http://router", max_concurrency=64,
+            retry=RetryPolicy(attempts=2, backoff_s=0.001), transport=engine.transport(),
+        )  # fmt: skip
+        try:
+            params = {"max_new_tokens": 4, "n": n}
+            return await asyncio.gather(
+                *(client.generate(p, params, f"g{i}-n{n}") for i, p in enumerate(prompts)),
+                return_exceptions=True,
+            ), client.batches_sent
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_calls_of_one_moment_go_out_as_one_batch_and_each_gets_its_own_answer(n):
+    engine = BatchingEngine()
+    prompts = [[20] * (3 + i) for i in range(10)]  # lengths tell the answers apart
+    answers, batches = coalescing_calls(engine, prompts, n)
+    assert len(engine.requests) == 1 and batches == 1
+    assert engine.requests[0]["input_ids"] == prompts
+    for prompt, answer in zip(prompts, answers, strict=True):
+        parts = answer if n > 1 else [answer]
+        assert len(parts) == n
+        for part in parts:  # the fake engine answers token_at(position) after the prompt
+            assert part["output_ids"] == [token_at(len(prompt) + k) for k in range(4)]
+
+
+def test_a_bad_prompt_in_a_batch_fails_alone():
+    bad = [99, 98, 97]
+    engine = BatchingEngine(bad_prompt=bad)
+    prompts = [[20, 21, 22], bad, [30, 31, 32]]
+    answers, _ = coalescing_calls(engine, prompts, 1)
+    assert isinstance(answers[1], MillstreamError) and "scripted bad prompt" in str(answers[1])
+    assert all(isinstance(a, dict) and "meta_info" in a for a in (answers[0], answers[2]))
+    assert len(engine.requests) == 4  # the batch, then one request each
+
+
+def test_a_failing_batch_is_retried_by_each_member():
+    engine = BatchingEngine()
+    engine.statuses = [503]
+    answers, _ = coalescing_calls(engine, [[20, 21], [22, 23]], 1)
+    assert all(isinstance(a, dict) and "meta_info" in a for a in answers)
