@@ -79,7 +79,7 @@ SERVICE_ARGS=(
 MODE="${MODE:-train}"
 case "$MODE" in
    train) ;;
-   train-async) SERVICE_ARGS+=(--max-staleness 1) ;;
+   train-async) SERVICE_ARGS+=(--max-staleness 1 --pause-mode in_place) ;;
    *) echo "MODE must be train or train-async (got $MODE)" >&2; exit 2 ;;
 esac
 echo "[run.sh] millstream $MODE (set MODE=train or MODE=train-async)" >&2
