@@ -1,0 +1,592 @@
+"""Side by side on one task: millstream (sync and async) against an in-process GRPO loop with
+plain HF + torch and TRL's GRPOTrainer, one after another on this machine.
+
+    .venv/bin/python bench/bench_vs_peers.py [--configs small,medium] [--steps 100 | --minutes 5]
+        [--peers ref,trl,sync,async] [--seeds 0,1,2] [--lr 3e-5] [--eval-every 20]
+        [--out runs/bench_vs_peers.json]
+
+The task (bench/peers_task.py, built once per config and seed and cached under
+runs/bench_peers/, about a minute for small and five for medium): two-digit addition
+("37+45=" -> "82"), exact-match reward, a small Llama (`small` ~0.79M parameters, `medium`
+~6.3M) SFT-warm-started to greedy ~30-50% on 200 held-out problems. Every peer runs the same
+GRPO: 16 prompts x 8 samples per step at temperature 1 (full vocabulary), at most 6 new
+tokens, advantage (r - mean) / (std + eps) per group, token-mean policy-gradient loss over
+the batch, no KL, one Adam step per rollout (so the PPO ratio is 1; lr --lr, constant, betas
+0.9/0.999, no weight decay, grad-norm clip 1.0), and a greedy eval on the 200 held-out
+problems at step 0 and every --eval-every steps.
+
+    ref     the reference loop below (~100 lines): HF generate, reward, one update; in a child
+            process with torch.set_num_threads(--threads)
+    trl     trl.GRPOTrainer (loss_type dapo = token mean, beta 0, scale_rewards group; its std
+            eps is 1e-4) with a callback that times the steps and runs the same greedy eval, in
+            a child process like ref; skipped when trl is not importable
+            (.venv/bin/pip install -e '.[peers]')
+    sync    `millstream train`: every service (redis, engine, router, rollout and reward
+            workers) started by the command, with their own thread defaults
+    async   `millstream train-async --max-staleness 1 --pause-mode in_place`
+
+"Train seconds" are the wall seconds a peer spends in its steps, evals excluded (millstream:
+the sum of the per-iteration total_time in metrics.jsonl: waiting for the rollout, training,
+weight sync). Per peer the table shows completions/s of the median step and overall (all
+completions / train seconds), greedy accuracy at fixed steps and at fixed train seconds (the
+last eval at or before them), the whole command's wall seconds (start-up, evals and shutdown
+included), and the overall completions/s as a ratio to the reference loop and to TRL. With
+several --seeds each (config, seed) is its own task (split, model, SFT) and the numbers are
+means over seeds; the parity table lists every peer's greedy accuracy per eval step next to
+the reference loop's. --minutes stops each peer after that many train seconds (millstream by
+SIGINT, after which its step-0 accuracy is the task's own HF greedy one: the same number).
+Results, with every step and eval of every run, go to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import peers_task as task  # noqa: E402
+
+PEERS = {
+    "ref": "reference loop",
+    "trl": "TRL GRPOTrainer",
+    "sync": "millstream train",
+    "async": "millstream train-async",
+}
+PROMPTS, SAMPLES = 16, 8
+BATCH = PROMPTS * SAMPLES
+MAX_STEPS = 10**6  # the step budget when --minutes sets the budget
+EVAL_NAME = "arith"
+
+
+@dataclass
+class Spec:
+    """One peer run: what the child process (or millstream) gets."""
+
+    peer: str
+    config: str
+    seed: int
+    model_dir: str
+    train_path: str
+    eval_path: str
+    lr: float
+    eval_every: int
+    steps: int | None
+    seconds: float | None
+    threads: int
+    out_dir: str
+
+
+# -- recording (in-process peers) ------------------------------------------------------------
+
+
+class Recorder:
+    """Times steps (evals excluded) and evaluates every `eval_every` steps; says when to stop."""
+
+    def __init__(self, spec: Spec, evaluate: Callable[[], float]):
+        self.spec, self.evaluate = spec, evaluate
+        self.steps: list[dict] = []
+        self.evals: list[dict] = []
+        self.seconds = 0.0
+        self._last = 0.0
+
+    def start(self) -> None:
+        self._eval()
+        self._last = time.perf_counter()
+
+    def step(self, reward: float) -> None:
+        now = time.perf_counter()
+        self.seconds += now - self._last
+        self.steps.append({"step": len(self.steps) + 1, "step_s": now - self._last,
+                           "seconds": self.seconds, "reward": reward})  # fmt: skip
+        if len(self.steps) % self.spec.eval_every == 0:
+            self._eval()
+        self._last = time.perf_counter()
+
+    def _eval(self) -> None:
+        start = time.perf_counter()
+        accuracy = self.evaluate()
+        self.evals.append({"step": len(self.steps), "seconds": self.seconds,
+                           "accuracy": accuracy, "eval_s": time.perf_counter() - start})  # fmt: skip
+
+    def done(self) -> bool:
+        s = self.spec
+        return bool(
+            (s.steps and len(self.steps) >= s.steps) or (s.seconds and self.seconds >= s.seconds)
+        )
+
+    def trace(self, **extra: Any) -> dict:
+        return {"steps": self.steps, "evals": self.evals, **extra}
+
+
+class PromptStream:
+    """Prompts in a fresh seeded permutation per epoch."""
+
+    def __init__(self, rows: list[dict], seed: int):
+        import random
+
+        self.rows, self.rng, self.order = rows, random.Random(seed), []
+
+    def take(self, k: int) -> list[dict]:
+        while len(self.order) < k:
+            self.order += self.rng.sample(self.rows, len(self.rows))
+        out, self.order = self.order[:k], self.order[k:]
+        return out
+
+
+# -- peer: the reference loop ---------------------------------------------------------------
+
+
+def response_mask(response, eos_id: int):
+    """1 on every response token up to and including the first eos, 0 after it (padding)."""
+    is_eos = (response == eos_id).long()
+    return ((is_eos.cumsum(dim=1) - is_eos) == 0).float()
+
+
+def grpo_step(model, tokenizer, opt, batch: list[dict]) -> float:
+    """One rollout (n samples per prompt, T=1) and one Adam step; returns the mean reward."""
+    import torch
+
+    prompts = [r["prompt"] for r in batch for _ in range(SAMPLES)]
+    model.eval()
+    ids, width = task.generate(
+        model, tokenizer, prompts, sample=True, max_new_tokens=task.MAX_NEW_TOKENS
+    )
+    texts = tokenizer.batch_decode(ids[:, width:], skip_special_tokens=True)
+    labels = [r["label"] for r in batch for _ in range(SAMPLES)]
+    rewards = torch.tensor([task.exact_match(t, y) for t, y in zip(texts, labels, strict=True)])
+    groups = rewards.view(-1, SAMPLES)
+    adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)
+    mask = response_mask(ids[:, width:], tokenizer.eos_token_id)
+    # Every prompt has the same length here (no left padding), so positions need no offsets.
+    model.train()
+    logits = model(input_ids=ids).logits[:, width - 1 : -1]
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, width:, None]).squeeze(-1)
+    loss = -(adv.view(-1, 1) * logp * mask).sum() / mask.sum()  # token mean over the batch
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return rewards.mean().item()
+
+
+def run_reference(spec: Spec) -> dict:
+    import torch
+
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    model, tokenizer = task.load(Path(spec.model_dir))
+    eval_rows = task.read_jsonl(Path(spec.eval_path))
+    prompts = PromptStream(task.read_jsonl(Path(spec.train_path)), spec.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=spec.lr, betas=(0.9, 0.999), eps=1e-8)
+    rec = Recorder(spec, lambda: task.greedy_accuracy(model, tokenizer, eval_rows))
+    rec.start()
+    while not rec.done():
+        rec.step(grpo_step(model, tokenizer, opt, prompts.take(PROMPTS)))
+    return rec.trace()
+
+
+# -- peer: TRL ------------------------------------------------------------------------------
+
+
+def trl_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        import trl  # noqa: F401
+
+        return version("trl")
+    except ImportError:
+        return None
+
+
+def run_trl(spec: Spec) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(spec.threads)
+    model, tokenizer = task.load(Path(spec.model_dir))
+    eval_rows = task.read_jsonl(Path(spec.eval_path))
+    rec = Recorder(spec, lambda: task.greedy_accuracy(model, tokenizer, eval_rows))
+    rewards: list[float] = []
+
+    def exact_match(completions: list[str], label: list[str], **_: Any) -> list[float]:
+        scores = [task.exact_match(c, y) for c, y in zip(completions, label, strict=True)]
+        rewards.append(sum(scores) / len(scores))
+        return scores
+
+    class Timing(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            torch.set_num_threads(spec.threads)
+            rec.start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            rec.step(rewards[-1] if rewards else float("nan"))
+            control.should_training_stop = rec.done()
+
+    config = GRPOConfig(
+        output_dir=str(Path(spec.out_dir) / "trl"), per_device_train_batch_size=BATCH,
+        num_generations=SAMPLES, max_completion_length=task.MAX_NEW_TOKENS, temperature=1.0,
+        top_k=0, top_p=1.0, learning_rate=spec.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+        beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1,
+        max_steps=spec.steps or MAX_STEPS, use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, logging_steps=10**9, report_to="none", save_strategy="no",
+        disable_tqdm=True, seed=spec.seed, data_seed=spec.seed, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=exact_match, args=config, processing_class=tokenizer,
+        train_dataset=Dataset.from_list(task.read_jsonl(Path(spec.train_path))), callbacks=[Timing()],
+    )  # fmt: skip
+    trainer.train()
+    return rec.trace(trl_version=trl_version())
+
+
+# -- peers: millstream ----------------------------------------------------------------------
+
+
+def millstream_argv(spec: Spec, run_dir: Path) -> list[str]:
+    command = "train" if spec.peer == "sync" else "train-async"
+    argv = [
+        str(REPO_ROOT / ".venv" / "bin" / "millstream"), command,
+        "--hf-checkpoint", spec.model_dir,
+        "--prompt-data", spec.train_path, "--input-key", "prompt", "--label-key", "label",
+        "--rollout-shuffle", "--rm-type", "exact",
+        "--num-rollout", str(spec.steps or MAX_STEPS),
+        "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
+        "--global-batch-size", str(BATCH),
+        "--rollout-max-response-len", str(task.MAX_NEW_TOKENS), "--rollout-temperature", "1.0",
+        "--rollout-skip-special-tokens",
+        "--eval-interval", str(spec.eval_every), "--eval-prompt-data", EVAL_NAME, spec.eval_path,
+        "--n-samples-per-eval-prompt", "1", "--eval-temperature", "0",
+        "--eval-max-response-len", str(task.MAX_NEW_TOKENS),
+        "--micro-batch-size", str(BATCH),
+        "--advantage-estimator", "grpo", "--calculate-per-token-loss",
+        "--optimizer", "adam", "--lr", str(spec.lr), "--lr-decay-style", "constant",
+        "--weight-decay", "0.0", "--adam-beta1", "0.9", "--adam-beta2", "0.999", "--clip-grad", "1.0",
+        "--seed", str(spec.seed), "--rollout-seed", str(spec.seed),
+        "--rollout-num-engines", "1", "--engine-max-running-requests", str(BATCH),
+        "--rollout-max-concurrency", str(BATCH),
+        "--run-id", f"peers-{spec.config}-{spec.peer}-s{spec.seed}", "--run-dir", str(run_dir),
+        "--num-rollout-workers", "1", "--num-reward-workers", "1", "--log-level", "warning",
+    ]  # fmt: skip
+    if spec.peer == "async":
+        # As `make run` does: a sync updates the engines in place instead of aborting the
+        # generations in flight (which async mode would then redo).
+        argv += ["--max-staleness", "1", "--pause-mode", "in_place"]
+    return argv
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written
+    return rows
+
+
+def train_seconds(run_dir: Path) -> float:
+    return sum(row["total_time"] for row in read_metrics(run_dir))
+
+
+def run_millstream(spec: Spec) -> dict:
+    run_dir = Path(spec.out_dir) / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    log_path = Path(spec.out_dir) / "millstream.log"
+    stopped = False
+    start = time.perf_counter()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            millstream_argv(spec, run_dir), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+        )
+        while proc.poll() is None:
+            time.sleep(0.5)
+            if not stopped and spec.seconds and train_seconds(run_dir) >= spec.seconds:
+                proc.send_signal(signal.SIGINT)  # the launcher stops every service
+                stopped = True
+        wall = time.perf_counter() - start
+    if proc.returncode != 0 and not stopped:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(
+            f"{spec.peer} exited with {proc.returncode}; tail of {log_path}:\n{tail}"
+        )
+    return millstream_trace(run_dir, wall, stopped)
+
+
+def millstream_trace(run_dir: Path, wall: float, stopped: bool) -> dict:
+    steps, evals, seconds = [], [], 0.0
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    start = [c for c in summary.get("eval_curve", []) if c[0] == 0]
+    if start:
+        evals.append({"step": 0, "seconds": 0.0, "accuracy": start[0][2][EVAL_NAME]})
+    for row in read_metrics(run_dir):
+        seconds += row["total_time"]
+        steps.append({"step": row["step"], "step_s": row["total_time"], "seconds": seconds,
+                      "reward": row.get("raw_reward")})  # fmt: skip
+        if f"eval/{EVAL_NAME}" in row:
+            evals.append({"step": row["step"], "seconds": seconds, "accuracy": row[f"eval/{EVAL_NAME}"],
+                          "eval_s": row.get(f"eval/{EVAL_NAME}_seconds")})  # fmt: skip
+    return {"steps": steps, "evals": evals, "wall_s": wall, "stopped_by_sigint": stopped,
+            "summary": summary, "run_dir": str(run_dir)}  # fmt: skip
+
+
+# -- running the peers ----------------------------------------------------------------------
+
+WORKERS = {"ref": run_reference, "trl": run_trl}
+
+
+def run_peer(spec: Spec) -> dict:
+    """A trace: steps, evals, wall seconds of the whole command."""
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.peer in ("sync", "async"):
+        return run_millstream(spec)
+    (out / "spec.json").write_text(json.dumps(asdict(spec)))
+    start = time.perf_counter()
+    log_path = out / "worker.log"
+    with log_path.open("w") as log:
+        code = subprocess.call([sys.executable, __file__, "--worker", str(out / "spec.json")],
+                               stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)  # fmt: skip
+    wall = time.perf_counter() - start
+    if code != 0:
+        raise RuntimeError(
+            f"{spec.peer} exited with {code}; tail of {log_path}:\n{log_path.read_text()[-3000:]}"
+        )
+    return json.loads((out / "trace.json").read_text()) | {"wall_s": wall}
+
+
+def worker_main(spec_path: Path) -> None:
+    spec = Spec(**json.loads(spec_path.read_text()))
+    trace = WORKERS[spec.peer](spec)
+    (Path(spec.out_dir) / "trace.json").write_text(json.dumps(trace))
+
+
+# -- summarising ----------------------------------------------------------------------------
+
+
+def accuracy_at(trace: dict, key: str, value: float) -> float | None:
+    """The last eval at or before step / train second `value` (None: the run never got there)."""
+    if not trace["steps"] or trace["steps"][-1][key] < value:
+        return None
+    before = [e for e in trace["evals"] if e[key] <= value]
+    return before[-1]["accuracy"] if before else None
+
+
+def mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarise(traces: list[dict], at_steps: list[int], at_seconds: list[float]) -> dict:
+    step_s = [s["step_s"] for t in traces for s in t["steps"]]
+    completions = BATCH * len(step_s)
+    seconds = sum(t["steps"][-1]["seconds"] for t in traces if t["steps"])
+    return {
+        "steps": mean([len(t["steps"]) for t in traces]),
+        "train_s": mean([t["steps"][-1]["seconds"] for t in traces if t["steps"]]),
+        "wall_s": mean([t["wall_s"] for t in traces]),
+        "median_step_cps": BATCH / statistics.median(step_s) if step_s else None,
+        "overall_cps": completions / seconds if seconds else None,
+        "start_accuracy": mean([accuracy_at(t, "step", 0) for t in traces]),
+        "acc_at_step": {s: mean([accuracy_at(t, "step", s) for t in traces]) for s in at_steps},
+        "acc_at_seconds": {
+            s: mean([accuracy_at(t, "seconds", s) for t in traces]) for s in at_seconds
+        },
+    }
+
+
+def checkpoints(traces: dict[str, list[dict]], eval_every: int) -> tuple[list[int], list[float]]:
+    """Steps and train seconds every run reached: a quarter, a half and all of the shortest
+    run (every eval step when there are at most four)."""
+    last_step = min(len(t["steps"]) for ts in traces.values() for t in ts)
+    last_s = min(t["steps"][-1]["seconds"] for ts in traces.values() for t in ts if t["steps"])
+    fractions = (0.25, 0.5, 1.0)
+    steps = set(range(eval_every, last_step + 1, eval_every))
+    if len(steps) > 4:
+        steps = {math.floor(last_step * f / eval_every) * eval_every for f in fractions}
+    return sorted(s for s in steps if s > 0), [math.floor(last_s * f * 10) / 10 for f in fractions]
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(
+    config: str, rows: dict[str, dict], at_steps: list[int], at_seconds: list[float]
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"{config}: {BATCH} completions/step, greedy eval accuracy on {task.EVAL_SIZE} problems"
+    )
+    columns = ["peer", "steps", "train s", "wall s", "c/s median step", "c/s overall"]
+    columns += [f"@{s} steps" for s in at_steps] + [f"@{s:g} s" for s in at_seconds]
+    for col in [*columns, "x ref", "x TRL"]:
+        table.add_column(col, justify="left" if col == "peer" else "right")
+    ref, trl = rows.get("ref", {}).get("overall_cps"), rows.get("trl", {}).get("overall_cps")
+    for peer, r in rows.items():
+        cps = r["overall_cps"]
+        table.add_row(
+            PEERS[peer], fmt(r["steps"], ".0f"), fmt(r["train_s"], ".1f"), fmt(r["wall_s"], ".1f"),
+            fmt(r["median_step_cps"], ".0f"), fmt(cps, ".0f"),
+            *(fmt(r["acc_at_step"][s], ".1%") for s in at_steps),
+            *(fmt(r["acc_at_seconds"][s], ".1%") for s in at_seconds),
+            fmt(cps / ref if ref and cps else None, ".2f"), fmt(cps / trl if trl and cps else None, ".2f"),
+        )  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def parity(traces: dict[str, list[dict]]) -> list[dict]:
+    """Per eval step: every peer's accuracy (mean over seeds) and its difference to ref's."""
+    steps = sorted({e["step"] for ts in traces.values() for t in ts for e in t["evals"]})
+    rows = []
+    for step in steps:
+        row: dict[str, Any] = {"step": step}
+        for peer, ts in traces.items():
+            accs = [e["accuracy"] for t in ts for e in t["evals"] if e["step"] == step]
+            row[peer] = statistics.fmean(accs) if len(accs) == len(ts) else None
+        rows.append(row)
+    return rows
+
+
+def print_parity(config: str, rows: list[dict], peers: list[str], seeds: list[int]) -> None:
+    print(f"{config}: greedy accuracy per step, mean over seeds {seeds} (difference to ref)")
+    print(f"{'step':>6}" + "".join(f"{p:>16}" for p in peers))
+    for row in rows:
+        cells = []
+        for p in peers:
+            v, ref = row.get(p), row.get("ref")
+            diff = f" ({v - ref:+.1%})" if p != "ref" and v is not None and ref is not None else ""
+            cells.append(f"{fmt(v, '.1%')}{diff}")
+        print(f"{row['step']:>6}" + "".join(f"{c:>16}" for c in cells))
+
+
+def machine_line(threads: int) -> str:
+    import torch
+    import transformers
+
+    trl = trl_version()
+    return (
+        f"machine: {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, trl {trl or 'not installed'}; in-process peers "
+        f"torch.set_num_threads({threads}), millstream services with their own defaults"
+    )
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--configs", default="small", help="comma list of: " + ", ".join(task.CONFIGS)
+    )
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="steps per peer (default 100)")
+    budget.add_argument("--minutes", type=float, help="train minutes per peer (evals excluded)")
+    parser.add_argument(
+        "--peers", default=",".join(PEERS), help="comma list of: " + ", ".join(PEERS)
+    )
+    parser.add_argument("--seeds", default="0", help="comma list; each seed is its own task")
+    parser.add_argument("--lr", type=float, default=3e-5, help="RL learning rate, every peer")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of in-process peers")
+    parser.add_argument("--cache", type=Path, default=REPO_ROOT / "runs" / "bench_peers")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "bench_vs_peers.json")
+    args = parser.parse_args(argv)
+    if args.steps is None and args.minutes is None:
+        args.steps = 100
+    args.configs = args.configs.split(",")
+    args.peers = args.peers.split(",")
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    for name, known in (("configs", task.CONFIGS), ("peers", PEERS)):
+        unknown = set(getattr(args, name)) - set(known)
+        if unknown:
+            parser.error(f"--{name}: unknown {sorted(unknown)}")
+    return args
+
+
+def run_config(args: argparse.Namespace, config: str, peers: list[str]) -> dict:
+    traces: dict[str, list[dict]] = {p: [] for p in peers}
+    metas = {}
+    for seed in args.seeds:
+        t = task.build_task(config, seed, args.cache)
+        metas[seed] = t.meta
+        for peer in peers:
+            spec = Spec(
+                peer=peer, config=config, seed=seed, model_dir=str(t.model_dir),
+                train_path=str(t.train_path), eval_path=str(t.eval_path), lr=args.lr,
+                eval_every=args.eval_every, steps=args.steps,
+                seconds=args.minutes * 60 if args.minutes else None, threads=args.threads,
+                out_dir=str(args.cache / "runs" / f"{config}-seed{seed}" / peer),
+            )  # fmt: skip
+            print(f"[{config} seed {seed}] {PEERS[peer]} ...", flush=True)
+            trace = run_peer(spec)
+            if not any(e["step"] == 0 for e in trace["evals"]):  # millstream stopped by SIGINT
+                start = {"step": 0, "seconds": 0.0, "accuracy": t.meta["start_accuracy"]}
+                trace["evals"].insert(0, start | {"from": "task meta (HF greedy)"})
+            last = trace["evals"][-1] if trace["evals"] else {}
+            print(f"[{config} seed {seed}] {PEERS[peer]}: {len(trace['steps'])} steps, "
+                  f"{trace['steps'][-1]['seconds']:.1f} train s, {trace['wall_s']:.1f} wall s, "
+                  f"last eval {fmt(last.get('accuracy'), '.1%')} at step {last.get('step')}", flush=True)  # fmt: skip
+            traces[peer].append(trace)
+    at_steps, at_seconds = checkpoints(traces, args.eval_every)
+    rows = {p: summarise(ts, at_steps, at_seconds) for p, ts in traces.items()}
+    par = parity(traces)
+    print_table(config, rows, at_steps, at_seconds)
+    print_parity(config, par, peers, args.seeds)
+    return {"tasks": metas, "summary": rows, "parity": par, "traces": traces,
+            "at_steps": at_steps, "at_seconds": at_seconds}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker_main(Path(sys.argv[2]))
+        return
+    args = parse_args(argv)
+    peers = list(args.peers)
+    if "trl" in peers and trl_version() is None:
+        print("trl: skipped (not importable; pip install -e '.[peers]')")
+        peers.remove("trl")
+    if not peers:
+        sys.exit("no peer left to run")
+    line = machine_line(args.threads)
+    print(line)
+    budget = f"{args.steps} steps" if args.steps else f"{args.minutes:g} train minutes"
+    print(f"settings: {PROMPTS} prompts x {SAMPLES} samples/step, lr {args.lr:g}, {budget} per peer, "
+          f"eval every {args.eval_every} steps, seeds {args.seeds}")  # fmt: skip
+    results = {config: run_config(args, config, peers) for config in args.configs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(
+        json.dumps({"machine": line, "settings": settings, "configs": results}, indent=1)
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
