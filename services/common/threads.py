@@ -9,7 +9,9 @@ every parallel region waits on threads the other process holds. On 2 cores that 
     budget = split_cores(cores=16, engines=2)  # trainer 8, each engine 4
 
 Rule: the trainer gets half the cores (rounded up), the engines share the rest evenly, and
-everyone gets at least one thread; with more engines than cores, engines share. The stream
+everyone gets at least one thread; with more engines than cores, engines share. In sync mode
+(`overlap=False`) the trainer trains only while the engines wait for the next rollout, so it
+takes every core; the engines keep their share (they generate beside the workers). The stream
 workers, the router and Redis are single-threaded asyncio processes; they get one compute
 thread each (`OMP_NUM_THREADS=1` and friends), so no native library they load (tokenizers,
 math-verify's sympy, numpy) starts a pool of its own.
@@ -51,14 +53,20 @@ class CpuBudget:
         )
 
 
-def split_cores(cores: int, engines: int, trainer: int | None = None) -> CpuBudget:
+def split_cores(
+    cores: int, engines: int, trainer: int | None = None, *, overlap: bool = True
+) -> CpuBudget:
     """Split `cores` between the trainer and `engines` engines (module docstring);
-    `trainer` fixes the trainer's share (e.g. from its --num-threads)."""
+    `trainer` fixes the trainer's share (e.g. from its --num-threads); `overlap`: do
+    training and generation run at the same time (async mode)?"""
     cores = max(1, cores)
+    half = (cores + 1) // 2 if engines else cores
+    engine = max(1, (cores - half) // engines) if engines else 0
     if trainer is None or trainer <= 0:
-        trainer = (cores + 1) // 2 if engines else cores
+        trainer = half if overlap else cores
     trainer = min(trainer, cores)
-    engine = max(1, (cores - trainer) // engines) if engines else 0
+    if overlap and engines:
+        engine = max(1, (cores - trainer) // engines)
     return CpuBudget(cores=cores, trainer=max(1, trainer), engine=engine, engines=engines)
 
 

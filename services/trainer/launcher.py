@@ -135,10 +135,13 @@ def given_router_url(cfg: RunConfig) -> str | None:
 
 def cpu_budget(cfg: RunConfig) -> threads.CpuBudget:
     """How this machine's cores are split between the trainer and the engines started here
-    (none when --router-url names running ones); --num-threads and --engine-num-threads
-    override the split (common/threads.py)."""
+    (none when --router-url names running ones): disjoint shares in async mode, every core
+    for the trainer in sync mode; --num-threads and --engine-num-threads override the split
+    (common/threads.py)."""
     engines = 0 if given_router_url(cfg) else cfg.sglang.rollout_num_engines
-    budget = threads.split_cores(threads.machine_cores(), engines, cfg.service.num_threads)
+    budget = threads.split_cores(
+        threads.machine_cores(), engines, cfg.service.num_threads, overlap=cfg.max_staleness > 0
+    )
     if cfg.service.engine_num_threads:
         budget = replace(budget, engine=cfg.service.engine_num_threads)
     return budget
