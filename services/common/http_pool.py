@@ -4,15 +4,15 @@ Used by the router (to its engines) and the rollout worker (to the router): ever
 of a rollout goes through both, so each hop's per-request cost counts twice.
 
 Why not httpx's default pool: on every request start and end, httpcore's pool walks every
-connection it holds (a readability poll per idle one, and an idle count per idle one), so
-its cost per request grows with the square of the connections in use. At 32 requests in
-flight that walk was most of the router's CPU (bench/bench_router.py, profiled); in the
-rollout worker it was the top of the profile, and httpx's default of 20 kept-alive
-connections made every request beyond 20 in flight open (and the router accept) a new one. Here each
-origin keeps a stack of idle connections: checkout pops one (dropping any the server closed
-or that outlived the keep-alive expiry), release pushes it back. Everything else stays
-httpx's and httpcore's: one `httpcore.AsyncHTTPConnection` per socket does the HTTP/1.1,
-connect/read timeouts and body streaming; httpx maps errors to its exception types.
+connection it holds (a readability poll per idle one, and an idle count per idle one), so its
+cost per request grows with the square of the connections in use. At 32 requests in flight that
+walk was most of the router's CPU (bench/bench_router.py, profiled); in the rollout worker it
+was the top of the profile, and httpx's default of 20 kept-alive connections made every request
+beyond 20 in flight open (and the router accept) a new one. Here each origin keeps a stack of
+idle connections: checkout pops one (dropping any the server closed or that outlived the
+keep-alive expiry), release pushes it back. Everything else stays httpx's and httpcore's: one
+`httpcore.AsyncHTTPConnection` per socket does the HTTP/1.1, connect/read timeouts and body
+streaming; httpx maps errors to its exception types.
 
 Invariant: a connection is in exactly one place: serving one request, in its origin's idle
 stack, or closed. At most `max_idle_per_origin` idle connections are kept per origin.

@@ -60,14 +60,14 @@ def split_cores(
     `trainer` fixes the trainer's share (e.g. from its --num-threads); `overlap`: do
     training and generation run at the same time (async mode)?"""
     cores = max(1, cores)
-    half = (cores + 1) // 2 if engines else cores
-    engine = max(1, (cores - half) // engines) if engines else 0
+    share = (cores + 1) // 2 if engines else cores  # the trainer's, when the two overlap
     if trainer is None or trainer <= 0:
-        trainer = half if overlap else cores
-    trainer = min(trainer, cores)
-    if overlap and engines:
-        engine = max(1, (cores - trainer) // engines)
-    return CpuBudget(cores=cores, trainer=max(1, trainer), engine=engine, engines=engines)
+        trainer = share if overlap else cores
+    trainer = max(1, min(trainer, cores))
+    # Engines get what an overlapping trainer leaves; in sync mode that is what they had.
+    left = cores - (trainer if overlap else share)
+    engine = max(1, left // engines) if engines else 0
+    return CpuBudget(cores=cores, trainer=trainer, engine=engine, engines=engines)
 
 
 def pool_env(threads: int) -> dict[str, str]:

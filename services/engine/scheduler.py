@@ -300,16 +300,16 @@ class Scheduler:
         distinct: dict[tuple[int, ...], int] = {}
         row_of = [distinct.setdefault(tuple(s.prefix_ids()), len(distinct)) for s in group]
         cache, mask_UT, logits_UKV = self.runner.prefill([list(p) for p in distinct], keep)
-        logits_BKV = logits_UKV[torch.tensor(row_of)] if len(distinct) < len(group) else logits_UKV
         if start is not None:
-            self._score_prompts(group, logits_BKV)
+            self._score_prompts(group, [logits_UKV[u] for u in row_of])
         fresh = [i for i, s in enumerate(group) if not s.output_ids]
         for i in fresh:
             if group[i].params.max_new_tokens == 0:
                 self._finish(group[i], FinishReason("length", length=0))
         fresh = [i for i in fresh if not group[i].done]
-        if fresh:
-            self._append_sampled([group[i] for i in fresh], logits_BKV[fresh, -1, :])
+        if fresh:  # only the rows that sample: the copies share their distinct row's logits
+            rows_F = torch.tensor([row_of[i] for i in fresh], dtype=torch.long)
+            self._append_sampled([group[i] for i in fresh], logits_UKV[rows_F, -1, :])
         rows = [i for i, s in enumerate(group) if not s.done]
         if rows != list(range(len(distinct))):
             index_B = torch.tensor([row_of[i] for i in rows], dtype=torch.long)
@@ -321,13 +321,14 @@ class Scheduler:
         self._batch.add([group[i] for i in rows], cache, mask_UT)
         self.stats.prefill_batches += 1
 
-    def _score_prompts(self, group: list[Sequence], logits_BKV: torch.Tensor) -> None:
-        """Input logprobs for every row of a (length, start) group; the n copies of one
-        request share their InputLogprobs, so each is computed once."""
-        for b, seq in enumerate(group):
+    def _score_prompts(self, group: list[Sequence], logits_KV: list[torch.Tensor]) -> None:
+        """Input logprobs for every row of a (length, start) group (`logits_KV[b]`: row b's
+        kept positions); the n copies of one request share their InputLogprobs, so each is
+        computed once."""
+        for seq, logits in zip(group, logits_KV, strict=True):
             holder = seq.input_logprobs
             if holder is not None and holder.pending:
-                score_prompt(logits_BKV[b], seq, holder)
+                score_prompt(logits, seq, holder)
 
     def _append_sampled(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> None:
         tokens, logprobs = sample_next(logits_BV, [s.params for s in seqs], [s.rng for s in seqs])

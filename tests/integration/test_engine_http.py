@@ -390,3 +390,9 @@ def test_openai_endpoints_answer_with_openai_shapes(client: httpx.Client, tiny_m
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     whole = post(client, "/v1/completions", {**comp_body, "stream": False})
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+def test_the_engine_prints_the_compute_threads_it_runs_with(engine: EngineProcess):
+    # tests/support/engine_proc.py starts engines with --num-threads 1 (the CPU budget);
+    # the line is torch's own count, read back after setting it.
+    assert "[engine] 1 compute thread(s)" in engine.log_tail(100_000)
