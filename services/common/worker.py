@@ -117,7 +117,7 @@ class StreamWorker:
         try:
             while not self._stopping.is_set() and not ticker.done():
                 free = await self._free_slots()
-                entries = await self.consumer.read(count=free) if free else []
+                entries = await self._read(free) if free else []
                 for entry in entries:
                     await self._start(entry)
                 await self._reap()
@@ -128,6 +128,26 @@ class StreamWorker:
             await asyncio.wait([ticker])
             await self._say_goodbye()
         ticker.result()  # it only ends early by failing: surface why
+
+    async def _read(self, count: int) -> list[StreamEntry]:
+        """One blocking read, cut short by `stop()`: stopping waits for no --stream-block-ms.
+
+        Entries Redis hands over just as the read is cancelled stay pending under this
+        consumer and are taken over after claim_idle_ms, as after a crash: nothing is lost."""
+        read = asyncio.ensure_future(self.consumer.read(count=count))
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not read.done():
+                read.cancel()
+        (result,) = await asyncio.gather(read, return_exceptions=True)
+        if isinstance(result, asyncio.CancelledError):
+            return []
+        if isinstance(result, BaseException):
+            raise result
+        return result  # what arrived as we stopped still runs (and drains)
 
     async def _free_slots(self) -> int:
         """Free job slots; when none, wait for a job to finish (or stop) and report 0.

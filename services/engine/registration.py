@@ -15,6 +15,7 @@ import logging
 import httpx
 
 from millstream.common.errors import ServiceUnavailable
+from millstream.common.http_pool import make_client
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def _headers(admin_token: str | None) -> dict[str, str]:
 
 
 async def _post(router_url: str, path: str, worker_url: str, admin_token: str | None) -> None:
-    async with httpx.AsyncClient(timeout=10.0) as client:
+    async with make_client(httpx.Timeout(10.0)) as client:
         resp = await client.post(
             f"{router_url.rstrip('/')}/{path}",
             params={"url": worker_url},

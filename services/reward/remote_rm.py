@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from millstream.common.http_pool import make_client
 from millstream.common.types import Sample
 
 
@@ -29,7 +30,7 @@ class RemoteRM:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+            self._client = make_client(httpx.Timeout(self.timeout_s))
         return self._client
 
     async def __call__(self, sample: Sample, prompt: str, response: str) -> Any:

@@ -1,4 +1,5 @@
-"""Background health checks: every worker, in parallel, every `interval` seconds.
+"""Background health checks: every worker, in parallel, every `interval` seconds (every
+FAST_INTERVAL_S while none can take traffic).
 
 A check is `GET /health` within `timeout`; when the router has an expected weight version it
 also reads `GET /get_weight_version` (`{"weight_version": ...}`), so a worker that rejoined
@@ -20,6 +21,8 @@ import httpx
 from .registry import HEALTHY, Registry, Worker
 
 log = logging.getLogger("millstream.router")
+
+FAST_INTERVAL_S = 0.2
 
 
 class HealthChecker:
@@ -72,9 +75,18 @@ class HealthChecker:
         if workers:
             await asyncio.gather(*(self.check(w) for w in workers))
 
+    def next_wait(self) -> float:
+        """Seconds to the next round: `interval`, or FAST_INTERVAL_S while workers are
+        registered but none can take traffic (start-up, every engine down). A router with
+        nothing to serve loses nothing by looking often, and the run starts as soon as the
+        first engine answers, not up to `interval` later."""
+        if self.registry.all() and not self.registry.eligible():
+            return min(self.interval, FAST_INTERVAL_S)
+        return self.interval
+
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.next_wait())
             try:
                 await self.check_all()
             except Exception:  # a bug here must not end health checking for good

@@ -36,6 +36,23 @@ def load_tokenizer(cfg: RunConfig) -> Any:
     return AutoTokenizer.from_pretrained(cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load)
 
 
+def preload(cfg: RunConfig) -> None:
+    """Import the code building the trainer needs: transformers' tokenizer and model modules
+    cost seconds of CPU, spent here (in a thread) while the engines load, not after.
+    Best effort: a failure here is raised again, with its context, by the real build."""
+    path = cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load
+    if not path or not Path(path, "config.json").is_file():
+        return
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        load_tokenizer(cfg)
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]  # the lazy import
+    except Exception as err:
+        log.debug("preload failed (the build reports it): %s", err)
+
+
 def data_sources(
     cfg: RunConfig, tokenizer: Any
 ) -> tuple[PromptDataSource, dict[str, PromptDataSource]]:

@@ -44,6 +44,7 @@ import httpx
 from millstream.common import threads
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
+from millstream.common.http_pool import make_client
 from millstream.common.keys import RunKeys
 from millstream.common.redis_conn import connect, redact
 
@@ -188,6 +189,10 @@ class LocalCluster:
         self.urls: ClusterUrls | None = None
         self._state = "running"  # -> "stopping" -> "stopped"
         self._lock = RunDirLock(self.run_dir)
+        # spawn_infra -> wait_infra: the health waits of what was spawned and not waited for
+        self._infra_waits: Callable[[httpx.AsyncClient], list[Coroutine[Any, Any, None]]] | None = (
+            None
+        )
 
     @property
     def pids(self) -> dict[str, int]:
@@ -197,6 +202,14 @@ class LocalCluster:
 
     async def start_infra(self) -> ClusterUrls:
         """Redis, engines and router, as far as the flags leave them out; healthy on return."""
+        urls = await self.spawn_infra()
+        await self.wait_infra()
+        return urls
+
+    async def spawn_infra(self) -> ClusterUrls:
+        """Redis (healthy on return), and the engines and router spawned: their URLs are
+        known at once, so the run config can be published and workers started while the
+        engines load their model (`wait_infra` then waits for them)."""
         if self.urls is not None:
             return self.urls
         if self._state != "running":
@@ -220,20 +233,31 @@ class LocalCluster:
                 # for an engine, and the engines' model loading is most of the start-up.
                 engine_urls, engines_ready = self._spawn_engines()
                 router_url, router_ready = self._spawn_router(engine_urls)
-                async with httpx.AsyncClient(timeout=2.0) as client:
-                    await _all([*engines_ready(client), router_ready(client)])
+                self._infra_waits = lambda client: [*engines_ready(client), router_ready(client)]
         except BaseException:
             self.stop()
             raise
         self.urls = ClusterUrls(redis_url, router_url, engine_urls)
         return self.urls
 
+    async def wait_infra(self) -> None:
+        """Until the engines and router `spawn_infra` started are healthy (stops all if not)."""
+        waits, self._infra_waits = self._infra_waits, None
+        if waits is None:
+            return
+        try:
+            async with make_client(httpx.Timeout(2.0)) as client:
+                await _all(waits(client))
+        except BaseException:
+            self.stop()
+            raise
+
     async def start_workers(self) -> None:
         """Rollout and reward workers (after the run config is published); healthy on return.
 
         On any failure while starting, `start_*` stops what it started and re-raises."""
         if self.urls is None:
-            raise RuntimeError("start_infra() first: workers need the Redis and router URLs")
+            raise RuntimeError("spawn_infra() first: workers need the Redis and router URLs")
         if not self.starts_anything or any(c.tier == TIER_WORKER for c in self.children):
             return
         redis = await connect(self.urls.redis_url, self.redis_password)
@@ -249,6 +273,11 @@ class LocalCluster:
             raise
         finally:
             await redis.aclose()
+
+    async def finish_start(self) -> None:
+        """`wait_infra` and `start_workers` together (after the run config is published):
+        workers need only Redis to start, so they do while the engines load their model."""
+        await _all([self.wait_infra(), self.start_workers()])
 
     async def __aenter__(self) -> LocalCluster:
         return self

@@ -107,7 +107,12 @@ def _apply_cpu_budget(cfg: RunConfig) -> None:
     from .launcher import cpu_budget
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    n = threads.apply(max(1, cpu_budget(cfg).trainer // local_ranks))
+    n = max(1, cpu_budget(cfg).trainer // local_ranks)
+    # Through the environment: torch, imported later (while the engines load, not before
+    # they start: its import is seconds of CPU), sizes its pool from it.
+    os.environ.update(threads.pool_env(n))
+    if "torch" in sys.modules:
+        n = threads.apply(n)
     print(f"[trainer] {n} compute thread(s)", flush=True)
 
 
@@ -150,18 +155,27 @@ async def train_with_cluster(cfg: RunConfig) -> int:
 
     cluster = LocalCluster(cfg)
     try:
-        urls = await cluster.start_infra()
+        urls = await cluster.spawn_infra()
         cfg = urls.apply(cfg)
+        # The trainer's imports run while the engines load (both are seconds of CPU).
+        preloading = asyncio.create_task(asyncio.to_thread(_preload, cfg))
         redis = await connect(cfg.connection.redis_url, cfg.connection.redis_password)  # type: ignore[arg-type]
         try:
             await config_store.publish(redis, cfg)
             config_store.write_file(cfg, cfg.run_dir)
-            await cluster.start_workers()
+            await cluster.finish_start()
+            await preloading
             return await train_loop(cfg, redis, cluster)
         finally:
             await redis.aclose()
     finally:
         cluster.stop()
+
+
+def _preload(cfg: RunConfig) -> None:
+    from .build import preload  # torch and transformers: imported here, in the thread
+
+    preload(cfg)
 
 
 async def train_loop(cfg: RunConfig, redis: Redis, cluster: LocalCluster) -> int:

@@ -16,6 +16,7 @@ import dataclasses
 import httpx
 
 from millstream.common.errors import MillstreamError
+from millstream.common.http_pool import make_client
 
 from .backends.base import TrainSample
 
@@ -26,7 +27,7 @@ class TeacherClient:
     def __init__(self, url: str, temperature: float, timeout_s: float = 300.0):
         self.url = url.rstrip("/")
         self.temperature = temperature
-        self.client = httpx.AsyncClient(timeout=timeout_s)
+        self.client = make_client(httpx.Timeout(timeout_s))
 
     async def score(self, samples: list[TrainSample]) -> list[TrainSample]:
         """The samples with `teacher_logprobs` filled in."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import httpcore
 import httpx
 import pytest
 
-from millstream.common.http_pool import StackPool, StackPoolTransport
+from millstream.common.http_pool import StackPool, StackPoolTransport, make_client, tls_context
 
 
 class Server:
@@ -132,3 +133,21 @@ def test_connect_errors_are_httpx_errors():
                 await client.get(url + "/x")
 
     asyncio.run(main())
+
+
+def test_plain_http_never_builds_the_tls_context_and_https_builds_it_once():
+    """Loading the CA store is ~0.4 s of CPU: a service talking plain HTTP on loopback must
+    not pay it at start-up (httpx's defaults do, per client)."""
+    tls_context.cache_clear()
+
+    async def go() -> None:
+        async with Server() as server, make_client(httpx.Timeout(5.0)) as client:
+            assert (await client.get(server.url + "/x")).status_code == 200
+        assert tls_context.cache_info().currsize == 0
+        pool = StackPool()
+        urls = ("https://a.test:1", "https://b.test:2")
+        conns = [await pool._checkout(httpcore.URL(u).origin) for u in urls]
+        assert all(c._ssl_context is tls_context() for c in conns)
+        assert tls_context.cache_info().misses == 1
+
+    asyncio.run(go())

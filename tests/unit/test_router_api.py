@@ -9,6 +9,7 @@ context continuation, /metrics. Real engines behind a real router: tests/integra
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -328,6 +329,26 @@ def test_no_worker_is_a_quick_503_with_a_json_error():
     with make_client(up, worker_urls=[A], health_failure_threshold=1) as client:
         r = client.get("/health")  # proxied like any other path
         assert r.status_code == 503 and A in error_message(r)
+
+
+def test_health_rounds_come_fast_while_no_worker_can_serve():
+    """Start-up: the engine answers a moment after the router's first round; the router must
+    not wait a whole --health-check-interval to serve it."""
+    up = Upstream()
+    up.down.add(A)
+    with make_client(
+        up, worker_urls=[A], health_check_interval=30.0, health_failure_threshold=1
+    ) as client:
+        assert client.get("/readiness").status_code == 503
+        up.down.clear()
+        deadline = time.monotonic() + 5.0
+        while client.get("/readiness").status_code != 200:
+            assert time.monotonic() < deadline, "no health round within 5 s of a 30 s interval"
+            time.sleep(0.05)
+        r = client.post("/generate", json={})
+        assert r.status_code == 200 and r.json()["worker"] == A
+        health = client.app.state.router.health  # back to the slow schedule once one serves
+        assert health.next_wait() == 30.0
 
 
 def test_version_gating_routes_only_to_the_expected_version():
