@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from .core import EngineCore
 from .protocol import (
+    FLATTENED_BUCKET,
     AbortReqIn,
     ContinueGenerationReqIn,
     DestroyWeightsUpdateGroupReqIn,
@@ -153,7 +154,13 @@ async def update_weights_from_distributed(
         tensors = await _in_thread(
             core,
             f"receiving {len(req.names)} tensors",
-            lambda: core.groups.receive(req.group_name, req.names, req.dtypes, req.shapes),
+            lambda: core.groups.receive(
+                req.group_name,
+                req.names,
+                req.dtypes,
+                req.shapes,
+                flattened=req.load_format == FLATTENED_BUCKET,
+            ),
         )
         await core.apply_weights(tensors, req.weight_version, req.abort_all_requests)
         return f"updated {len(tensors)} tensors; weight_version {core.weight_version}"

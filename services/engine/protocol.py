@@ -20,6 +20,9 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+FLATTENED_BUCKET = "flattened_bucket"
+
+
 def _unsupported(name: str, value: Any, neutral: Any) -> None:
     if value is not None and value != neutral:
         raise ValueError(f"{name}={value!r} is not supported by the millstream CPU engine")
@@ -169,6 +172,13 @@ class UpdateWeightsFromDistributedReqIn(_UpdateCommon):
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
+
+    @field_validator("load_format")
+    @classmethod
+    def _format(cls, value: str | None) -> str | None:
+        # SGLang's flattened_bucket: one broadcast of every tensor's bytes, in order.
+        _unsupported("load_format", value, FLATTENED_BUCKET)
+        return value
 
     @model_validator(mode="after")
     def _aligned(self) -> UpdateWeightsFromDistributedReqIn:

@@ -132,22 +132,50 @@ class UpdateGroups:
         log.info("left weight update group %r", name)
 
     def receive(
-        self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+        self,
+        name: str,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        flattened: bool = False,
     ) -> NamedTensors:
+        """The tensors of one bucket: one broadcast each, or (`flattened`, SGLang's
+        flattened_bucket) one broadcast of all their bytes back to back, in order."""
         group = self._groups.get(name)
         if group is None:
             raise RequestError(f"group_name: no update group {name!r} (have {self.names})")
         specs = [(n, parse_dtype(d), s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-        out: NamedTensors = []
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
         # Two updates interleaving their broadcasts on one group would corrupt both.
         with self._lock:
-            for tensor_name, dtype, shape in specs:
-                tensor = torch.empty(shape, dtype=dtype, device=group.device)
-                opts = torch.distributed.BroadcastOptions()
-                opts.rootRank = 0
-                group.pg.broadcast([tensor], opts).wait(group.timeout)
-                out.append((tensor_name, tensor.cpu()))
-        return out
+            if not flattened:
+                out: NamedTensors = []
+                for tensor_name, dtype, shape in specs:
+                    tensor = torch.empty(shape, dtype=dtype, device=group.device)
+                    group.pg.broadcast([tensor], opts).wait(group.timeout)
+                    out.append((tensor_name, tensor.cpu()))
+                return out
+            nbytes = sum(torch.Size(s).numel() * d.itemsize for _, d, s in specs)
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+            group.pg.broadcast([flat], opts).wait(group.timeout)
+        return unflatten_bytes(flat.cpu(), specs)
+
+
+def unflatten_bytes(
+    flat: torch.Tensor, specs: list[tuple[str, torch.dtype, list[int]]]
+) -> NamedTensors:
+    """SGLang's flattened_bucket layout read back: each (name, dtype, shape)'s bytes, in order."""
+    out: NamedTensors = []
+    start = 0
+    for name, dtype, shape in specs:
+        size = torch.Size(shape).numel() * dtype.itemsize
+        if start + size > flat.numel():
+            raise RequestError(f"flattened bucket: {flat.numel()} bytes, too few for {name}")
+        # clone: a view at an offset that is not a multiple of the item size is refused
+        out.append((name, flat[start : start + size].clone().view(dtype).reshape(shape)))
+        start += size
+    return out
 
 
 def decode_tensor_blobs(blobs: list[str]) -> NamedTensors:

@@ -2,8 +2,8 @@
 FAST_INTERVAL_S while none can take traffic).
 
 A check is `GET /health` within `timeout`; when the router has an expected weight version it
-also reads `GET /get_weight_version` (`{"weight_version": ...}`), so a worker that rejoined
-with old weights stays out until it reports the expected one. Outcomes go to the Registry,
+is `GET /get_weight_version` instead (`{"weight_version": ...}`: alive, and which weights), so
+a worker that rejoined with old weights stays out until it reports the expected one. Outcomes go to the Registry,
 which owns the state transitions; this module only does the I/O and the schedule.
 
 Invariant: one round never takes longer than `timeout` (+ scheduling), whatever the workers
@@ -37,17 +37,24 @@ class HealthChecker:
 
     async def check(self, worker: Worker) -> None:
         was = worker.status
+        # With a version to gate on, /get_weight_version is the probe: an answer proves the
+        # worker up and says its version, in one round trip (a weight sync waits on it).
+        gated = self.registry.expected_version is not None
+        path = "/get_weight_version" if gated else "/health"
         try:
-            response = await self.client.get(worker.url + "/health", timeout=self.timeout)
+            response = await self.client.get(worker.url + path, timeout=self.timeout)
         except httpx.HTTPError as err:
             self.registry.record_failure(worker, f"health check failed: {type(err).__name__}")
         else:
-            if response.status_code != 200:
-                self.registry.record_failure(worker, f"/health returned {response.status_code}")
+            if gated and response.status_code == 404:  # up, but cannot say its version
+                self.registry.record_success(worker)
+                self.registry.record_version_unknown(worker, "no /get_weight_version (404)")
+            elif response.status_code != 200:
+                self.registry.record_failure(worker, f"{path} returned {response.status_code}")
             else:
                 self.registry.record_success(worker)
-                if self.registry.expected_version is not None:
-                    await self._read_version(worker)
+                if gated:
+                    self._record_version(worker, response)
         if worker.status != was:
             log.warning(
                 "router: worker %s is now %s%s",
@@ -56,14 +63,10 @@ class HealthChecker:
                 "" if worker.status == HEALTHY else f" ({worker.last_error})",
             )
 
-    async def _read_version(self, worker: Worker) -> None:
+    def _record_version(self, worker: Worker, response: httpx.Response) -> None:
         try:
-            response = await self.client.get(
-                worker.url + "/get_weight_version", timeout=self.timeout
-            )
-            response.raise_for_status()
             version = response.json()["weight_version"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError) as err:
             self.registry.record_version_unknown(
                 worker, f"/get_weight_version failed: {type(err).__name__}: {err}"
             )

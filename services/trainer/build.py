@@ -127,6 +127,7 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
     sync = WeightSync(
         cfg.service.router_url, admin_token=cfg.service.admin_token, pause_mode=cfg.sglang.pause_mode,
         bucket_bytes=cfg.sglang.update_weight_buffer_size, timeout_s=cfg.sglang.weight_sync_timeout,
+        load_format=None if cfg.sglang.weight_sync_format == "per_tensor" else "flattened_bucket",
     )  # fmt: skip
     evaluator = None
     if eval_sources:

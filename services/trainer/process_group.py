@@ -17,7 +17,10 @@ from a worker thread, never from the event loop.
 
 What is broadcast: named tensors in buckets of at most --update-weight-buffer-size bytes, in
 the caller's order (a tensor bigger than that goes alone); a bucket's `spec` is the body of
-/update_weights_from_distributed (names, dtypes as "float32"/"bfloat16", shapes).
+/update_weights_from_distributed (names, dtypes as "float32"/"bfloat16", shapes). A bucket
+goes as one broadcast per tensor, or with load_format "flattened_bucket" (SGLang's, the
+default of --weight-sync-format) as ONE broadcast of its tensors' bytes back to back: for a
+small model the per-tensor round trips were most of the broadcast (bench_weight_sync.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 log = logging.getLogger("millstream.trainer")
 
 BACKENDS = ("gloo", "nccl")
+FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -75,6 +79,11 @@ def plan_buckets(named: NamedTensors, max_bytes: int) -> list[Bucket]:
         bucket.tensors.append(tensor)
         bucket.nbytes += size
     return buckets
+
+
+def flatten_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """SGLang's flattened_bucket layout: each tensor's bytes, in order, as one uint8 tensor."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
 
 
 class UpdateGroup:
@@ -138,10 +147,13 @@ class UpdateGroup:
             "weight update group %r: rank 0 of %d (%s)", self.name, self.world_size, self.backend
         )
 
-    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Broadcast each tensor from rank 0, in order; raises on a timeout or a lost peer."""
+    def broadcast(self, tensors: Sequence[torch.Tensor], flattened: bool = False) -> None:
+        """Broadcast each tensor from rank 0, in order, or (`flattened`) all their bytes back
+        to back in one broadcast; raises on a timeout or a lost peer."""
         if self._pg is None:
             raise RuntimeError(f"weight update group {self.name!r}: join() first")
+        if flattened:
+            tensors = [flatten_bytes([self.on_device(t) for t in tensors])]
         for tensor in tensors:
             opts = torch.distributed.BroadcastOptions()
             opts.rootRank = 0

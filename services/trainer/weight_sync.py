@@ -7,8 +7,9 @@
                 effort, the engines), then every engine /init_weights_update_group {master
                 address, a fresh port, rank_offset 1+i, world_size 1+n} while rank 0 joins
     3. buckets  for each bucket of <= --update-weight-buffer-size bytes: every engine
-                /update_weights_from_distributed {names, dtypes, shapes, group_name}
-                concurrently with rank 0's broadcast of the bucket's tensors
+                /update_weights_from_distributed {names, dtypes, shapes, group_name,
+                load_format} concurrently with rank 0's broadcast of the bucket: one
+                broadcast of its bytes (flattened_bucket, the default) or one per tensor
     4. serve    router /set_weight_version str(V) while every engine /continue_generation
 
 Invariants:
@@ -52,7 +53,15 @@ from millstream.common import telemetry
 from millstream.common.errors import MillstreamError, ServiceUnavailable
 from millstream.common.http_pool import make_client
 
-from .process_group import BACKENDS, Bucket, NamedTensors, UpdateGroup, backend_for, plan_buckets
+from .process_group import (
+    BACKENDS,
+    FLATTENED_BUCKET,
+    Bucket,
+    NamedTensors,
+    UpdateGroup,
+    backend_for,
+    plan_buckets,
+)
 
 log = logging.getLogger("millstream.trainer")
 
@@ -208,11 +217,14 @@ class WeightSync:
         backend: str | None = None,
         group_name: str = "millstream_weights",
         tracer: Any = None,
+        load_format: str | None = FLATTENED_BUCKET,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s (--weight-sync-timeout) must be > 0 (got {timeout_s})")
         if not router_url:
             raise ValueError("router_url: the weight sync needs the router that lists the engines")
+        if load_format not in (None, FLATTENED_BUCKET):
+            raise ValueError(f"load_format: {load_format!r} is not None or {FLATTENED_BUCKET!r}")
         if backend not in (None, *BACKENDS):
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS} (or None: by device)")
         self.router_url = router_url.rstrip("/")
@@ -223,6 +235,7 @@ class WeightSync:
         self.master_address = master_address
         self.backend = backend
         self.group_name = group_name
+        self.load_format = load_format
         self._tracer = tracer or telemetry.tracer("millstream.trainer")
         self._group: UpdateGroup | None = None
         self._members: list[str] = []
@@ -407,6 +420,9 @@ class WeightSync:
         try:
             for k, bucket in enumerate(buckets):
                 body = {**bucket.spec(), "group_name": group.name, "flush_cache": False}
+                flattened = self.load_format == FLATTENED_BUCKET
+                if flattened:
+                    body["load_format"] = FLATTENED_BUCKET
                 if k == len(buckets) - 1:
                     body.update(weight_version=str(report.version), flush_cache=True)
                 await self._group_step(
@@ -414,7 +430,7 @@ class WeightSync:
                     "/update_weights_from_distributed",
                     engines,
                     lambda _i, _u, body=body: body,
-                    lambda bucket=bucket: group.broadcast(bucket.tensors),
+                    lambda bucket=bucket, flat=flattened: group.broadcast(bucket.tensors, flat),
                     label=f"bucket {k + 1}/{len(buckets)}",
                 )
         finally:

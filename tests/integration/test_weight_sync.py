@@ -151,8 +151,9 @@ def sync(run, ws: WeightSync, model, version: int) -> SyncReport:
     return run(ws.sync(model.named_parameters(), version))
 
 
+@pytest.mark.parametrize("load_format", ["flattened_bucket", None], ids=["flat", "per-tensor"])
 def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
-    engines: list[EngineProcess], router_of, tiny_model_dir: Path, run
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, run, load_format
 ):
     urls = sorted(e.url for e in engines)
     router = router_of(urls[0])  # the other one asks to join (Coordinator.JoinEngine)
@@ -166,6 +167,7 @@ def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
         timeout_s=20,
         group_name="eq",
         tracer=provider.get_tracer("test"),
+        load_format=load_format,
     )
     try:
         model = hf_model(tiny_model_dir, seed=1)

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from millstream.trainer.process_group import backend_for, plan_buckets
+from millstream.engine.weights import unflatten_bytes
+from millstream.trainer.process_group import backend_for, flatten_bytes, plan_buckets
 from millstream.trainer.weight_sync import Failure, GroupBroken, WeightSync
 
 
@@ -21,6 +22,27 @@ def test_buckets_keep_order_and_stay_under_the_limit_unless_one_tensor_is_bigger
     assert [b.names for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
     assert [b.nbytes for b in buckets] == [80, 40, 200, 40]
     assert plan_buckets([], max_bytes=80) == []
+
+
+def test_a_flattened_bucket_reads_back_exactly_whatever_the_dtypes_and_offsets():
+    """The trainer's flattened_bucket bytes, read by the engine's side: mixed dtypes put a
+    float32 at an odd byte offset (3 bfloat16 = 6 bytes), which a plain view would refuse."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        ("a", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("b", torch.randn(2, 5, generator=g)),
+        ("c", torch.randn(4, 1, generator=g).to(torch.float16)),
+        ("d", torch.randn(3, 4, generator=g).t()),  # not contiguous
+    ]
+    flat = flatten_bytes([t for _, t in tensors])
+    assert flat.dtype == torch.uint8 and flat.numel() == 6 + 40 + 8 + 48
+    specs = [(n, t.dtype, list(t.shape)) for n, t in tensors]
+    back = unflatten_bytes(flat, specs)
+    assert [n for n, _ in back] == ["a", "b", "c", "d"]
+    for (_, want), (_, got) in zip(tensors, back, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    with pytest.raises(Exception, match="too few"):
+        unflatten_bytes(flat[:-1], specs)
 
 
 def test_bucket_spec_is_the_update_request_body():

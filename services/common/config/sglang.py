@@ -23,6 +23,12 @@ class SglangConfig:
         "abort", "how engines pause for a sync", choices=("abort", "in_place", "retract")
     )
     weight_sync_timeout: float = flag(120.0, "seconds for each step of the weight sync")
+    weight_sync_format: str = flag(
+        "flattened_bucket",
+        "one broadcast per bucket (SGLang's load_format flattened_bucket), or per_tensor for "
+        "SGLang releases without it",
+        choices=("flattened_bucket", "per_tensor"),
+    )
 
     def __post_init__(self) -> None:
         if self.rollout_num_engines <= 0:
