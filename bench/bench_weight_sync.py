@@ -10,8 +10,9 @@ random init: the bytes are what matter). Rows:
   * `WeightSync.sync` to a real `millstream engine` behind a real `millstream router`, the
     whole coordinator handshake (pause, broadcast, router version, continue), with the engine
     idle and again while clients keep it generating (the async trainer's case).
-Prints the median per phase and the overhead over the raw per-tensor broadcast: the target
-(issue 10) is overhead <= 10 ms.
+Prints the median per phase and the time beyond the raw flat broadcast of the same bytes
+(the sync sends SGLang's flattened_bucket: one broadcast per bucket): the target (issue 10)
+is <= 10 ms. "engine generating": pausing waits for the decode step under way to end.
 """
 
 from __future__ import annotations
@@ -164,13 +165,13 @@ def main() -> None:
 
     ms = 1000.0
     print()
-    print(f"| {args.config}: {nbytes / 1e6:.2f} MB | median ms | overhead over raw per-tensor |")
+    print(f"| {args.config}: {nbytes / 1e6:.2f} MB | median ms | beyond the raw flat broadcast |")
     print("|---|---|---|")
     print(f"| raw gloo broadcast, per tensor ({len(tensors)}) | {raw_tensor_s * ms:.1f} | - |")
     print(f"| raw gloo broadcast, one flat tensor | {raw_flat_s * ms:.1f} | - |")
     for label, phases in (("engine idle", idle), ("engine generating", busy)):
         detail = ", ".join(f"{k} {v * ms:.1f}" for k, v in phases.items() if k != "total")
-        overhead = (phases["total"] - raw_tensor_s) * ms
+        overhead = (phases["total"] - raw_flat_s) * ms
         print(
             f"| WeightSync.sync, {label} ({detail}) | {phases['total'] * ms:.1f} | "
             f"{overhead:+.1f} |"

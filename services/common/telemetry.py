@@ -107,6 +107,27 @@ def shutdown_tracing(provider: TracerProvider | None) -> None:
         provider.shutdown()
 
 
+# Paths that health checks, scrapers and the router's probes poll: a span each would bury
+# the traces that matter (and cost every poll a span export).
+PROBE_PATHS = frozenset({
+    "/health", "/health_generate", "/liveness", "/readiness", "/metrics",
+    "/get_weight_version", "/get_model_info", "/get_server_info", "/list_workers",
+})  # fmt: skip
+
+
+def fastapi_telemetry() -> dict[str, Any]:
+    """FastAPI's own OpenTelemetry (`FastAPI(telemetry=...)`): one HTTP server span per
+    request, continuing the caller's trace; no spans per dependency and endpoint call, no
+    metrics or logs (ours are explicit), nothing for PROBE_PATHS. Its defaults made four
+    spans of every request, health checks included."""
+    return {
+        "operation_spans": False,
+        "metrics": False,
+        "logs": False,
+        "exclude": lambda scope: scope.get("path") in PROBE_PATHS,
+    }
+
+
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 

@@ -20,6 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from millstream.common import telemetry
 from millstream.common.telemetry import context_from_headers, tracer
 
 from .control_api import router as control_router
@@ -171,7 +172,12 @@ async def get_weight_version(request: Request) -> dict[str, str]:
 
 
 def create_app(core: EngineCore) -> FastAPI:
-    app = FastAPI(title="millstream engine", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="millstream engine",
+        docs_url=None,
+        redoc_url=None,
+        telemetry=telemetry.fastapi_telemetry(),  # type: ignore[arg-type]
+    )
     app.state.core = core
 
     @app.exception_handler(RequestValidationError)

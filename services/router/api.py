@@ -25,6 +25,7 @@ from opentelemetry import trace
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from millstream.common import telemetry
 from millstream.common.http_pool import make_client
 
 from .config import RouterConfig, normalize_worker_url
@@ -361,6 +362,7 @@ def build_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        telemetry=telemetry.fastapi_telemetry(),  # type: ignore[arg-type]
     )
     app.state.router = router
 
