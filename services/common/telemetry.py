@@ -12,6 +12,7 @@ carriers: stream entry fields, HTTP headers and gRPC metadata. Nothing here runs
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -128,7 +129,11 @@ def fastapi_telemetry() -> dict[str, Any]:
     }
 
 
+@functools.cache
 def tracer(name: str) -> trace.Tracer:
+    """One tracer per name and process (the SDK builds a new one per call: a cost on every
+    group). Taken before setup_tracing, it is OpenTelemetry's proxy, which follows the
+    provider set later."""
     return trace.get_tracer(name)
 
 
