@@ -46,6 +46,11 @@ class RunKeys:
         """The trainer's policy version (weight syncs done), an integer."""
         return self._key("version")
 
+    @property
+    def coordinator(self) -> str:
+        """host:port of the trainer's Coordinator gRPC service (for engines to JoinEngine)."""
+        return self._key("coordinator")
+
     def heartbeat(self, kind: str, name: str) -> str:
         """A live worker's heartbeat key (expires when the worker stops beating)."""
         return self._key(f"workers:{kind}:{name}")

@@ -35,6 +35,12 @@ class EngineConfig:
         300.0, "seconds an update-group init or a distributed weight update may take"
     )
     register_with: str | None = flag(None, "router URL: add this engine on start, remove on exit")
+    coordinator: str | None = flag(
+        None,
+        "HOST:PORT of the trainer's Coordinator: ask to join (JoinEngine) once serving; the "
+        "trainer adds this engine to the router with the current weights at its next sync "
+        "(with --register-with too, the engine only removes itself from the router on exit)",
+    )
     admin_token: str | None = flag(
         None, "bearer token for the router's admin endpoints (or MILLSTREAM_ADMIN_TOKEN)"
     )

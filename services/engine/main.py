@@ -31,7 +31,7 @@ async def _serve(core: Any, config: EngineConfig) -> None:
     import uvicorn
 
     from .api import create_app
-    from .registration import register, unregister
+    from .registration import join, register, unregister
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -55,7 +55,15 @@ async def _serve(core: Any, config: EngineConfig) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             log.info("engine serving %s at %s", config.model_path, url)
-        if config.register_with and server.started:
+        if config.coordinator and server.started:
+            try:
+                await join(config.coordinator, url)
+            except Exception:
+                server.should_exit = True
+                await serving
+                raise
+            registered = bool(config.register_with)  # removed from that router on exit
+        elif config.register_with and server.started:
             try:
                 await register(config.register_with, url, config.admin_token, attempts=10)
                 registered = True

@@ -1,4 +1,5 @@
-"""--register-with ROUTER_URL: announce this engine to a router, and withdraw it on exit.
+"""--register-with ROUTER_URL: announce this engine to a router, and withdraw it on exit;
+--coordinator HOST:PORT: ask the trainer to add it instead (JoinEngine), weights first.
 
 Miles' router API: `POST {router}/add_worker?url=http://host:port` once the engine listens,
 `POST {router}/remove_worker?url=...` on shutdown, with `Authorization: Bearer TOKEN` when
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
@@ -64,6 +66,54 @@ async def register(
         f"--register-with {router_url}: add_worker failed {attempts} times ({last}); "
         "check the router is up and the admin token matches"
     )
+
+
+async def join(coordinator: str, worker_url: str, timeout_s: float = 600.0) -> int:
+    """--coordinator HOST:PORT: ask the trainer to add this engine (Coordinator.JoinEngine).
+
+    Retried with backoff while the trainer is not serving yet (compose starts engines and
+    the trainer together; the trainer loads its model first); ServiceUnavailable after
+    `timeout_s`. Returns the trainer's version at the time: the engine serves it (or a
+    later one) once the trainer's next sync has sent it the weights."""
+    import grpc
+
+    from millstream.common import telemetry
+    from millstream.common.pb import services_pb2, services_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    delay, attempt = 0.5, 0
+    async with grpc.aio.insecure_channel(coordinator) as channel:
+        stub = services_pb2_grpc.CoordinatorStub(channel)
+        while True:
+            attempt += 1
+            try:
+                answer = await stub.JoinEngine(
+                    services_pb2.JoinEngineRequest(engine_url=worker_url),
+                    timeout=5.0,
+                    metadata=telemetry.grpc_metadata(),
+                )
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ServiceUnavailable(
+                        f"--coordinator {coordinator}: {err.details()}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise ServiceUnavailable(
+                        f"--coordinator {coordinator}: no trainer answered JoinEngine within "
+                        f"{timeout_s:.0f} s ({err.code().name}: {err.details()}); is the "
+                        "trainer running with that --coordinator-port?"
+                    ) from None
+                if attempt == 1 or attempt % 10 == 0:
+                    log.warning(
+                        "JoinEngine at %s: %s; retrying (the trainer may still be starting)",
+                        coordinator,
+                        err.code().name,
+                    )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+                continue
+            log.info("joined via coordinator %s: %s", coordinator, answer.message)
+            return int(answer.version)
 
 
 async def unregister(

@@ -123,7 +123,8 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
         iteration, version = restore(cfg, state, backend, source, admission, buffer, resume_from)  # type: ignore[arg-type]
     coordinator = Coordinator(cfg.run_id, version=version, redis=redis)
     port = await coordinator.start(cfg.service.coordinator_port)
-    log.info("coordinator serving on port %d", port)
+    address = await coordinator.advertise(redis, port)
+    print(f"[trainer] coordinator (gRPC) at {address}", flush=True)
     sync = WeightSync(
         cfg.service.router_url, admin_token=cfg.service.admin_token, pause_mode=cfg.sglang.pause_mode,
         bucket_bytes=cfg.sglang.update_weight_buffer_size, timeout_s=cfg.sglang.weight_sync_timeout,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -184,6 +185,15 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
             "coordinator: gRPC on port %d (run %s, version %d)", bound, self.run_id, self.version
         )
         return bound
+
+    async def advertise(self, redis: Any, port: int) -> str:
+        """Publish where engines reach this service ({run}:coordinator = host:port): this
+        host's address as other hosts see it, and the port from --coordinator-port."""
+        host = socket.gethostbyname(socket.gethostname())
+        address = f"{host}:{port}"
+        if redis is not None:
+            await redis.set(RunKeys(self.run_id).coordinator, address)
+        return address
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving (watch streams end) and finish the pending Redis writes."""

@@ -71,6 +71,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        await self._first_engines()
         self._pump = asyncio.create_task(self._admission_pump(), name="admission")
         try:
             if (
@@ -139,6 +140,32 @@ class Trainer:
             self.save()
 
     # -- pieces --------------------------------------------------------------------------------
+
+    async def _first_engines(self, progress_every_s: float = 15.0) -> None:
+        """Before the first rollout the router needs an engine. Engines that ask to join
+        (engine --coordinator, as in compose) are added by a sync of the current weights;
+        with none listed and none asking, wait and say so."""
+        coordinator = self.p.coordinator
+        if coordinator is None:
+            return
+        start = last = time.monotonic()
+        while not await self.p.weight_sync.routed_engines():
+            joins = coordinator.take_pending_joins()
+            if joins:
+                await self.p.weight_sync.sync(
+                    self.p.backend.named_weights, self.version, join=joins
+                )
+                return
+            if time.monotonic() - last >= progress_every_s:
+                last = time.monotonic()
+                print(
+                    f"[trainer] waiting {last - start:.0f}s for an engine: the router lists "
+                    "none and no engine asked to join; start one with --coordinator "
+                    "(this trainer's address is in the [trainer] coordinator line) or "
+                    "register it with the router",
+                    flush=True,
+                )
+            await asyncio.sleep(0.2)
 
     async def _admission_pump(self) -> None:
         """Admit whenever the budget has room: at start, when a group ends, when V moves."""

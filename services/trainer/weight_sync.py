@@ -288,6 +288,10 @@ class WeightSync:
         )
         return report
 
+    async def routed_engines(self) -> list[str]:
+        """The engines the router lists now."""
+        return await self._clients()[1].engines()
+
     async def close(self) -> None:
         """Leave the update group on both sides (best effort on engines); close the client."""
         try:
