@@ -6,6 +6,8 @@
 # MODE=train-async (default: one version of overlap; a sync updates the engines in place)
 # or MODE=train (strictly on-policy). On the 2-core CPU machine both reach 85% greedy accuracy
 # in about half a minute; async first (31 s vs 34 s) and at 832 vs 739 completions/s (README).
+# Extra flags after the script's name go last, so they win (compose passes --redis-url,
+# --router-url and --coordinator-port: the trainer then joins the running services).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -92,4 +94,5 @@ exec "$MILLSTREAM" "$MODE" \
    "${GRPO_ARGS[@]}" \
    "${OPTIMIZER_ARGS[@]}" \
    "${SGLANG_ARGS[@]}" \
-   "${SERVICE_ARGS[@]}"
+   "${SERVICE_ARGS[@]}" \
+   "$@"
