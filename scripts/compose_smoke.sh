@@ -48,7 +48,6 @@ for dir in $FIND_LINKS; do
   [ -d "$dir" ] && find "$dir" -maxdepth 1 -name '*.whl' -exec ln -f {} "$HERE/wheels/" \; 2>/dev/null \
     || find "$dir" -maxdepth 1 -name '*.whl' -exec cp -n {} "$HERE/wheels/" \; 2>/dev/null || true
 done
-.venv/bin/pip download -q -d "$HERE/wheels" torch==2.13.0 --no-deps 2>/dev/null || true
 CERT="$(.venv/bin/pip config get global.cert 2>/dev/null || echo "${PIP_CERT:-}")"
 [ -n "$CERT" ] && [ -f "$CERT" ] && cp "$CERT" "$HERE/ca/host.crt"
 
@@ -63,7 +62,11 @@ trap cleanup EXIT
 
 START=$(date +%s)
 say "building images (base $BASE_IMAGE)"
-"${DC[@]}" build --build-arg "BASE_IMAGE=$BASE_IMAGE" trainer
+BUILD_ARGS=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
+if ls "$HERE"/wheels/torch-2.13.0*.whl >/dev/null 2>&1; then
+  BUILD_ARGS+=(--build-arg "TORCH_INDEX=")  # torch's CPU build is among the local wheels
+fi
+"${DC[@]}" build "${BUILD_ARGS[@]}" trainer
 BUILT=$(date +%s)
 say "up: --scale rollout=2 --scale reward=2"
 "${DC[@]}" up -d --scale rollout=2 --scale reward=2
