@@ -7,7 +7,8 @@ the image installs dependencies in a layer of their own, before the source is co
 import sys
 import tomllib
 
-project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+with open(sys.argv[1], "rb") as f:
+    project = tomllib.load(f)["project"]
 extras, wanted, seen = project["optional-dependencies"], sys.argv[2].split(","), set()
 deps = list(project["dependencies"])
 while wanted:

@@ -4,9 +4,11 @@ checkpoint (else the actor starts from --hf-checkpoint / --ref-load)."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
@@ -34,6 +36,17 @@ def load_tokenizer(cfg: RunConfig) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load)
+
+
+def master_address(cfg: RunConfig) -> str:
+    """Where engines reach rank 0's weight-update rendezvous: --weight-sync-master-address,
+    else loopback when the router is (one machine), else this host's address (compose)."""
+    if cfg.sglang.weight_sync_master_address:
+        return cfg.sglang.weight_sync_master_address
+    host = urlsplit(cfg.service.router_url or "").hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
 
 
 def preload(cfg: RunConfig) -> None:
@@ -129,6 +142,7 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
         cfg.service.router_url, admin_token=cfg.service.admin_token, pause_mode=cfg.sglang.pause_mode,
         bucket_bytes=cfg.sglang.update_weight_buffer_size, timeout_s=cfg.sglang.weight_sync_timeout,
         load_format=None if cfg.sglang.weight_sync_format == "per_tensor" else "flattened_bucket",
+        master_address=master_address(cfg),
     )  # fmt: skip
     evaluator = None
     if eval_sources:

@@ -39,7 +39,8 @@ def resolved(profiles: str, **env: str) -> subprocess.CompletedProcess[str]:
         **env,
     }
     return subprocess.run(
-        [str(BINARY), "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+        # --env-file /dev/null: a developer's deploy/compose/.env must not change the result
+        [str(BINARY), "-f", str(COMPOSE_FILE), "--env-file", os.devnull, "config", "--format", "json"],
         capture_output=True, text=True, env=full_env, timeout=60,
     )  # fmt: skip
 

@@ -23,6 +23,11 @@ class SglangConfig:
         "abort", "how engines pause for a sync", choices=("abort", "in_place", "retract")
     )
     weight_sync_timeout: float = flag(120.0, "seconds for each step of the weight sync")
+    weight_sync_master_address: str | None = flag(
+        None,
+        "address engines reach the trainer's weight-update rendezvous at (default: 127.0.0.1 "
+        "when the router is on loopback, else this host's address)",
+    )
     weight_sync_format: str = flag(
         "flattened_bucket",
         "one broadcast per bucket (SGLang's load_format flattened_bucket), or per_tensor for "
