@@ -75,7 +75,8 @@ for _ in $(seq 600); do
 done
 say "mid-run: --scale rollout=3 --scale engine=2"
 "${DC[@]}" up -d --no-recreate --scale rollout=3 --scale reward=2 --scale engine=2
-CODE=$("${DC[@]}" wait trainer 2>/dev/null || echo 1)
+"${DC[@]}" wait trainer >/dev/null 2>&1 || true
+CODE=$(docker inspect -f '{{.State.ExitCode}}' "$("${DC[@]}" ps -aq trainer)" 2>/dev/null || echo 1)
 DONE=$(date +%s)
 "${DC[@]}" logs --no-color trainer > /tmp/millstream-compose-trainer.log 2>&1 || true
 tail -5 /tmp/millstream-compose-trainer.log
