@@ -4,7 +4,7 @@ and 1, 2 engines, as local processes (what `docker compose up --scale` does with
     .venv/bin/python bench/bench_scaling.py [--rollouts 20] [--mode train-async]
 
 Each row is the arith example (`examples/arith/run.sh`: 64 prompts x 8 samples per rollout)
-for --rollouts rollouts, no eval, one after another on this machine; completions/s is the
+for --rollouts rollouts, no eval (an interval past the end), one after another on this machine; completions/s is the
 trainer's own (median step). Ratios are against 1 rollout worker and 1 engine. On a machine
 with few cores every added process shares the same cores: read where the curve flattens.
 """
@@ -36,7 +36,7 @@ def run(rollout_workers: int, engines: int, rollouts: int, mode: str, tmp: Path)
     argv = [
         "bash", str(ROOT / "examples" / "arith" / "run.sh"),
         "--num-rollout-workers", str(rollout_workers), "--rollout-num-engines", str(engines),
-        "--eval-interval", "0", "--skip-eval-before-train", "--run-id", f"scale-{rollout_workers}-{engines}",
+        "--eval-interval", "1000000", "--skip-eval-before-train", "--run-id", f"scale-{rollout_workers}-{engines}",
     ]  # fmt: skip
     start = time.monotonic()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
