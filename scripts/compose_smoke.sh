@@ -6,7 +6,7 @@
 #      the millstream image with the host's local wheels and CA bundle (pip's find-links and
 #      cert settings: the build options air-gapped and proxied users need);
 #   3. `up` with --scale rollout=2 --scale reward=2, a short run (NUM_ROLLOUT, default 30);
-#      mid-run: --scale rollout=3 and a second engine;
+#      mid-run: --scale rollout=3 and a second engine, later --scale rollout=1;
 #   4. waits for the trainer, checks its summary (admitted == terminal states, eval rose, every
 #      engine serves the final version, one group's trace spans four services), prints a table;
 #   5. always `down -v`.
@@ -75,6 +75,11 @@ for _ in $(seq 600); do
 done
 say "mid-run: --scale rollout=3 --scale engine=2"
 "${DC[@]}" up -d --no-recreate --scale rollout=3 --scale reward=2 --scale engine=2
+for _ in $(seq 600); do
+  "${DC[@]}" logs trainer 2>/dev/null | grep -q "iter 10/" && break; sleep 1
+done
+say "mid-run: scale down --scale rollout=1 (stopped containers drain; no group may be lost)"
+"${DC[@]}" up -d --no-recreate --scale rollout=1 --scale reward=2 --scale engine=2
 "${DC[@]}" wait trainer >/dev/null 2>&1 || true
 CODE=$(docker inspect -f '{{.State.ExitCode}}' "$("${DC[@]}" ps -aq trainer)" 2>/dev/null || echo 1)
 DONE=$(date +%s)
