@@ -3,8 +3,9 @@ FAST_INTERVAL_S while none can take traffic).
 
 A check is `GET /health` within `timeout`; when the router has an expected weight version it
 is `GET /get_weight_version` instead (`{"weight_version": ...}`: alive, and which weights), so
-a worker that rejoined with old weights stays out until it reports the expected one. Outcomes go to the Registry,
-which owns the state transitions; this module only does the I/O and the schedule.
+a worker that rejoined with old weights stays out until it reports the expected one. Outcomes
+go to the Registry, which owns the state transitions; this module only does the I/O and the
+schedule.
 
 Invariant: one round never takes longer than `timeout` (+ scheduling), whatever the workers
 do, and a failing round never stops the loop.

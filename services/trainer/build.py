@@ -3,8 +3,8 @@ checkpoint (else the actor starts from --hf-checkpoint / --ref-load)."""
 
 from __future__ import annotations
 
+import functools
 import logging
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from . import checkpoint, distributed
 from .admission import Admission, TerminalCounts
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
-from .coordinator import Coordinator
+from .coordinator import Coordinator, host_address
 from .data import PromptDataSource
 from .distributed import DataParallel
 from .evaluate import Evaluator
@@ -33,9 +33,15 @@ Closer = Callable[[], Awaitable[None]]
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:
+    return _tokenizer(cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load)
+
+
+@functools.cache
+def _tokenizer(path: str) -> Any:
+    """Loaded once per process: `preload` loads it while the engines start, the build reuses it."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def master_address(cfg: RunConfig) -> str:
@@ -46,7 +52,7 @@ def master_address(cfg: RunConfig) -> str:
     host = urlsplit(cfg.service.router_url or "").hostname or "127.0.0.1"
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    return host_address()
 
 
 def preload(cfg: RunConfig) -> None:

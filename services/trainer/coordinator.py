@@ -39,6 +39,11 @@ from millstream.common.pb import services_pb2, services_pb2_grpc
 log = logging.getLogger("millstream.trainer")
 
 
+def host_address() -> str:
+    """This host's address as other hosts (containers) on its network see it."""
+    return socket.gethostbyname(socket.gethostname())
+
+
 class Coordinator(services_pb2_grpc.CoordinatorServicer):
     def __init__(self, run_id: str, *, version: int = 0, redis: Any = None, tracer: Any = None):
         self.run_id = run_id
@@ -189,8 +194,7 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
     async def advertise(self, redis: Any, port: int) -> str:
         """Publish where engines reach this service ({run}:coordinator = host:port): this
         host's address as other hosts see it, and the port from --coordinator-port."""
-        host = socket.gethostbyname(socket.gethostname())
-        address = f"{host}:{port}"
+        address = f"{host_address()}:{port}"
         if redis is not None:
             await redis.set(RunKeys(self.run_id).coordinator, address)
         return address

@@ -173,8 +173,13 @@ async def train_with_cluster(cfg: RunConfig) -> int:
 
 
 def _preload(cfg: RunConfig) -> None:
+    from millstream.common import threads
+
     from .build import preload  # torch and transformers: imported here, in the thread
 
+    # torch sized its intra-op pool from the environment (_apply_cpu_budget); the rest of
+    # the budget (one inter-op thread) only once it is imported.
+    threads.apply(int(os.environ["OMP_NUM_THREADS"]))
     preload(cfg)
 
 

@@ -421,10 +421,10 @@ class WeightSync:
         report: SyncReport,
     ) -> None:
         start = time.monotonic()
+        flattened = self.load_format == FLATTENED_BUCKET
         try:
             for k, bucket in enumerate(buckets):
                 body = {**bucket.spec(), "group_name": group.name, "flush_cache": False}
-                flattened = self.load_format == FLATTENED_BUCKET
                 if flattened:
                     body["load_format"] = FLATTENED_BUCKET
                 if k == len(buckets) - 1:

@@ -66,6 +66,7 @@ def consumer(
     group: str = GROUP_ROLLOUT,
     claim_idle_ms: int = 60_000,
     max_deliveries: int = 5,
+    block_ms: int = 20,
 ) -> Consumer:
     return Consumer(
         client,
@@ -75,7 +76,7 @@ def consumer(
         claim_idle_ms=claim_idle_ms,
         max_deliveries=max_deliveries,
         dead_stream=keys.dead,
-        block_ms=20,
+        block_ms=block_ms,
     )
 
 
@@ -371,6 +372,33 @@ def test_sigterm_drains_in_flight_jobs_and_claims_no_more(redis_url, keys):
         assert [entry.id for entry in after] == ids[2:]  # never claimed by the stopped one
 
     arun(check, redis_url)
+
+
+@pytest.mark.timeout(30)
+def test_stop_cuts_a_blocking_read_short(redis_url, keys):
+    """An idle worker blocks in XREADGROUP for --stream-block-ms; stop() must not wait it out
+    (it did: a second per worker, and per trainer, at every shutdown)."""
+
+    async def body(client: aioredis.Redis) -> None:
+        c = consumer(client, keys, "w", block_ms=60_000)
+        await c.ensure_group()
+
+        async def never(entry: StreamEntry) -> None:
+            raise AssertionError("nothing was published")
+
+        worker = StreamWorker(c, never, concurrency=1, name="w")
+        task = asyncio.create_task(worker.run())
+        while not await client.xinfo_consumers(keys.prompts, GROUP_ROLLOUT):
+            await asyncio.sleep(0.01)  # the read is under way (the consumer exists)
+        await asyncio.sleep(0.1)
+        worker.stop()
+        await asyncio.wait_for(task, 10)  # far below the 60 s block
+        # The stream still works for the next consumer: nothing was left half-read.
+        await publish(client, keys.prompts, PromptGroup(group_id="after"))
+        after = await consumer(client, keys, "next").read(10)
+        assert [decode(e, PromptGroup).group_id for e in after] == ["after"]
+
+    arun(body, redis_url)
 
 
 @pytest.mark.timeout(30)

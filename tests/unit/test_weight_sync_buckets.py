@@ -8,7 +8,10 @@ import asyncio
 import pytest
 import torch
 
+from millstream.common.config import parse_run_config
 from millstream.engine.weights import unflatten_bytes
+from millstream.trainer.build import master_address
+from millstream.trainer.coordinator import host_address
 from millstream.trainer.process_group import backend_for, flatten_bytes, plan_buckets
 from millstream.trainer.weight_sync import Failure, GroupBroken, WeightSync
 
@@ -111,3 +114,17 @@ def test_blame_nobody_when_everyone_failed_alike():
     fast = {u: Failure("nccl needs CUDA", 0.01) for u in "abc"}
     assert blame(Probe("a", "b", "c"), RuntimeError("timed out"), slow) == {}
     assert blame(Probe("a", "b", "c"), RuntimeError("timed out"), fast) == {}
+
+
+def test_the_rendezvous_address_is_loopback_only_when_the_router_is():
+    """Engines in other containers cannot reach 127.0.0.1 (the first real compose run)."""
+
+    def address(*flags: str) -> str:
+        return master_address(parse_run_config(list(flags), mode="sync"))
+
+    assert address("--router-url", "http://127.0.0.1:8000") == "127.0.0.1"
+    assert address("--router-url", "http://localhost:8000") == "127.0.0.1"
+    assert address() == "127.0.0.1"  # the launcher starts the router on loopback
+    assert address("--router-url", "http://router:30000") == host_address()
+    explicit = ("--router-url", "http://router:30000", "--weight-sync-master-address", "10.0.0.7")
+    assert address(*explicit) == "10.0.0.7"
