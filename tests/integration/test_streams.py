@@ -380,7 +380,7 @@ def test_stop_cuts_a_blocking_read_short(redis_url, keys):
     (it did: a second per worker, and per trainer, at every shutdown)."""
 
     async def body(client: aioredis.Redis) -> None:
-        c = consumer(client, keys, "w", block_ms=60_000)
+        c = consumer(client, keys, "w", block_ms=4_000)  # within the client's socket timeout
         await c.ensure_group()
 
         async def never(entry: StreamEntry) -> None:
@@ -388,11 +388,12 @@ def test_stop_cuts_a_blocking_read_short(redis_url, keys):
 
         worker = StreamWorker(c, never, concurrency=1, name="w")
         task = asyncio.create_task(worker.run())
-        while not await client.xinfo_consumers(keys.prompts, GROUP_ROLLOUT):
-            await asyncio.sleep(0.01)  # the read is under way (the consumer exists)
-        await asyncio.sleep(0.1)
+        # Until Redis shows a connection blocked in XREADGROUP: the read is under way.
+        while not any(c.get("cmd") == "xreadgroup" for c in await client.client_list()):
+            assert not task.done(), task  # (a failed run() would leave this loop waiting)
+            await asyncio.sleep(0.01)
         worker.stop()
-        await asyncio.wait_for(task, 10)  # far below the 60 s block
+        await asyncio.wait_for(task, 2)  # well before the 4 s block ends
         # The stream still works for the next consumer: nothing was left half-read.
         await publish(client, keys.prompts, PromptGroup(group_id="after"))
         after = await consumer(client, keys, "next").read(10)

@@ -120,7 +120,7 @@ def test_the_rendezvous_address_is_loopback_only_when_the_router_is():
     """Engines in other containers cannot reach 127.0.0.1 (the first real compose run)."""
 
     def address(*flags: str) -> str:
-        return master_address(parse_run_config(list(flags), mode="sync"))
+        return master_address(parse_run_config(["--rollout-batch-size", "2", *flags], mode="sync"))
 
     assert address("--router-url", "http://127.0.0.1:8000") == "127.0.0.1"
     assert address("--router-url", "http://localhost:8000") == "127.0.0.1"
