@@ -8,3 +8,8 @@ class MillstreamError(Exception):
 
 class ServiceUnavailable(MillstreamError):
     """A service we depend on (Redis, router, coordinator) cannot be reached."""
+
+
+class Interrupted(MillstreamError):
+    """A job gave up because its worker is stopping; its stream entry stays pending, and
+    another consumer takes it over (nothing is lost, nothing is failed)."""

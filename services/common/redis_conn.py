@@ -1,4 +1,12 @@
-"""Connect to Redis once, with a clear error naming the URL (never the password)."""
+"""Connect to Redis once, with a clear error naming the URL (never the password).
+
+The client rides out a Redis restart: a command that meets a dropped connection is sent
+again on a new one, with exponential backoff, for about `RECONNECT_BUDGET_S` seconds
+(`RECONNECT`), before its error reaches the caller. Commands may therefore run twice when
+a reply was lost; every write millstream makes is safe to repeat (XADD duplicates are
+dropped by group id downstream, hand-offs are guarded scripts, XACK is idempotent).
+The first PING is not retried: a wrong URL fails at once.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +14,21 @@ import os
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import ServiceUnavailable
+
+RECONNECT_RETRIES = 12
+RECONNECT_BUDGET_S = 9.5
+"""0.1, 0.2, 0.4, 0.8, then 1 s between tries: a restart of a few seconds goes unnoticed."""
+
+
+def _reconnect() -> Retry:
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_RETRIES)
 
 
 def redact(url: str) -> str:
@@ -27,7 +47,8 @@ async def connect(
 ) -> aioredis.Redis:
     """An async client that has answered PING; ServiceUnavailable otherwise."""
     password = password or os.environ.get("REDIS_PASSWORD") or None
-    try:
+
+    def client(**retries: object) -> aioredis.Redis:
         # A blocking pool: a burst of concurrent jobs waits for a free connection instead of
         # failing with "Too many connections" (a worker runs up to --rollout-max-concurrency
         # jobs, each of which talks to Redis).
@@ -38,21 +59,27 @@ async def connect(
             password=password if urlsplit(url).password is None else None,
             socket_connect_timeout=timeout_s,
             health_check_interval=30,
+            **retries,
         )
-        client = aioredis.Redis.from_pool(pool)  # the client owns (and closes) the pool
+        return aioredis.Redis.from_pool(pool)  # the client owns (and closes) the pool
+
+    try:
+        probe = client(retry=Retry(ExponentialBackoff(), 0))
     except ValueError as err:
         raise ServiceUnavailable(f"bad Redis URL {redact(url)!r}: {err}") from None
     try:
-        await client.ping()
+        await probe.ping()
     except (AuthenticationError, ResponseError) as err:
-        await client.aclose()
         raise ServiceUnavailable(
             f"Redis at {redact(url)} refused us: {err} (check --redis-password)"
         ) from None
     except (RedisError, OSError) as err:
-        await client.aclose()
         raise ServiceUnavailable(
             f"cannot reach Redis at {redact(url)}: {str(err).rstrip('.')}. Is redis-server running there? "
             "Without --redis-url, `millstream train` starts its own."
         ) from None
-    return client
+    finally:
+        await probe.aclose()
+    return client(
+        retry=_reconnect(), retry_on_error=[RedisConnectionError, RedisTimeoutError, OSError]
+    )

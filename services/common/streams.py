@@ -15,7 +15,8 @@ Invariants it keeps:
 * Nothing is lost to dead-lettering: an entry delivered more than `max_deliveries` times, or
   one that cannot be decoded, is copied to `{run}:dead` with the reason in the same script
   that acks it.
-* Trimming never removes an entry a consumer group still needs (`trim_safely`).
+* Trimming never removes an entry a consumer group still needs (`trim_safely`), and a
+  consumer is deleted only when it owns no pending entry (`delete_idle_consumers`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,29 @@ for _, g in ipairs(groups) do
   if min_id == nil or less(needed, min_id) then min_id = needed end
 end
 return {min_id, redis.call('XTRIM', KEYS[1], 'MINID', ARGV[1], min_id)}
+"""
+
+
+# KEYS: stream. ARGV: idle ms. Deletes, in every group, the consumers that own no pending
+# entry and have been idle at least that long; returns how many. Atomic: a consumer cannot
+# take an entry between the check and the delete (deleting one with pending entries would
+# drop them from the pending list, and nothing would deliver them again).
+_DELETE_IDLE_CONSUMERS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local deleted = 0
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local group = {}
+  for i = 1, #g, 2 do group[g[i]] = g[i + 1] end
+  for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], group['name'])) do
+    local info = {}
+    for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
+    if info['pending'] == 0 and info['idle'] >= tonumber(ARGV[1]) then
+      redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group['name'], info['name'])
+      deleted = deleted + 1
+    end
+  end
+end
+return deleted
 """
 
 
@@ -224,6 +248,15 @@ async def trim_safely(redis: aioredis.Redis, stream: str, *, approximate: bool =
     script = redis.register_script(_TRIM)
     result = await script(keys=[stream], args=["~" if approximate else "="])
     return 0 if result is None else int(result[1])
+
+
+async def delete_idle_consumers(redis: aioredis.Redis, stream: str, idle_ms: int) -> int:
+    """Delete the consumers of every group of `stream` that own no pending entry and have
+    been idle `idle_ms` or longer (workers that left); returns how many. A live consumer
+    reads at least every --stream-block-ms, and one deleted by mistake is created again by
+    its next read, so nothing depends on this but Redis memory."""
+    script = redis.register_script(_DELETE_IDLE_CONSUMERS)
+    return int(await script(keys=[stream], args=[idle_ms]))
 
 
 class Consumer:

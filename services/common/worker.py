@@ -12,7 +12,8 @@ The handler contract:
   `consumer.publish_and_ack(out_stream, message, trace_fields, entry)`: the ack and the publish
   happen together, exactly once per entry (see `millstream.common.streams`). It does not ack
   separately. With `auto_ack=True` the worker acks after the handler returns instead, for
-  handlers that publish nothing on a stream (the trainer's buffer, sinks).
+  handlers that publish nothing on a stream (the trainer's buffer, sinks). With
+  `check_entries=False` every entry reaches the handler as is (the dead-letter reader).
 * A handler that raises leaves the entry unacked: it is logged with its traceback, counted in
   `failed`, re-delivered by XAUTOCLAIM after `claim_idle_ms`, and dead-lettered once it has
   been delivered more than `max_deliveries` times.
@@ -40,12 +41,25 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .errors import Interrupted, ServiceUnavailable
+from .redis_conn import redact
 from .streams import Consumer, PoisonEntry, StreamEntry, check_envelope
 
 log = logging.getLogger(__name__)
 
 _CANCEL_GRACE_S = 1.0
+_GOODBYE_S = 2.0
+"""Bound on the last Redis calls of a stopping worker (heartbeat delete, last renew): a
+worker whose Redis went away with its parent still exits at once."""
+REDIS_LOST = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class RedisGone(ServiceUnavailable):
+    """Redis stayed unreachable longer than the client's reconnect budget."""
+
 
 Handler = Callable[[StreamEntry], Awaitable[None]]
 Heartbeat = tuple[aioredis.Redis, str, int]
@@ -64,7 +78,9 @@ class StreamWorker:
         name: str,
         heartbeat: Heartbeat | None = None,
         auto_ack: bool = False,
-        drain_timeout_s: float = 30.0,
+        check_entries: bool = True,
+        drain_timeout_s: float = 10.0,
+        on_stop: Callable[[], None] | None = None,
     ):
         if concurrency <= 0:
             raise ValueError(f"concurrency must be > 0 (got {concurrency})")
@@ -74,6 +90,8 @@ class StreamWorker:
         self.name = name
         self.heartbeat = heartbeat
         self.auto_ack = auto_ack
+        self.check_entries = check_entries
+        self.on_stop = on_stop
         self.drain_timeout_s = drain_timeout_s
         self.processed = 0
         self.failed = 0
@@ -100,6 +118,8 @@ class StreamWorker:
         """Stop claiming; `run()` drains in-flight jobs and returns."""
         if not self._stopping.is_set():
             log.info("%s: stopping, draining %d in-flight jobs", self.name, len(self._in_flight))
+            if self.on_stop is not None:
+                self.on_stop()
         self._stopping.set()
 
     def install_signal_handlers(self) -> None:
@@ -116,18 +136,22 @@ class StreamWorker:
         log.info("%s: consuming %s as %s", self.name, self.consumer.stream, self.consumer.name)
         try:
             while not self._stopping.is_set() and not ticker.done():
-                free = await self._free_slots()
-                entries = await self._read(free) if free else []
-                for entry in entries:
-                    await self._start(entry)
-                await self._reap()
+                try:
+                    free = await self._free_slots()
+                    entries = await self._read(free) if free else []
+                    for entry in entries:
+                        await self._start(entry)
+                    await self._reap()
+                except REDIS_LOST as err:  # the client's reconnect budget is spent
+                    raise self._redis_gone(err) from None
         finally:
             await self._drain()
             # The ticker is told to stop, never cancelled: see _tick.
             self._ticks_done.set()
-            await asyncio.wait([ticker])
+            await asyncio.wait([ticker], timeout=_GOODBYE_S)
             await self._say_goodbye()
-        ticker.result()  # it only ends early by failing: surface why
+        if ticker.done():
+            ticker.result()  # it only ends early by failing: surface why
 
     async def _read(self, count: int) -> list[StreamEntry]:
         """One blocking read, cut short by `stop()`: stopping waits for no --stream-block-ms.
@@ -145,6 +169,10 @@ class StreamWorker:
         (result,) = await asyncio.gather(read, return_exceptions=True)
         if isinstance(result, asyncio.CancelledError):
             return []
+        if isinstance(result, REDIS_LOST):
+            if self._stopping.is_set():
+                return []
+            raise self._redis_gone(result)
         if isinstance(result, BaseException):
             raise result
         return result  # what arrived as we stopped still runs (and drains)
@@ -173,7 +201,8 @@ class StreamWorker:
             # Taken back from ourselves (a lease renewal came too late): one run is enough.
             return
         try:
-            check_envelope(entry)
+            if self.check_entries:
+                check_envelope(entry)
         except PoisonEntry as err:
             await self._poisoned(entry, err)
             return
@@ -194,6 +223,8 @@ class StreamWorker:
             err = task.exception()
             if err is None:
                 self.processed += 1
+            elif _interrupted(err):
+                log.info("%s: entry %s left pending (the job stopped with us)", self.name, entry.id)
             elif isinstance(err, PoisonEntry):
                 await self._poisoned(entry, err)
             else:
@@ -249,8 +280,11 @@ class StreamWorker:
         """Beat and renew leases every tick until told to stop. It is stopped by an event,
         not cancelled, because redis-py on Python 3.11 can swallow a cancel (see above)."""
         while not self._ticks_done.is_set():
-            await self._beat()
-            await self.consumer.renew(list(self._in_flight.values()))
+            try:
+                await self._beat()
+                await self.consumer.renew(list(self._in_flight.values()))
+            except REDIS_LOST as err:  # the next read decides whether Redis is gone for good
+                log.warning("%s: heartbeat failed, Redis unreachable: %s", self.name, err)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ticks_done.wait(), self._tick_s)
 
@@ -269,10 +303,21 @@ class StreamWorker:
         }
         await client.set(key, json.dumps(state), ex=ttl_s)
 
+    def _redis_gone(self, err: BaseException) -> RedisGone:
+        url = self.consumer.redis.connection_pool.connection_kwargs
+        where = f"{url.get('host', '?')}:{url.get('port', '?')}"
+        return RedisGone(
+            f"{self.name}: Redis at {redact(where)} is unreachable ({err}), also after "
+            "reconnecting; stopping. Its entries stay pending for other consumers."
+        )
+
     async def _say_goodbye(self) -> None:
         if self.heartbeat is not None:
             client, key, _ttl_s = self.heartbeat
-            await client.delete(key)
+            try:  # the key expires by itself if Redis is not there to delete it
+                await asyncio.wait_for(client.delete(key), _GOODBYE_S)
+            except (TimeoutError, *REDIS_LOST):
+                pass
         log.info(
             "%s: stopped (processed %d, failed %d, dead-lettered %d)",
             self.name,
@@ -280,3 +325,10 @@ class StreamWorker:
             self.failed,
             self.dead_lettered,
         )
+
+
+def _interrupted(err: BaseException) -> bool:
+    """The job gave up because the worker stops (also inside an exception group)."""
+    if isinstance(err, BaseExceptionGroup):
+        return err.subgroup(Interrupted) is not None
+    return isinstance(err, Interrupted)

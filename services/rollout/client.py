@@ -32,6 +32,7 @@ published with `failure_reason`. The W3C trace context of the caller rides in th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -42,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from millstream.common.errors import MillstreamError
+from millstream.common.errors import Interrupted, MillstreamError
 from millstream.common.http_pool import make_client
 from millstream.common.telemetry import inject_headers
 
@@ -151,6 +152,12 @@ class RouterClient:
         # paused for a sync); connecting should not.
         # One keep-alive connection per request in flight, reused (common/http_pool.py).
         self._http = make_client(httpx.Timeout(timeout_s, connect=5.0), transport)
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        """The worker is stopping: a failed attempt is not retried (Interrupted instead), so
+        a drain does not outlive a router that is gone too; answers still arrive."""
+        self._stopping.set()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -173,6 +180,8 @@ class RouterClient:
         }
         last_error = ""
         for attempt in range(1, self.retry.attempts + 1):
+            if attempt > 1 and self._stopping.is_set():
+                raise Interrupted(f"generate {rid}: {last_error}; not retried: stopping")
             await self.slots.acquire(priority)
             try:
                 answer, last_error = await self._post_once({**body, "rid": f"{rid}-a{attempt}"})
@@ -181,7 +190,7 @@ class RouterClient:
             if answer is not None:
                 self._notice(answer)
                 return answer
-            if attempt < self.retry.attempts:
+            if attempt < self.retry.attempts and not self._stopping.is_set():
                 delay = self.retry.delay(attempt)
                 log.warning(
                     "generate %s: %s; retry %d/%d in %.1f s",
@@ -191,7 +200,10 @@ class RouterClient:
                     self.retry.attempts - 1,
                     delay,
                 )
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+        if self._stopping.is_set():
+            raise Interrupted(f"generate {rid}: {last_error}; not retried: stopping")
         raise GenerationFailed(
             f"router {self.url}/generate failed {self.retry.attempts} times; last error: "
             f"{last_error}"

@@ -105,6 +105,7 @@ class RolloutWorker:
             concurrency=r.rollout_max_concurrency,
             name=f"rollout[{consumer_name}]",
             heartbeat=(redis, self.keys.heartbeat("rollout", consumer_name), HEARTBEAT_TTL_S),
+            on_stop=client.stop,  # a drain does not wait out retries against a gone router
         )
         self.failed_groups = 0
         self._tracer = tracer("millstream.rollout")

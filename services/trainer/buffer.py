@@ -1,9 +1,16 @@
-"""The trainer's buffer: `{run}:scored`, read in the `trainer` consumer group into memory.
+"""The trainer's buffer: `{run}:scored` and `{run}:dead`, each read in its `trainer` consumer
+group into memory.
 
-It owns the terminal accounting. Every group id reaches exactly one terminal state here
-(trained, filtered, failed, dropped_stale) and a second delivery of the same id (at-least-once
-delivery, or a group re-admitted after a resume) is counted as a duplicate and ignored, also
-across a restart, because the consumed ids are part of the checkpoint.
+It owns the terminal accounting. Every admitted group id reaches exactly one terminal state
+here (trained, filtered, failed, dropped_stale). A group is "expected" while it is admitted
+and not yet terminal (`expected(gid)`, the admission's in-flight map, which is part of the
+checkpoint); any other arrival (at-least-once delivery, a group re-admitted after a resume,
+an id this run never admitted) is counted as a duplicate and ignored, also across a restart.
+Nothing here grows with the length of the run: per-group state lives from arrival to terminal.
+
+Dead letters are terminal too: an entry any consumer dead-lettered (bad bytes, a plugin that
+kept failing, too many deliveries) is decoded as far as it can be, and its group, when this
+run expects it, ends `failed` with the dead letter's reason, which frees its admission slot.
 
 Kept training groups wait in arrival order until `take` hands `rollout_batch_size` of them to
 the train step. Staleness is measured there, against the version being trained: a sample's
@@ -20,16 +27,22 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
 from millstream.common import streams, telemetry
-from millstream.common.keys import GROUP_TRAINER, RunKeys
+from millstream.common.keys import GROUP_TRAINER, STREAM_GENERATED, STREAM_PROMPTS, RunKeys
 from millstream.common.streams import Consumer, StreamEntry
-from millstream.common.types import ScoredGroup, Verdict
+from millstream.common.types import PromptGroup, SampleGroup, ScoredGroup, Verdict
 from millstream.common.worker import StreamWorker
 
 log = logging.getLogger(__name__)
+
+
+DEAD_MAX_DELIVERIES = 1_000_000
+"""The dead-letter reader never fails an entry, so nothing it reads goes back to the dead
+stream; the bound only matters if the trainer dies on the same entry again and again."""
 
 
 def group_lag(scored: ScoredGroup, version: int) -> int:
@@ -49,7 +62,7 @@ class Buffer:
         max_deliveries: int,
         block_ms: int,
         on_terminal: Callable[[str, str], None],
-        consumed: set[str] | None = None,
+        expected: Callable[[str], bool],
     ):
         self.consumer = Consumer(
             redis, keys.scored, GROUP_TRAINER, consumer_name,
@@ -58,39 +71,57 @@ class Buffer:
         self.worker = StreamWorker(
             self.consumer, self._handle, concurrency=1, name="buffer", auto_ack=True
         )
-        self.consumed: set[str] = consumed if consumed is not None else set()
+        self.dead_consumer = Consumer(
+            redis, keys.dead, GROUP_TRAINER, consumer_name,
+            claim_idle_ms=claim_idle_ms, max_deliveries=DEAD_MAX_DELIVERIES, dead_stream=keys.dead, block_ms=block_ms,
+        )  # fmt: skip
+        self.dead_worker = StreamWorker(
+            self.dead_consumer, self._handle_dead, concurrency=1, name="buffer:dead",
+            auto_ack=True, check_entries=False,
+        )  # fmt: skip
+        self.expected = expected
         self.duplicates = 0
+        self.dead_letters = 0  # groups of this run that ended failed from the dead stream
+        self.dead_foreign = 0  # dead entries that are no group this run waits for
         self._on_terminal = on_terminal
         self._kept: deque[ScoredGroup] = deque()
         self._waiting: set[str] = set()  # ids of the kept groups in `_kept`
         self._arrived = asyncio.Condition()
         self._eval: dict[str, ScoredGroup] = {}
         self._contexts: dict[str, SpanContext] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         await self.consumer.ensure_group()
-        self._task = asyncio.create_task(self.worker.run(), name="buffer")
+        await self.dead_consumer.ensure_group()
+        self._tasks = [
+            asyncio.create_task(self.worker.run(), name="buffer"),
+            asyncio.create_task(self.dead_worker.run(), name="buffer:dead"),
+        ]
 
     async def stop(self) -> None:
         self.worker.stop()
-        if self._task is not None:
-            await self._task
+        self.dead_worker.stop()
+        for task in self._tasks:
+            await task
 
     def check(self) -> None:
         """Surface a crashed reader instead of waiting on it forever."""
-        if self._task is not None and self._task.done() and not self._task.cancelled():
-            self._task.result()
+        for task in self._tasks:
+            if task.done() and not task.cancelled():
+                task.result()
 
     async def _handle(self, entry: StreamEntry) -> None:
         scored = streams.decode(entry, ScoredGroup)
         gid = scored.group.prompt.group_id
         async with self._arrived:
-            if gid in self.consumed or gid in self._waiting or gid in self._eval:
-                self.duplicates += 1
-                return
             if scored.group.prompt.is_eval:
-                self._eval[gid] = scored
+                if gid in self._eval:
+                    self.duplicates += 1
+                else:
+                    self._eval[gid] = scored
+            elif gid in self._waiting or not self.expected(gid):
+                self.duplicates += 1
             elif scored.verdict == Verdict.VERDICT_KEPT:
                 self._kept.append(scored)
                 self._waiting.add(gid)
@@ -106,9 +137,38 @@ class Buffer:
                     )
             self._arrived.notify_all()
 
+    async def _handle_dead(self, entry: StreamEntry) -> None:
+        """One dead letter: its group, when this run waits for it, ends failed with the reason.
+        Never raises (a failure here would send the entry back to the dead stream)."""
+        reason = _field(entry, b"reason") or "dead-lettered (no reason given)"
+        source = _field(entry, b"source_stream")
+        prompt = _dead_prompt(entry, source)
+        async with self._arrived:
+            if prompt is None or not prompt.group_id:
+                self.dead_foreign += 1
+                log.warning("dead entry %s from %s is not a group: %s", entry.id, source, reason)
+            elif prompt.is_eval:
+                failed = ScoredGroup(verdict=Verdict.VERDICT_FAILED, reason=reason)
+                failed.group.prompt.CopyFrom(prompt)
+                self._eval.setdefault(prompt.group_id, failed)
+            elif prompt.group_id in self._waiting or not self.expected(prompt.group_id):
+                self.dead_foreign += 1
+                log.warning(
+                    "dead entry %s from %s is group %s, which this run does not wait for: %s",
+                    entry.id, source, prompt.group_id, reason,
+                )  # fmt: skip
+            else:
+                self.dead_letters += 1
+                log.warning(
+                    "group %s failed (dead letter from %s): %s", prompt.group_id, source, reason
+                )
+                self._terminal(prompt.group_id, "failed")
+            self._arrived.notify_all()
+
     def _terminal(self, gid: str, state: str) -> None:
         self._waiting.discard(gid)
-        self.consumed.add(gid)
+        if state != "trained":
+            self._contexts.pop(gid, None)
         self._on_terminal(gid, state)
 
     @property
@@ -157,3 +217,24 @@ class Buffer:
                 self.check()
                 await self._wait()
             return [self._eval.pop(gid) for gid in group_ids]
+
+
+def _field(entry: StreamEntry, name: bytes) -> str:
+    value = entry.fields.get(name, b"")
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _dead_prompt(entry: StreamEntry, source: str) -> PromptGroup | None:
+    """The PromptGroup inside a dead entry's data, by the stream it came from; None when the
+    bytes are no message of that stream (bad bytes, no data)."""
+    if not entry.data:
+        return None
+    kind = source.rsplit(":", 1)[-1]
+    try:
+        if kind == STREAM_PROMPTS:
+            return PromptGroup.FromString(entry.data)
+        if kind == STREAM_GENERATED:
+            return SampleGroup.FromString(entry.data).prompt
+        return ScoredGroup.FromString(entry.data).group.prompt
+    except DecodeError:
+        return None

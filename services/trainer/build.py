@@ -23,9 +23,11 @@ from .coordinator import Coordinator, host_address
 from .data import PromptDataSource
 from .distributed import DataParallel
 from .evaluate import Evaluator
+from .janitor import Tidied, run_janitor
 from .metrics import MetricsLogger
 from .teacher import TeacherClient
 from .trainer import Parts, Trainer
+from .watch import Watch
 from .weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -136,44 +138,85 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
         redis, keys, default_consumer_name("trainer"), claim_idle_ms=cfg.service.claim_idle_ms,
         max_deliveries=cfg.service.max_deliveries, block_ms=cfg.service.stream_block_ms,
         on_terminal=lambda gid, st: holder["t"].on_terminal(gid, st),
+        expected=admission.in_flight.__contains__,
     )  # fmt: skip
     iteration = version = 0
     if state is not None:
-        iteration, version = restore(cfg, state, backend, source, admission, buffer, resume_from)  # type: ignore[arg-type]
-    coordinator = Coordinator(cfg.run_id, version=version, redis=redis)
-    port = await coordinator.start(cfg.service.coordinator_port)
-    address = await coordinator.advertise(redis, port)
-    print(f"[trainer] coordinator (gRPC) at {address}", flush=True)
-    sync = WeightSync(
-        cfg.service.router_url, admin_token=cfg.service.admin_token, pause_mode=cfg.sglang.pause_mode,
-        bucket_bytes=cfg.sglang.update_weight_buffer_size, timeout_s=cfg.sglang.weight_sync_timeout,
-        load_format=None if cfg.sglang.weight_sync_format == "per_tensor" else "flattened_bucket",
-        master_address=master_address(cfg),
-    )  # fmt: skip
-    evaluator = None
-    if eval_sources:
-        evaluator = Evaluator(
-            redis, keys.prompts, eval_sources, cfg.eval.n_samples_per_eval_prompt, buffer
+        iteration, version = restore(cfg, state, backend, source, admission, resume_from)  # type: ignore[arg-type]
+    # What started is stopped again when a later step fails: no gRPC server or reader task
+    # is left to an event loop that is closing (asyncio and grpc.aio tracebacks at exit).
+    closers: list[Closer] = []
+    try:
+        coordinator = Coordinator(cfg.run_id, version=version, redis=redis)
+        port = await coordinator.start(cfg.service.coordinator_port)
+        closers.append(coordinator.stop)
+        address = await coordinator.advertise(redis, port)
+        print(f"[trainer] coordinator (gRPC) at {address}", flush=True)
+        sync = WeightSync(
+            cfg.service.router_url, admin_token=cfg.service.admin_token, pause_mode=cfg.sglang.pause_mode,
+            bucket_bytes=cfg.sglang.update_weight_buffer_size, timeout_s=cfg.sglang.weight_sync_timeout,
+            load_format=None if cfg.sglang.weight_sync_format == "per_tensor" else "flattened_bucket",
+            master_address=master_address(cfg),
+        )  # fmt: skip
+        closers.append(sync.close)
+        evaluator = None
+        if eval_sources:
+            evaluator = Evaluator(
+                redis, keys.prompts, eval_sources, cfg.eval.n_samples_per_eval_prompt, buffer
+            )
+        logger = MetricsLogger(cfg, Path(cfg.run_dir))
+        closers.append(_async(logger.close))
+        teacher = None
+        if cfg.algo.distills and cfg.algo.opd_teacher_url:
+            teacher = TeacherClient(cfg.algo.opd_teacher_url, cfg.rollout.logprob_temperature)
+            closers.append(teacher.close)
+        watch = Watch(redis, keys, sync.routed_engines, stall_timeout_s=cfg.service.stall_timeout)
+        tidied = Tidied()
+        janitor = functools.partial(
+            run_janitor, redis, keys, interval_s=cfg.service.trim_interval,
+            consumer_idle_ms=max(60_000, 10 * cfg.service.claim_idle_ms), tidied=tidied,
+        )  # fmt: skip
+        parts = Parts(
+            backend,
+            admission,
+            buffer,
+            sync,
+            evaluator,
+            logger,
+            coordinator,
+            teacher,
+            watch,
+            janitor,
         )
-    logger = MetricsLogger(cfg, Path(cfg.run_dir))
-    teacher = None
-    if cfg.algo.distills and cfg.algo.opd_teacher_url:
-        teacher = TeacherClient(cfg.algo.opd_teacher_url, cfg.rollout.logprob_temperature)
-    parts = Parts(backend, admission, buffer, sync, evaluator, logger, coordinator, teacher)
-    trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
-    await buffer.start()
-    if state is not None:
-        await sync.sync(backend.named_weights, version)  # engines serve the resumed weights
-        n = await admission.readmit(version)
-        print(
-            f"[trainer] resumed at iteration {iteration} (version {version}); re-admitted {n} groups in flight"
-        )
+        trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
+        await buffer.start()
+        closers.append(buffer.stop)
+        if state is not None:
+            await sync.sync(backend.named_weights, version)  # engines serve the resumed weights
+            n = await admission.readmit(version)
+            print(
+                f"[trainer] resumed at iteration {iteration} (version {version}); re-admitted {n} groups in flight"
+            )
+    except BaseException:
+        await close_all(closers)
+        raise
+    return trainer, closers
 
-    async def close_logger() -> None:
-        logger.close()
 
-    closers = [coordinator.stop, sync.close, buffer.stop, close_logger]
-    return trainer, closers + ([teacher.close] if teacher else [])
+async def close_all(closers: list[Closer]) -> None:
+    """Run the closers, last started first; every one runs even when one fails."""
+    for close in reversed(closers):
+        try:
+            await close()
+        except Exception as err:
+            log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), err)
+
+
+def _async(fn: Callable[[], None]) -> Closer:
+    async def call() -> None:
+        fn()
+
+    return call
 
 
 def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
@@ -209,7 +252,7 @@ def build_follower(cfg: RunConfig) -> DataParallel:
 
 def restore(
     cfg: RunConfig, state: dict[str, Any], backend: TorchBackend | DataParallel, source: PromptDataSource,
-    admission: Admission, buffer: Buffer, iteration: int,
+    admission: Admission, iteration: int,
 ) -> tuple[int, int]:  # fmt: skip
     checkpoint.set_rng_state(state["rng"])
     backend.load(
@@ -217,6 +260,6 @@ def restore(
     )  # type: ignore[arg-type]
     source.load_state_dict(state["data"])
     admission.counts = TerminalCounts(**state["counts"])
-    admission.in_flight = {gid: (pos[0], pos[1]) for gid, pos in state["in_flight"].items()}
-    buffer.consumed.update(state["consumed"])
+    admission.in_flight.clear()  # the buffer holds this dict's `__contains__`: update in place
+    admission.in_flight.update({gid: (pos[0], pos[1]) for gid, pos in state["in_flight"].items()})
     return state["iteration"], state["version"]

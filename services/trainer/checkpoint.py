@@ -3,7 +3,7 @@
     iter_0000012/model/            the actor in Hugging Face format (engines load it directly)
     iter_0000012/optimizer.pt      optimizer + LR scheduler state (loaded with weights_only=True)
     iter_0000012/trainer_state.json  iteration, policy version, data position, terminal counts,
-                                   consumed group ids, groups still in flight, RNG state
+                                   groups still in flight, RNG state
 
 A checkpoint is written to a temp dir and renamed into place; the `latest` file is written
 last, atomically, so a crash at any point leaves the previous checkpoint as the latest.

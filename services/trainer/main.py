@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,6 +118,9 @@ def _apply_cpu_budget(cfg: RunConfig) -> None:
 
 
 def _run_trainer(cfg: RunConfig) -> int:
+    # SIGTERM (docker stop, kill, a job scheduler) stops the run like Ctrl-C: the `finally`
+    # blocks stop every local service in order, instead of each dying of its death signal.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     provider = setup_tracing("trainer", cfg.run_dir)
     try:
         return asyncio.run(train_with_cluster(cfg))
@@ -184,7 +188,7 @@ def _preload(cfg: RunConfig) -> None:
 
 
 async def train_loop(cfg: RunConfig, redis: Redis, cluster: LocalCluster) -> int:
-    from .build import build_trainer
+    from .build import build_trainer, close_all
 
     trainer, closers = await build_trainer(cfg, redis)
     try:
@@ -199,8 +203,7 @@ async def train_loop(cfg: RunConfig, redis: Redis, cluster: LocalCluster) -> int
         await asyncio.gather(watch, return_exceptions=True)
         run.result()
     finally:
-        for close in reversed(closers):
-            await close()
+        await close_all(closers)
     print_summary(trainer, Path(cfg.run_dir))
     return 0
 
@@ -213,6 +216,7 @@ def print_summary(t: Trainer, run_dir: Path) -> None:
     }
     counts["in_flight_lost"] = len(t.p.admission.in_flight)
     counts["duplicates_ignored"] = t.p.buffer.duplicates
+    counts["dead_letters"] = t.p.buffer.dead_letters
     print(
         "[trainer] terminal states: " + " ".join(f"{k}={v}" for k, v in counts.items())
         + f" (admitted == trained + filtered + failed + dropped: {c.admitted == c.terminal})"

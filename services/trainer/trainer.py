@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 
@@ -28,6 +29,9 @@ from .batch import build_samples
 from .buffer import Buffer
 from .evaluate import Evaluator, accuracies, format_accuracies
 from .metrics import MetricsLogger, format_row
+from .watch import Watch
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class Parts:
     logger: MetricsLogger
     coordinator: Any | None = None  # .publish_version(v)
     teacher: Any | None = None  # .score(samples) -> samples with teacher logprobs (OPD)
+    watch: Watch | None = None  # progress and stall detection of long waits
+    janitor: Callable[[], Awaitable[None]] | None = None  # trims streams while the run goes
 
 
 class Trainer:
@@ -73,6 +79,7 @@ class Trainer:
     async def run(self) -> None:
         await self._first_engines()
         self._pump = asyncio.create_task(self._admission_pump(), name="admission")
+        janitor = asyncio.create_task(self.p.janitor(), name="janitor") if self.p.janitor else None
         try:
             if (
                 self.p.evaluator
@@ -83,8 +90,10 @@ class Trainer:
             while self.iteration < self.num_rollout:
                 await self.step()
         finally:
-            self._pump.cancel()
-            await asyncio.gather(self._pump, return_exceptions=True)
+            for task in (self._pump, janitor):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
         await self.drain()
 
     async def drain(self, timeout_s: float = 120.0) -> None:
@@ -103,8 +112,11 @@ class Trainer:
         it = self.iteration + 1
         tracer = telemetry.tracer("millstream.trainer")
         t0 = time.monotonic()
-        groups = await self.p.buffer.take(
-            self.cfg.rollout.rollout_batch_size, self.version, self.cfg.service.max_weight_staleness
+        n = self.cfg.rollout.rollout_batch_size
+        groups = await self._watched(
+            f"a batch of {n} groups (iteration {it})",
+            self.p.buffer.take(n, self.version, self.cfg.service.max_weight_staleness),
+            lambda: f"{self.p.buffer.ready} ready, {len(self.p.admission.in_flight)} in flight",
         )
         t1 = time.monotonic()
         samples, stats = build_samples(groups, self.version, self.cfg)
@@ -167,6 +179,13 @@ class Trainer:
                 )
             await asyncio.sleep(0.2)
 
+    async def _watched(
+        self, what: str, awaitable: Awaitable[T], detail: Callable[[], str] = str
+    ) -> T:
+        if self.p.watch is None:
+            return await awaitable
+        return await self.p.watch.wait(what, awaitable, detail)
+
     async def _admission_pump(self) -> None:
         """Admit whenever the budget has room: at start, when a group ends, when V moves."""
         while True:
@@ -186,7 +205,10 @@ class Trainer:
 
     async def evaluate(self) -> dict[str, float]:
         assert self.p.evaluator is not None
-        metrics = await self.p.evaluator.run(self.iteration, self.version)
+        metrics = await self._watched(
+            f"the eval at iteration {self.iteration}",
+            self.p.evaluator.run(self.iteration, self.version),
+        )
         acc = accuracies(list(self.p.evaluator.datasets), metrics)
         self.eval_history.append((self.iteration, time.monotonic() - self._start, acc))
         print(
@@ -214,7 +236,8 @@ class Trainer:
         return {
             "admitted": c.admitted, "trained": c.trained, "filtered": c.filtered, "failed": c.failed,
             "dropped_stale": c.dropped_stale, "dropped_at_end": c.dropped_at_end, "in_flight": len(self.p.admission.in_flight),
-            "duplicates": self.p.buffer.duplicates, "version": self.version,
+            "duplicates": self.p.buffer.duplicates, "dead_letters": self.p.buffer.dead_letters,
+            "version": self.version,
         }  # fmt: skip
 
     def _should_save(self, it: int) -> bool:
@@ -230,7 +253,6 @@ class Trainer:
             "data": a.source.state_dict(),
             "counts": vars(a.counts),
             "in_flight": {gid: list(pos) for gid, pos in a.in_flight.items()},
-            "consumed": sorted(self.p.buffer.consumed),
         }
         path = checkpoint.save(
             self.cfg.ckpt.save,

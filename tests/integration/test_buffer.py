@@ -39,7 +39,8 @@ def test_buffer_accounts_every_group_once(redis_url):
         redis = await connect(redis_url)
         buffer = Buffer(
             redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
-            on_terminal=lambda gid, state: ended.append((gid, state)), consumed={"old"},
+            on_terminal=lambda gid, state: ended.append((gid, state)),
+            expected=lambda gid: gid != "old" and gid not in {g for g, _ in ended},
         )  # fmt: skip
         await buffer.start()
         try:
@@ -63,7 +64,7 @@ def test_buffer_accounts_every_group_once(redis_url):
     batch, evals, duplicates = asyncio.run(go())
     assert batch == ["a", "d"]
     assert evals == ["e2", "e1"]
-    assert duplicates == 2  # the second "a", and "old" consumed before a restart
+    assert duplicates == 2  # the second "a", and "old", which this run does not expect
     assert sorted(ended) == sorted(
         [
             ("a", "trained"),
@@ -73,3 +74,50 @@ def test_buffer_accounts_every_group_once(redis_url):
             ("stale", "dropped_stale"),
         ]
     )
+
+
+def test_dead_letters_end_their_groups_failed(redis_url):
+    """Entries dead-lettered from any stream end their group `failed` with the reason, once;
+    bad bytes and groups this run does not wait for are counted, never terminal."""
+    keys = RunKeys("dead")
+    ended: list[tuple[str, str]] = []
+    admitted = {"p1", "g1", "s1"}
+
+    async def go() -> tuple[Buffer, list[ScoredGroup]]:
+        redis = await connect(redis_url)
+        buffer = Buffer(
+            redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
+            on_terminal=lambda gid, state: (ended.append((gid, state)), admitted.discard(gid)),
+            expected=admitted.__contains__,
+        )  # fmt: skip
+        await buffer.start()
+        try:
+            sources = [
+                (keys.prompts, PromptGroup(group_id="p1")),
+                (keys.generated, SampleGroup(prompt=PromptGroup(group_id="g1"))),
+                (keys.scored, scored("s1")),
+                (keys.prompts, PromptGroup(group_id="p1")),  # a second dead copy: ignored
+                (keys.prompts, PromptGroup(group_id="stranger")),
+                (keys.prompts, PromptGroup(group_id="ev", is_eval=True)),
+            ]
+            for stream, message in sources:
+                await redis.xadd(
+                    keys.dead,
+                    {**streams.entry_fields(message), "source_stream": stream, "reason": "boom"},
+                )
+            await redis.xadd(keys.dead, {"data": b"\xff\x00", "source_stream": keys.prompts})
+            await redis.xadd(keys.dead, {"source_stream": keys.generated, "reason": "no data"})
+            evals = await asyncio.wait_for(buffer.wait_eval(["ev"]), timeout=20)
+            for _ in range(100):
+                if buffer.dead_letters + buffer.dead_foreign == 7:
+                    break
+                await asyncio.sleep(0.1)
+            return buffer, evals
+        finally:
+            await buffer.stop()
+            await redis.aclose()
+
+    buffer, evals = asyncio.run(go())
+    assert sorted(ended) == [("g1", "failed"), ("p1", "failed"), ("s1", "failed")]
+    assert (buffer.dead_letters, buffer.dead_foreign) == (3, 4)
+    assert evals[0].verdict == Verdict.VERDICT_FAILED and evals[0].reason == "boom"

@@ -26,6 +26,7 @@ from millstream.common.streams import (
     Consumer,
     StreamEntry,
     decode,
+    delete_idle_consumers,
     publish,
     publish_many,
     trim_safely,
@@ -473,3 +474,25 @@ def test_unreachable_redis_names_the_url():
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(ServiceUnavailable, match=re.escape(url)):
         asyncio.run(connect(url, timeout_s=2))
+
+
+def test_departed_consumers_are_deleted_only_without_pending_entries(redis_url, keys):
+    async def body(client: aioredis.Redis) -> None:
+        assert await delete_idle_consumers(client, keys.prompts, 0) == 0  # no stream yet
+        gone, holding, live = (consumer(client, keys, n) for n in ("gone", "holding", "live"))
+        await gone.ensure_group()
+        await publish_many(client, keys.prompts, prompts(3))
+        for entry in await gone.read(1):
+            await gone.ack(entry)
+        held = await holding.read(1)
+        await asyncio.sleep(0.3)
+        await live.read(1)  # just read: not idle
+        deleted = await delete_idle_consumers(client, keys.prompts, 200)
+        names = {c["name"].decode() for c in await client.xinfo_consumers(keys.prompts, "rollout")}
+        assert deleted == 1 and names == {"holding", "live"}
+        pending = await client.xpending(keys.prompts, "rollout")
+        assert pending["pending"] == 2  # what `holding` and `live` own is still owned
+        await holding.ack(held[0])
+        assert await delete_idle_consumers(client, keys.prompts, 200) == 1  # now `holding` goes
+
+    arun(body, redis_url)

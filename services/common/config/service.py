@@ -49,6 +49,13 @@ class ServiceConfig:
     claim_idle_ms: int = flag(30_000, "take over a dead consumer's entries after this idle time")
     max_deliveries: int = flag(5, "dead-letter an entry to {run}:dead after this many deliveries")
     stream_block_ms: int = flag(1000, "how long a consumer blocks waiting for entries")
+    stall_timeout: float = flag(
+        300.0,
+        "fail a wait of the trainer when no rollout/reward worker or engine is alive this long",
+    )
+    trim_interval: float = flag(
+        10.0, "seconds between trims of the run's streams and removals of departed consumers"
+    )
     num_threads: int = flag(
         0, "the trainer's torch compute threads (0: half the cores when engines run here too)"
     )
@@ -71,6 +78,11 @@ class ServiceConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})"
+                )
+        for name in ("stall_timeout", "trim_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})"
                 )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0 (got {self.max_staleness})")

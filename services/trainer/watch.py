@@ -1,0 +1,124 @@
+"""Nothing the trainer waits for waits silently.
+
+`Watch.wait(what, awaitable)` runs one wait of the trainer (a batch from the buffer, an eval)
+and, while it lasts, looks at who could still end it: the rollout and reward workers alive
+by their heartbeat keys (`{run}:workers:{kind}:{name}`, which expire when a worker stops
+beating) and the engines the router lists. Every `progress_every_s` it prints what it waits
+for, for how long, and who is alive. When nothing can come any more, it fails with what to
+do: no rollout worker, no reward worker or no engine for `stall_timeout_s` in a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError
+
+from millstream.common.errors import MillstreamError
+from millstream.common.keys import RunKeys
+
+T = TypeVar("T")
+
+PROGRESS_EVERY_S = 30.0
+
+_WHAT_TO_DO = {
+    "rollout": "start one: millstream rollout --redis-url URL --run-id {run}",
+    "reward": "start one: millstream reward --redis-url URL --run-id {run}",
+    "engine": "start an engine with --coordinator (the address in the [trainer] coordinator "
+    "line) or register one with the router's /add_worker",
+}
+
+
+class Stalled(MillstreamError):
+    """Nothing can end the trainer's wait: a kind of service has been gone too long."""
+
+
+async def alive_workers(redis: Any, keys: RunKeys) -> dict[str, int]:
+    """Live workers by kind, from their heartbeat keys."""
+    pattern = _glob_escape(keys.heartbeat("", "")[: -len(":")]) + "*"
+    counts = {"rollout": 0, "reward": 0}
+    async for key in redis.scan_iter(match=pattern, count=100):
+        kind = (key.decode() if isinstance(key, bytes) else key).split(":")[-2]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+class Watch:
+    def __init__(
+        self,
+        redis: Any,
+        keys: RunKeys,
+        engines: Callable[[], Awaitable[list[str]]] | None,
+        *,
+        stall_timeout_s: float,
+        progress_every_s: float = PROGRESS_EVERY_S,
+        say: Callable[[str], None] = lambda line: print(f"[trainer] {line}", flush=True),
+    ):
+        self.redis = redis
+        self.keys = keys
+        self.engines = engines
+        self.stall_timeout_s = stall_timeout_s
+        self.progress_every_s = progress_every_s
+        self.say = say
+        self.check_every_s = min(progress_every_s, max(0.5, stall_timeout_s / 4))
+
+    async def wait(self, what: str, awaitable: Awaitable[T], detail: Callable[[], str] = str) -> T:
+        """`awaitable`'s result; progress lines while it is long, Stalled when it cannot end."""
+        task = asyncio.ensure_future(awaitable)
+        start = next_progress = time.monotonic()
+        next_progress += self.progress_every_s
+        kinds = ("rollout", "reward") + (("engine",) if self.engines is not None else ())
+        last_seen = dict.fromkeys(kinds, start)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.check_every_s)
+                if done:
+                    return task.result()
+                now = time.monotonic()
+                alive = await self._alive()
+                for kind, n in alive.items():
+                    if n or n is None:  # None: could not tell (Redis restarting)
+                        last_seen[kind] = now
+                if now >= next_progress:
+                    next_progress = now + self.progress_every_s
+                    seen = ", ".join(f"{kind} {_count(n)}" for kind, n in alive.items())
+                    extra = detail()
+                    self.say(
+                        f"waiting {now - start:.0f}s for {what}"
+                        + (f" ({extra})" if extra else "") + f"; alive: {seen}"
+                    )  # fmt: skip
+                for kind, seen_at in last_seen.items():
+                    if now - seen_at >= self.stall_timeout_s:
+                        raise Stalled(
+                            f"waited {now - start:.0f}s for {what}, and no {kind} "
+                            f"{'is routed' if kind == 'engine' else 'worker is alive'} for "
+                            f"{now - seen_at:.0f}s (--stall-timeout {self.stall_timeout_s:g}): "
+                            + _WHAT_TO_DO[kind].format(run=self.keys.run_id)
+                        )
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _alive(self) -> dict[str, int | None]:
+        alive: dict[str, int | None] = {"rollout": None, "reward": None, "engine": None}
+        with contextlib.suppress(RedisError, OSError):
+            alive.update(await alive_workers(self.redis, self.keys))
+        if self.engines is None:
+            alive.pop("engine")
+        else:
+            with contextlib.suppress(Exception):  # the router restarting: no verdict this round
+                alive["engine"] = len(await self.engines())
+        return alive
+
+
+def _count(n: int | None) -> str:
+    return "?" if n is None else str(n)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]\\" else c for c in text)
