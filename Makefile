@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap run test lint format protos bench clean compose-up compose-down compose-test
+.PHONY: bootstrap run test lint format protos bench chaos clean compose-up compose-down compose-test
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -24,6 +24,10 @@ run: bootstrap
 
 protos: bootstrap
 	$(PY) -m millstream.common.protogen
+
+# The chaos suite at full length (about 15 minutes): kills, restarts, poison; prints its table.
+chaos: bootstrap
+	$(PY) -m tests.chaos
 
 bench: bootstrap
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -22,9 +22,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import ServiceUnavailable
 
-RECONNECT_RETRIES = 12
-RECONNECT_BUDGET_S = 9.5
-"""0.1, 0.2, 0.4, 0.8, then 1 s between tries: a restart of a few seconds goes unnoticed."""
+RECONNECT_RETRIES = 4
+RECONNECT_BUDGET_S = 9.0
+"""redis-py retries a command, and inside each try its reconnect, with the same policy: 5
+tries of the command, each with up to 5 connects 0.1, 0.2, 0.4, 0.8 s apart, about 9 s in
+all before a command fails: a restart of a few seconds goes unnoticed."""
 
 
 def _reconnect() -> Retry:
@@ -42,11 +44,20 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def password_for(url: str, password: str | None) -> str | None:
+    """The password to send besides `url`: none when the URL has one (it wins), else
+    `password` (--redis-password or --redis-password-file, resolved by the config), else
+    REDIS_PASSWORD. Every Redis client of millstream, Celery's included, asks here."""
+    if urlsplit(url).password is not None:
+        return None
+    return password or os.environ.get("REDIS_PASSWORD") or None
+
+
 async def connect(
     url: str, password: str | None = None, timeout_s: float = 5.0, max_connections: int = 64
 ) -> aioredis.Redis:
     """An async client that has answered PING; ServiceUnavailable otherwise."""
-    password = password or os.environ.get("REDIS_PASSWORD") or None
+    password = password_for(url, password)
 
     def client(**retries: object) -> aioredis.Redis:
         # A blocking pool: a burst of concurrent jobs waits for a free connection instead of
@@ -56,7 +67,7 @@ async def connect(
             url,
             max_connections=max_connections,
             timeout=timeout_s * 6,
-            password=password if urlsplit(url).password is None else None,
+            password=password,
             socket_connect_timeout=timeout_s,
             health_check_interval=30,
             **retries,
@@ -71,7 +82,8 @@ async def connect(
         await probe.ping()
     except (AuthenticationError, ResponseError) as err:
         raise ServiceUnavailable(
-            f"Redis at {redact(url)} refused us: {err} (check --redis-password)"
+            f"Redis at {redact(url)} refused us: {err} (check the password: in --redis-url, "
+            "--redis-password, --redis-password-file or REDIS_PASSWORD)"
         ) from None
     except (RedisError, OSError) as err:
         raise ServiceUnavailable(

@@ -5,6 +5,9 @@ Errors. Every client mistake is a 4xx with the body SGLang's OpenAI layer uses,
 where the message names the offending field (`sampling_params.top_k: ...`). Malformed JSON
 and unknown fields are 400s too (pydantic models forbid extras), never 5xx.
 
+Admin endpoints (control_api.py) need the admin token when one is set; everything here is
+open. A body over --max-request-bytes is refused with 413 before it is read.
+
 Tracing: /generate runs in an `engine.generate` span whose parent is the W3C context of the
 request headers, so a prompt group's trace crosses rollout worker -> router -> engine.
 """
@@ -21,8 +24,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from millstream.common import telemetry
+from millstream.common.http_limits import BodyLimit
 from millstream.common.telemetry import context_from_headers, tracer
 
+from .control_api import Unauthorized
 from .control_api import router as control_router
 from .core import EngineCore
 from .generation import Job, job_from_generate, output_of, stream_outputs, submit, wait_done
@@ -35,6 +40,8 @@ router = APIRouter()
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
     kind = "BadRequestError" if status < 500 else "InternalServerError"
+    if status == 401:
+        kind = "AuthenticationError"
     body = {"object": "error", "message": message, "type": kind, "param": param, "code": status}
     return JSONResponse(body, status_code=status)
 
@@ -189,7 +196,19 @@ def create_app(core: EngineCore) -> FastAPI:
     async def _bad_request(_: Request, err: RequestError) -> JSONResponse:
         return error_response(str(err))
 
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(_: Request, err: Unauthorized) -> JSONResponse:
+        response = error_response(str(err), status=401)
+        response.headers["www-authenticate"] = "Bearer"
+        return response
+
     app.add_middleware(JSONBodyMiddleware)
+    app.add_middleware(  # outermost: no layer reads a body before it is counted
+        BodyLimit,
+        max_bytes=core.config.max_request_bytes,
+        error_response=lambda status, message: error_response(message, status),
+        flag="--max-request-bytes",
+    )
     app.include_router(router)
     app.include_router(control_router)
     app.include_router(openai_router)

@@ -12,8 +12,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from millstream.common.auth import ADMIN_TOKEN_ENV
 from millstream.common.config.errors import ConfigError
 from millstream.common.config.schema import add_group, flag, from_namespace
+from millstream.common.http_limits import DEFAULT_MAX_REQUEST_BYTES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -42,7 +44,12 @@ class EngineConfig:
         "(with --register-with too, the engine only removes itself from the router on exit)",
     )
     admin_token: str | None = flag(
-        None, "bearer token for the router's admin endpoints (or MILLSTREAM_ADMIN_TOKEN)"
+        None,
+        "bearer token required by this engine's admin endpoints (weights, pause, abort) and "
+        f"sent to --register-with's router and --coordinator (or {ADMIN_TOKEN_ENV})",
+    )
+    max_request_bytes: int = flag(
+        DEFAULT_MAX_REQUEST_BYTES, "largest request body accepted (larger: 413, not read)"
     )
     seed: int = flag(0, "seed of the engine's RNG (seeds unseeded requests)")
     num_threads: int = flag(
@@ -56,12 +63,19 @@ class EngineConfig:
             raise ConfigError("--model-path is required (a Hugging Face model directory)")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0 (got {self.num_threads})")
-        for name in ("max_running_requests", "max_total_tokens", "context_length"):
+        for name in (
+            "max_running_requests",
+            "max_total_tokens",
+            "context_length",
+            "max_request_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535 (got {self.port})")
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ConfigError("--admin-token must not be empty")
         if self.weight_update_timeout <= 0:
             raise ConfigError(
                 f"--weight-update-timeout must be > 0 (got {self.weight_update_timeout})"
@@ -90,8 +104,8 @@ def build_parser(prog: str = "millstream engine") -> argparse.ArgumentParser:
 def parse_engine_config(argv: Sequence[str], prog: str = "millstream engine") -> EngineConfig:
     parser = build_parser(prog)
     ns = parser.parse_args(list(argv))
-    if not hasattr(ns, "admin_token") and os.environ.get("MILLSTREAM_ADMIN_TOKEN"):
-        ns.admin_token = os.environ["MILLSTREAM_ADMIN_TOKEN"]
+    if not hasattr(ns, "admin_token") and os.environ.get(ADMIN_TOKEN_ENV):
+        ns.admin_token = os.environ[ADMIN_TOKEN_ENV]
     try:
         return from_namespace(EngineConfig, ns)
     except ConfigError as err:

@@ -6,6 +6,14 @@ group, receiving a broadcast, decoding or reading safetensors — runs in a work
 under `asyncio.wait_for(..., --weight-update-timeout)`, so a trainer that never shows up
 yields `{"success": false, "message": "... timed out ..."}` instead of a hung request.
 Weight endpoints answer `{"success": bool, "message": str}` with 200 or 400, as SGLang does.
+
+Every endpoint here changes the engine's state, so every one needs `Authorization: Bearer
+<admin token>` when the engine has one (--admin-token or MILLSTREAM_ADMIN_TOKEN; the same
+scheme as the router's admin endpoints, common/auth.py): 401 otherwise, checked before the
+request is validated or acted on. /generate, the OpenAI and the info endpoints (api.py) stay
+open.
+None of these endpoints imports code: tensors arrive as broadcasts or safetensors, never
+pickles, and no request names a module or function to load.
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+
+from millstream.common.auth import refusal
 
 from .core import EngineCore
 from .protocol import (
@@ -35,11 +45,22 @@ from .scheduler import RequestError
 from .weights import decode_tensor_blobs, read_safetensors_dir
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+
+
+class Unauthorized(Exception):
+    """An admin call without the engine's admin token: a 401 (api.py renders it)."""
 
 
 def _core(request: Request) -> EngineCore:
     return request.app.state.core
+
+
+async def _check_token(request: Request) -> None:
+    if why := refusal(request.headers.get("authorization"), _core(request).config.admin_token):
+        raise Unauthorized(why)
+
+
+router = APIRouter(dependencies=[Depends(_check_token)])
 
 
 def _result(success: bool, message: str, **extra: Any) -> JSONResponse:

@@ -142,9 +142,14 @@ def make_job(
     for i, (prompt, p, rid, logprob, start) in enumerate(
         zip(prompts, params, rids, return_logprob, starts, strict=True)
     ):
+        where = f"[{i}]" if force_list else ""
+        if len(prompt) >= core.scheduler.context_length:  # SGLang's check, and its words
+            raise RequestError(
+                f"input{where}: the input ({len(prompt)} tokens) is longer than the model's "
+                f"context length ({core.scheduler.context_length} tokens)"
+            )
         resolved = resolve_params(p, len(prompt), core.scheduler.context_length)
         base = rid or uuid.uuid4().hex
-        where = f"[{i}]" if force_list else ""
         holder = input_logprobs_for(prompt, start, where) if logprob else None
         for j in range(p.n):
             seed = core.fresh_seed() if p.sampling_seed is None else p.sampling_seed + j

@@ -57,7 +57,7 @@ async def _serve(core: Any, config: EngineConfig) -> None:
             log.info("engine serving %s at %s", config.model_path, url)
         if config.coordinator and server.started:
             try:
-                await join(config.coordinator, url)
+                await join(config.coordinator, url, config.admin_token)
             except Exception:
                 server.should_exit = True
                 await serving

@@ -3,9 +3,10 @@
 
 Miles' router API: `POST {router}/add_worker?url=http://host:port` once the engine listens,
 `POST {router}/remove_worker?url=...` on shutdown, with `Authorization: Bearer TOKEN` when
-an admin token is set. Registration retries with backoff (a router started alongside may
-not listen yet) and raises ServiceUnavailable with the router's last answer if it never
-succeeds; withdrawal is tried a few times and only logged, since the engine is exiting.
+an admin token is set (JoinEngine carries the same token in its gRPC metadata).
+Registration retries with backoff (a router started alongside may not listen yet) and
+raises ServiceUnavailable with the router's last answer if it never succeeds; withdrawal is
+tried a few times and only logged, since the engine is exiting.
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ import time
 
 import httpx
 
+from millstream.common.auth import bearer_headers
 from millstream.common.errors import ServiceUnavailable
 from millstream.common.http_pool import make_client
 
 log = logging.getLogger(__name__)
-
-
-def _headers(admin_token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
 
 async def _post(router_url: str, path: str, worker_url: str, admin_token: str | None) -> None:
@@ -31,7 +29,7 @@ async def _post(router_url: str, path: str, worker_url: str, admin_token: str | 
         resp = await client.post(
             f"{router_url.rstrip('/')}/{path}",
             params={"url": worker_url},
-            headers=_headers(admin_token),
+            headers=bearer_headers(admin_token),
         )
     if resp.status_code >= 400:
         raise httpx.HTTPStatusError(
@@ -68,13 +66,16 @@ async def register(
     )
 
 
-async def join(coordinator: str, worker_url: str, timeout_s: float = 600.0) -> int:
+async def join(
+    coordinator: str, worker_url: str, admin_token: str | None = None, timeout_s: float = 600.0
+) -> int:
     """--coordinator HOST:PORT: ask the trainer to add this engine (Coordinator.JoinEngine).
 
     Retried with backoff while the trainer is not serving yet (compose starts engines and
     the trainer together; the trainer loads its model first); ServiceUnavailable after
-    `timeout_s`. Returns the trainer's version at the time: the engine serves it (or a
-    later one) once the trainer's next sync has sent it the weights."""
+    `timeout_s`. A refused token or URL is not retried. Returns the trainer's version at the
+    time: the engine serves it (or a later one) once the trainer's next sync has sent it the
+    weights."""
     import grpc
 
     from millstream.common import telemetry
@@ -82,6 +83,7 @@ async def join(coordinator: str, worker_url: str, timeout_s: float = 600.0) -> i
 
     deadline = time.monotonic() + timeout_s
     delay, attempt = 0.5, 0
+    auth = [("authorization", f"Bearer {admin_token}")] if admin_token else []
     async with grpc.aio.insecure_channel(coordinator) as channel:
         stub = services_pb2_grpc.CoordinatorStub(channel)
         while True:
@@ -90,12 +92,15 @@ async def join(coordinator: str, worker_url: str, timeout_s: float = 600.0) -> i
                 answer = await stub.JoinEngine(
                     services_pb2.JoinEngineRequest(engine_url=worker_url),
                     timeout=5.0,
-                    metadata=telemetry.grpc_metadata(),
+                    metadata=[*telemetry.grpc_metadata(), *auth],
                 )
             except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                if err.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                ):
                     raise ServiceUnavailable(
-                        f"--coordinator {coordinator}: {err.details()}"
+                        f"--coordinator {coordinator}: {err.code().name}: {err.details()}"
                     ) from None
                 if time.monotonic() > deadline:
                     raise ServiceUnavailable(

@@ -25,10 +25,11 @@ import json
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
+from millstream.common.redis_conn import password_for
 from millstream.common.types import Sample
 
 from .rewarder import Rewarder, ThreadRunner
@@ -43,10 +44,12 @@ def queue_name(run_id: str) -> str:
 
 
 def _url_with_password(url: str, password: str | None) -> str:
-    parts = urlsplit(url)
-    if not password or parts.password is not None:
+    """`url` with the password every Redis client uses (`password_for`) written in."""
+    password = password_for(url, password)
+    if not password:
         return url
-    netloc = f"{parts.username or ''}:{password}@{parts.hostname}" + (
+    parts = urlsplit(url)
+    netloc = f"{parts.username or ''}:{quote(password, safe='')}@{parts.hostname}" + (
         f":{parts.port}" if parts.port else ""
     )
     return urlunsplit(parts._replace(netloc=netloc))

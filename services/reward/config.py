@@ -3,7 +3,8 @@
 Reward workers start with only --redis-url and --run-id (DESIGN.md section 3); everything
 about scoring (--rm-type, --custom-rm-path, timeouts, executor, filter, claim/dead-letter
 policy) comes from the run config the trainer published at `{run}:config`. The few flags
-here are about this process: its gRPC port, consumer name, logs and traces.
+here are about this process: the Redis password when not in the URL (--redis-password,
+--redis-password-file or REDIS_PASSWORD), its gRPC port, consumer name, logs and traces.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from millstream.common.config.errors import ConfigError
 from millstream.common.config.schema import add_group, flag, from_namespace
+from millstream.common.config.service import PASSWORD_FILE_HELP, redis_password
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -33,6 +35,7 @@ class RewardWorkerConfig:
     redis_password: str | None = flag(
         None, "Redis password, when not in the URL (or REDIS_PASSWORD)"
     )
+    redis_password_file: str | None = flag(None, PASSWORD_FILE_HELP)
     grpc_port: int | None = flag(
         None, "serve gRPC Reward.Score on this port (0: pick a free one); none: no gRPC"
     )
@@ -45,6 +48,8 @@ class RewardWorkerConfig:
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
+        password = redis_password(self.redis_password, self.redis_password_file)
+        object.__setattr__(self, "redis_password", password)
         if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"--grpc-port must be in 0..65535 (got {self.grpc_port})")
         if self.config_wait < 0:
@@ -58,6 +63,7 @@ class CeleryWorkerConfig:
     redis_password: str | None = flag(
         None, "Redis password, when not in the URL (or REDIS_PASSWORD)"
     )
+    redis_password_file: str | None = flag(None, PASSWORD_FILE_HELP)
     pool: str = flag("threads", "Celery execution pool", choices=("threads", "solo"))
     concurrency: int = flag(4, "tasks run at once (threads pool)")
     log_level: str = flag("info", "", choices=LOG_LEVELS)
@@ -65,6 +71,8 @@ class CeleryWorkerConfig:
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
+        password = redis_password(self.redis_password, self.redis_password_file)
+        object.__setattr__(self, "redis_password", password)
         if self.concurrency <= 0:
             raise ConfigError(f"--concurrency must be > 0 (got {self.concurrency})")
 

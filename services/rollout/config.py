@@ -29,6 +29,7 @@ from typing import Any
 from millstream.common.config import RunConfig
 from millstream.common.config.errors import ConfigError
 from millstream.common.config.schema import add_group, flag, from_namespace
+from millstream.common.config.service import PASSWORD_FILE_HELP, redis_password
 from millstream.common.errors import MillstreamError
 from millstream.common.types import PromptGroup
 
@@ -43,6 +44,7 @@ class WorkerArgs:
     redis_password: str | None = flag(
         None, "Redis password, when not in the URL (or REDIS_PASSWORD)"
     )
+    redis_password_file: str | None = flag(None, PASSWORD_FILE_HELP)
     router_url: str | None = flag(None, "router to generate through (default: the run config's)")
     consumer_name: str | None = flag(None, "Redis consumer name (default: rollout-HOST-PID)")
     log_level: str = flag("info", "", choices=("debug", "info", "warning", "error"))
@@ -53,6 +55,8 @@ class WorkerArgs:
             raise ConfigError("--redis-url is required (the run's Redis)")
         if not self.run_id:
             raise ConfigError("--run-id is required (the trainer's --run-id)")
+        password = redis_password(self.redis_password, self.redis_password_file)
+        object.__setattr__(self, "redis_password", password)
 
 
 def build_parser(prog: str = "millstream rollout") -> argparse.ArgumentParser:

@@ -7,13 +7,14 @@ Miles router compatible: `POST /add_worker` (url in `?url=` or a JSON body), `PO
 `GET /get_weight_version` (answered here, not proxied). Everything else goes to a worker.
 
 Invariants: mutating endpoints need `Authorization: Bearer <admin token>` when one is set
-(compared in constant time); proxied traffic never does. The router's own endpoints answer
+(compared in constant time, common/auth.py); proxied traffic never does here: the caller's
+Authorization header goes on to the engine, which guards its own admin endpoints. No body
+over --max-request-bytes is read (413, common/http_limits.py). The router's own endpoints answer
 bad input with 4xx and a message naming the field, never 5xx.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,6 +27,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from millstream.common import telemetry
+from millstream.common.auth import refusal
+from millstream.common.http_limits import BodyLimit
 from millstream.common.http_pool import make_client
 
 from .config import RouterConfig, normalize_worker_url
@@ -116,15 +119,8 @@ class Router:
 
 async def _check_token(request: Request) -> None:
     token = request.app.state.router.cfg.admin_token
-    if token is None:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        raise ApiError(
-            401, "this endpoint needs `Authorization: Bearer <admin token>`", "unauthorized"
-        )
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise ApiError(401, "wrong admin token", "unauthorized")
+    if why := refusal(request.headers.get("authorization"), token):
+        raise ApiError(401, why, "unauthorized")
 
 
 admin = Depends(_check_token)
@@ -382,4 +378,10 @@ def build_app(
 
     _routes(app)
     app.add_middleware(ProxyFastPath, router=router)
+    app.add_middleware(  # outermost: no layer reads a body before it is counted
+        BodyLimit,
+        max_bytes=cfg.max_request_bytes,
+        error_response=lambda status, message: error_response(status, message, "request_too_large"),
+        flag="--max-request-bytes",
+    )
     return app

@@ -17,11 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from millstream.common.auth import ADMIN_TOKEN_ENV
 from millstream.common.config.errors import ConfigError
 from millstream.common.config.schema import add_group, flag, from_namespace
+from millstream.common.http_limits import DEFAULT_MAX_REQUEST_BYTES
 
 POLICIES = ("least_inflight", "round_robin", "cache_aware")
-ADMIN_TOKEN_ENV = "MILLSTREAM_ADMIN_TOKEN"
 
 
 def normalize_worker_url(url: str) -> str:
@@ -64,6 +65,9 @@ class RouterConfig:
     admin_token: str | None = flag(
         None, f"bearer token required by mutating endpoints (or {ADMIN_TOKEN_ENV})"
     )
+    max_request_bytes: int = flag(
+        DEFAULT_MAX_REQUEST_BYTES, "largest request body accepted (larger: 413, not read)"
+    )
     cache_threshold: float = flag(
         0.3, "cache_aware: prefix match ratio that sends a request to the matching worker"
     )
@@ -85,6 +89,7 @@ class RouterConfig:
             "health_success_threshold",
             "request_timeout",
             "max_tree_size",
+            "max_request_bytes",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -20,7 +20,7 @@ from .admission import Admission, TerminalCounts
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
 from .coordinator import Coordinator, host_address
-from .data import PromptDataSource
+from .data import PromptDataSource, labels_are_text
 from .distributed import DataParallel
 from .evaluate import Evaluator
 from .janitor import Tidied, run_janitor
@@ -82,6 +82,7 @@ def data_sources(
         r.prompt_data, tokenizer, input_key=r.input_key, label_key=r.label_key, metadata_key=r.metadata_key,
         tool_key=r.tool_key, apply_chat_template=r.apply_chat_template, max_prompt_len=r.rollout_max_prompt_len,
         shuffle=r.rollout_shuffle, seed=r.rollout_seed, skip_bad_lines=r.skip_bad_lines,
+        text_labels=labels_are_text(cfg),
     )  # fmt: skip
     evals = {
         name: PromptDataSource(
@@ -94,6 +95,7 @@ def data_sources(
             apply_chat_template=r.apply_chat_template,
             max_prompt_len=e.eval_max_prompt_len,
             skip_bad_lines=r.skip_bad_lines,
+            text_labels=labels_are_text(cfg),
         )
         for name, path in e.datasets().items()
     }
@@ -147,7 +149,9 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
     # is left to an event loop that is closing (asyncio and grpc.aio tracebacks at exit).
     closers: list[Closer] = []
     try:
-        coordinator = Coordinator(cfg.run_id, version=version, redis=redis)
+        coordinator = Coordinator(
+            cfg.run_id, version=version, redis=redis, admin_token=cfg.service.admin_token
+        )
         port = await coordinator.start(cfg.service.coordinator_port)
         closers.append(coordinator.stop)
         address = await coordinator.advertise(redis, port)

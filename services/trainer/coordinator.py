@@ -16,6 +16,11 @@ goes back). An engine that joins gets no traffic before it has the current weigh
 router routes only to engines reporting the version it serves (version-gated routing), and
 the sync moves that version. Each RPC runs in a server span whose parent is the caller's
 trace context from the gRPC metadata.
+
+Admin token (`admin_token`, the trainer's --admin-token): JoinEngine, which puts an engine
+in the weight sync and so in routing, needs the metadata `authorization: Bearer <token>` when
+one is set, the scheme of the router's admin endpoints (common/auth.py); UNAUTHENTICATED
+otherwise, and nothing is recorded. GetVersion and WatchVersion only read, and stay open.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from millstream.common import telemetry
+from millstream.common.auth import refusal
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import RunKeys
 from millstream.common.pb import services_pb2, services_pb2_grpc
@@ -45,8 +51,17 @@ def host_address() -> str:
 
 
 class Coordinator(services_pb2_grpc.CoordinatorServicer):
-    def __init__(self, run_id: str, *, version: int = 0, redis: Any = None, tracer: Any = None):
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        version: int = 0,
+        redis: Any = None,
+        tracer: Any = None,
+        admin_token: str | None = None,
+    ):
         self.run_id = run_id
+        self._admin_token = admin_token
         self._info = services_pb2.VersionInfo(
             version=version, updated_unix=time.time(), run_id=run_id
         )
@@ -113,6 +128,16 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
             f"coordinator.{name}", context=parent, kind=SpanKind.SERVER
         )
 
+    async def _check_token(self, context: grpc.aio.ServicerContext) -> None:
+        given = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        why = refusal(str(given[0]) if given else None, self._admin_token)
+        if why:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{why} in the gRPC metadata `authorization` (the engine's --admin-token "
+                "must be the trainer's)",
+            )
+
     async def GetVersion(
         self, request: services_pb2.GetVersionRequest, context: grpc.aio.ServicerContext
     ) -> services_pb2.VersionInfo:
@@ -149,6 +174,7 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
         self, request: services_pb2.JoinEngineRequest, context: grpc.aio.ServicerContext
     ) -> services_pb2.JoinEngineResponse:
         with self._span("JoinEngine", context) as span:
+            await self._check_token(context)
             url = request.engine_url.strip().rstrip("/")
             span.set_attribute("engine_url", url)
             parts = urlsplit(url)

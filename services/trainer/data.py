@@ -49,6 +49,61 @@ def _label_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+@dataclass(frozen=True)
+class RawRow:
+    """A JSONL row read and checked as far as needs no tokenizer."""
+
+    prompt: Any  # text; chat messages too with --apply-chat-template
+    label: str
+    metadata: dict[str, Any]
+    tools: Any
+
+
+def labels_are_text(cfg: Any) -> bool:
+    """A built-in --rm-type compares labels as text; a custom reward gets any JSON as text."""
+    return bool(cfg.reward.rm_type) and not cfg.reward.custom_rm_path
+
+
+# What `parse_row` raises on a malformed line (json.JSONDecodeError is a ValueError).
+ROW_ERRORS = (ValueError, KeyError, TypeError)
+
+
+def parse_row(
+    line: str,
+    input_key: str,
+    label_key: str | None,
+    metadata_key: str,
+    tool_key: str | None,
+    chat: bool,
+    text_label: bool = False,
+) -> RawRow:
+    """One line of prompt data; one of ROW_ERRORS, naming the key, when it is malformed.
+    The start-up check (preflight) reads the first rows with it before any tokenizer loads."""
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
+    if input_key not in obj:
+        raise KeyError(f"missing --input-key {input_key!r} (keys: {sorted(obj)})")
+    prompt = obj[input_key]
+    if not chat and not isinstance(prompt, str):
+        raise TypeError(
+            f"{input_key!r} is a {type(prompt).__name__}: pass --apply-chat-template for messages"
+        )
+    metadata = obj.get(metadata_key) or {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"--metadata-key {metadata_key!r} must hold a JSON object")
+    raw_label = obj.get(label_key) if label_key else None
+    if text_label and isinstance(raw_label, dict | list | bool):
+        raise TypeError(
+            f"--label-key {label_key!r} holds a JSON {type(raw_label).__name__}: a built-in "
+            "--rm-type compares text, so give a string or a number (or score it with "
+            "--custom-rm-path, which gets the JSON text)"
+        )
+    label = _label_text(raw_label)
+    tools = obj.get(tool_key) if tool_key else None
+    return RawRow(prompt, label, metadata, tools)
+
+
 class PromptDataSource:
     def __init__(
         self,
@@ -64,6 +119,7 @@ class PromptDataSource:
         shuffle: bool = False,
         seed: int = 42,
         skip_bad_lines: bool = False,
+        text_labels: bool = False,
     ):
         self.path = Path(path)
         self.shuffle = shuffle
@@ -73,6 +129,7 @@ class PromptDataSource:
         self._tokenizer = tokenizer
         self._keys = (input_key, label_key, metadata_key, tool_key)
         self._chat = apply_chat_template
+        self._text_labels = text_labels
         self.rows = self._load(max_prompt_len, skip_bad_lines)
         if not self.rows:
             raise MillstreamError(f"{self.path}: no usable prompts ({self.stats})")
@@ -87,8 +144,10 @@ class PromptDataSource:
                 if not line.strip():
                     continue
                 try:
-                    row = self._parse(json.loads(line), len(rows))
-                except (ValueError, KeyError, TypeError) as err:
+                    row = self._tokenized(
+                        parse_row(line, *self._keys, self._chat, self._text_labels), len(rows)
+                    )
+                except ROW_ERRORS as err:
                     if not skip_bad_lines:
                         raise MillstreamError(
                             f"{self.path}:{lineno}: {err} (fix the line, or pass --skip-bad-lines)"
@@ -103,31 +162,17 @@ class PromptDataSource:
         self.stats.rows = len(rows)
         return rows
 
-    def _parse(self, obj: Any, data_index: int) -> PromptRow:
-        input_key, label_key, metadata_key, tool_key = self._keys
-        if not isinstance(obj, dict):
-            raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
-        if input_key not in obj:
-            raise KeyError(f"missing --input-key {input_key!r} (keys: {sorted(obj)})")
-        prompt = obj[input_key]
+    def _tokenized(self, raw: RawRow, data_index: int) -> PromptRow:
         if self._chat:
+            prompt = raw.prompt
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            tools = obj.get(tool_key) if tool_key else None
             text = self._tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
+                messages, tools=raw.tools, tokenize=False, add_generation_prompt=True
             )
-        elif isinstance(prompt, str):
-            text = prompt
         else:
-            raise TypeError(
-                f"{input_key!r} is a {type(prompt).__name__}: pass --apply-chat-template for messages"
-            )
+            text = raw.prompt
         ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
-        metadata = obj.get(metadata_key) or {}
-        if not isinstance(metadata, dict):
-            raise TypeError(f"--metadata-key {metadata_key!r} must hold a JSON object")
-        label = _label_text(obj.get(label_key)) if label_key else ""
-        return PromptRow(data_index, text, list(ids), label, metadata)
+        return PromptRow(data_index, text, list(ids), raw.label, raw.metadata)
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))

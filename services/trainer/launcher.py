@@ -446,7 +446,7 @@ class LocalCluster:
             )
             # SIGKILL as the death signal: the engine ignores SIGTERM while it loads its model,
             # and a death signal is sent once; a lost one would leave an orphan.
-            env = self._env(self.budget.engine)
+            env = self._env(self.budget.engine, MILLSTREAM_ADMIN_TOKEN=self.cfg.service.admin_token)
             child = self._spawn(f"engine-{i}", argv, TIER_ENGINE, env, signal.SIGKILL)
             started.append((child, f"http://{HOST}:{port}"))
 

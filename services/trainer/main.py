@@ -1,7 +1,8 @@
 """`millstream train` (strictly on-policy) and `millstream train-async` (--max-staleness >= 1).
 
-Thin entry: parse and validate flags (exit 2 on bad ones), start what is missing (a private
-Redis, engines, router and workers, unless --redis-url/--router-url say where they are),
+Thin entry: parse flags and check them, the files and the packages they name (preflight.py:
+exit 2 on a bad one, before anything starts), start what is missing (a private Redis,
+engines, router and workers, unless --redis-url/--router-url say where they are),
 publish the resolved config, build the trainer's parts (resuming from --load when it holds a
 checkpoint), train, print the summary, and stop everything in `finally`.
 
@@ -38,44 +39,12 @@ if TYPE_CHECKING:  # the heavy modules load only when a run starts
 log = logging.getLogger("millstream.trainer")
 
 
-def check_trainer_flags(cfg: RunConfig) -> None:
-    """What the trainer itself needs beyond the generic validation."""
-    if not (cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load):
-        raise ConfigError("the trainer needs --hf-checkpoint (or --ref-load): the starting model")
-    if not cfg.rollout.prompt_data:
-        raise ConfigError("the trainer needs --prompt-data: a JSONL file of prompts")
-    if not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
-        raise ConfigError("the trainer needs --rm-type or --custom-rm-path: how samples are scored")
-    if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
-        raise ConfigError("the trainer needs --num-rollout or --num-epoch: how long to train")
-    if cfg.ckpt.train_backend != "torch":
-        raise ConfigError(f"--train-backend {cfg.ckpt.train_backend} is not built yet (torch is)")
-    a = cfg.algo
-    grpo = a.advantage_estimator in ("grpo", "gspo")
-    if grpo and cfg.rollout.n_samples_per_prompt < 2 and not a.disable_grpo_std_normalization:
-        raise ConfigError(
-            f"{a.advantage_estimator} needs --n-samples-per-prompt >= 2 "
-            f"(got {cfg.rollout.n_samples_per_prompt}), or --disable-grpo-std-normalization"
-        )
-    if (
-        a.advantage_estimator == "reinforce_plus_plus_baseline"
-        and cfg.rollout.n_samples_per_prompt < 2
-    ):
-        raise ConfigError(
-            "reinforce_plus_plus_baseline subtracts the group mean: it needs "
-            f"--n-samples-per-prompt >= 2 (got {cfg.rollout.n_samples_per_prompt})"
-        )
-    for name in ("critic_load", "opd_teacher_load"):
-        path = getattr(a, name)
-        if path and not os.path.isfile(os.path.join(path, "config.json")):
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} {path} is not a Hugging Face model dir (no config.json)")
-
-
 def _run(argv: Sequence[str], mode: str, prog: str) -> int:
     cfg = parse_run_config(argv, mode=mode, prog=prog)
+    from . import preflight  # after parsing: `--help` stays quick
+
     try:
-        check_trainer_flags(cfg)
+        preflight.check(cfg)  # everything that needs no service, before anything starts
     except ConfigError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,10 @@ from typing import Any
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 
+# The package each tracking flag needs (no extra of pyproject.toml ships them); preflight
+# checks them before anything starts. torch.utils.tensorboard is torch's writer over tensorboard.
+TRACKING_PACKAGES = {"--tensorboard-dir": "tensorboard", "--use-wandb": "wandb"}
+
 NAMESPACES = {
     "train": ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy_loss", "grad_norm", "lr", "tis",
               "tis_clipfrac", "train_rollout_logprob_abs_diff"),
@@ -55,7 +59,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
                 raise MillstreamError(
-                    f"--tensorboard-dir needs the tensorboard package ({err})"
+                    f"--tensorboard-dir needs the tensorboard package ({err}): pip install tensorboard"
                 ) from None
             self._tb = SummaryWriter(cfg.logging.tensorboard_dir)
         if cfg.logging.use_wandb:

@@ -26,7 +26,9 @@ Invariants:
     group itself breaks (rank 0's join or a broadcast fails), it is torn down on both sides,
     rebuilt with the engines still standing, and every bucket is sent again, so the same sync
     completes for the healthy engines;
-  * no engine left, or a group that breaks twice with no engine at fault: MillstreamError.
+  * no engine left, or a group that breaks twice with no engine at fault: MillstreamError;
+  * every call to an admin endpoint, the router's or an engine's, carries the admin token
+    when one is set (`Authorization: Bearer`, common/auth.py).
 
 Blame when a group step breaks (`_blame`): in one collective, a peer that is missing makes
 everyone else wait and time out, so failing is not proof of fault. At fault are, in order:
@@ -50,6 +52,7 @@ from typing import Any
 import httpx
 
 from millstream.common import telemetry
+from millstream.common.auth import bearer_headers
 from millstream.common.errors import MillstreamError, ServiceUnavailable
 from millstream.common.http_pool import make_client
 
@@ -103,13 +106,15 @@ class Failure:
 
 
 class EngineCalls:
-    """POSTs to engines, each bounded by `timeout_s` in total; failures come back as reasons."""
+    """POSTs to engines' admin endpoints, with the admin token when one is set, each bounded
+    by `timeout_s` in total; failures come back as reasons."""
 
-    def __init__(self, http: httpx.AsyncClient, timeout_s: float):
+    def __init__(self, http: httpx.AsyncClient, timeout_s: float, admin_token: str | None):
         self.http, self.timeout_s = http, timeout_s
+        self.headers = bearer_headers(admin_token)
 
     async def post(self, url: str, path: str, body: dict[str, Any]) -> None:
-        headers = telemetry.inject_headers({})
+        headers = telemetry.inject_headers(dict(self.headers))
         try:
             resp = await asyncio.wait_for(
                 self.http.post(url + path, json=body, headers=headers), self.timeout_s
@@ -169,7 +174,7 @@ class RouterAdmin:
         self, http: httpx.AsyncClient, url: str, admin_token: str | None, timeout_s: float
     ):
         self.http, self.url, self.timeout_s = http, url, timeout_s
-        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.headers = bearer_headers(admin_token)
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         headers = telemetry.inject_headers(dict(self.headers))
@@ -305,7 +310,7 @@ class WeightSync:
         if self._http is None:
             self._http = make_client(httpx.Timeout(self.timeout_s))
         return (
-            EngineCalls(self._http, self.timeout_s),
+            EngineCalls(self._http, self.timeout_s, self.admin_token),
             RouterAdmin(self._http, self.router_url, self.admin_token, self.timeout_s),
         )
 

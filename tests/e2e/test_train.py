@@ -174,3 +174,63 @@ def test_resume_after_sigkill_continues_without_training_a_group_twice(
     assert len(trained) == len(set(trained)) == 8, trained
     final = json.loads((ckpt / "iter_0000004" / "trainer_state.json").read_text())
     assert final["data"]["offset"] >= state["data"]["offset"] + 4 - len(state["in_flight"])
+
+
+def _children_from(lines: list[str]) -> dict[str, int]:
+    """name -> pid of every service the launcher said it started."""
+    found = {}
+    for line in lines:
+        if line.startswith("[launcher] starting ") and "(pid " in line:
+            name = line.split()[2]
+            found[name] = int(line.split("(pid ", 1)[1].split(",", 1)[0])
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_trainer_stops_every_child_quietly(sig, tiny_model_dir, prompts, tmp_path):
+    """SIGTERM stops the run like Ctrl-C, service by service; SIGKILL leaves each child its
+    death signal. Either way every child is gone within seconds, and no log shows a
+    traceback or an unretrieved task exception (a worker retrying a gone router, say)."""
+    run_dir = tmp_path / "run-stop"
+    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "100000")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "millstream.cli", "train-async", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        for line in trainer.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("[trainer] iter 3/"):
+                break
+        children = _children_from(lines)
+        assert {"redis", "engine-0", "router", "rollout-0", "reward-0"} <= set(children), lines
+        trainer.send_signal(sig)
+        lines += trainer.stdout.read().splitlines()  # type: ignore[union-attr]
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {name: pid for name, pid in children.items() if _alive(pid)}
+        assert not left, f"still running 10 s after the trainer: {left}"
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        trainer.stdout.close()  # type: ignore[union-attr]
+    for log in (run_dir / "logs").glob("*.log"):
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text and "never retrieved" not in text, (log.name, text[-3000:])
+    if sig == signal.SIGTERM:
+        assert "Traceback" not in "".join(lines), "".join(lines)[-3000:]
+        stops = [line for line in lines if line.startswith("[launcher] stopped ")]
+        assert stops and "reward-0" in stops[0], lines  # in order: workers first

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,9 +55,11 @@ def test_unreachable_redis_names_the_url_without_password():
 
 
 def test_trainer_cli_with_unreachable_redis_exits_1_without_traceback(tmp_path):
+    arith = Path(__file__).resolve().parents[2] / "examples" / "arith"  # passes the preflight
     proc = subprocess.run(
         [sys.executable, "-m", "millstream.cli", "train", "--redis-url", f"redis://127.0.0.1:{free_port()}",
-         "--router-url", "http://127.0.0.1:9", "--hf-checkpoint", "m", "--prompt-data", "p.jsonl",
+         "--router-url", "http://127.0.0.1:9", "--hf-checkpoint", str(arith / "model"),
+         "--prompt-data", str(arith / "data" / "train.jsonl"), "--input-key", "prompt",
          "--rm-type", "math", "--num-rollout", "1", "--n-samples-per-prompt", "2",
          "--rollout-batch-size", "2", "--run-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=60,

@@ -3,12 +3,16 @@
 GetVersion answers the published version; WatchVersion streams the current one, then each
 published version in order; JoinEngine records a pending join the trainer takes once; the
 version lands in `{run}:version`; every RPC's span is a child of the caller's trace context.
+With an admin token, JoinEngine needs it (UNAUTHENTICATED otherwise, nothing recorded), and a
+real engine given the same --admin-token joins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,9 +21,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from millstream.common.errors import ServiceUnavailable
 from millstream.common.keys import RunKeys
 from millstream.common.pb import services_pb2, services_pb2_grpc
+from millstream.engine.registration import join
 from millstream.trainer.coordinator import Coordinator
+from tests.support.engine_proc import EngineProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -27,6 +34,7 @@ RUN = "coord-run"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
 TRACE = (("traceparent", f"00-{TRACE_ID}-{PARENT_SPAN}-01"),)
+TOKEN = "co0rd-s3cret"
 
 
 def serve(
@@ -35,6 +43,7 @@ def serve(
     redis_url: str | None = None,
     version: int = 0,
     tracer: Any = None,
+    admin_token: str | None = None,
 ) -> Any:
     """Run `body(coordinator, stub)` against a coordinator serving on a free port."""
 
@@ -44,7 +53,9 @@ def serve(
             from millstream.common.redis_conn import connect
 
             redis = await connect(redis_url)
-        coordinator = Coordinator(RUN, version=version, redis=redis, tracer=tracer)
+        coordinator = Coordinator(
+            RUN, version=version, redis=redis, tracer=tracer, admin_token=admin_token
+        )
         port = await coordinator.start(0)
         assert port > 0
         try:
@@ -145,3 +156,56 @@ def test_every_rpc_span_is_a_child_of_the_callers_trace_context():
     for span in spans.values():
         assert f"{span.context.trace_id:032x}" == TRACE_ID
         assert span.parent is not None and f"{span.parent.span_id:016x}" == PARENT_SPAN
+
+
+def test_join_engine_needs_the_admin_token_when_one_is_set():
+    url = "http://10.0.0.8:30000"
+    request = services_pb2.JoinEngineRequest(engine_url=url)
+
+    async def body(coordinator: Coordinator, stub: services_pb2_grpc.CoordinatorStub):
+        refused = [(), (("authorization", "Bearer n0pe"),), (("authorization", TOKEN),)]
+        for metadata in refused:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.JoinEngine(request, metadata=[*TRACE, *metadata])
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+            details = err.value.details() or ""
+            assert "admin token" in details and "--admin-token" in details
+            assert "n0pe" not in details and TOKEN not in details
+        assert coordinator.take_pending_joins() == []
+        assert (await stub.GetVersion(services_pb2.GetVersionRequest())).version == 0  # open
+        auth = (("authorization", f"Bearer {TOKEN}"),)
+        answer = await stub.JoinEngine(request, metadata=auth)
+        assert answer.accepted
+        assert coordinator.take_pending_joins() == [url]
+
+    serve(body, admin_token=TOKEN)
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_with_the_token_joins_and_a_wrong_token_is_refused_at_once(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    async def main() -> None:
+        coordinator = Coordinator(RUN, admin_token=TOKEN)
+        address = f"127.0.0.1:{await coordinator.start(0)}"
+        try:
+            start = time.monotonic()
+            with pytest.raises(ServiceUnavailable, match="UNAUTHENTICATED") as err:
+                await join(address, "http://127.0.0.1:1", "n0pe", timeout_s=60)
+            assert time.monotonic() - start < 10  # not retried until the timeout
+            assert "n0pe" not in str(err.value)
+
+            args = ("--coordinator", address, "--admin-token", TOKEN)
+            engine = await asyncio.to_thread(EngineProcess, tiny_model_dir, tmp_path, *args)
+            try:
+                deadline = time.monotonic() + 30
+                while not (joins := coordinator.take_pending_joins()):
+                    assert time.monotonic() < deadline, engine.log_tail()
+                    await asyncio.sleep(0.1)
+                assert joins == [engine.url]
+            finally:
+                assert await asyncio.to_thread(engine.stop) == 0
+        finally:
+            await coordinator.stop()
+
+    asyncio.run(main())

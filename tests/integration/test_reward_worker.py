@@ -211,3 +211,36 @@ def test_grpc_score_answers_what_the_stream_path_publishes(redis_url, run_id, pr
     scored_spans = [s for s in spans if s["name"] == "reward.score"]
     assert len(scored_spans) == 2 * len(groups)  # stream + gRPC, each a child of the caller
     assert {(s["trace_id"], s["parent_span_id"]) for s in scored_spans} == {(TRACE_ID, PARENT_SPAN)}
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_rides_out_a_redis_restart_and_exits_with_one_line_when_it_is_gone(
+    run_id, tmp_path
+):
+    """Redis restarted (AOF on): the worker reconnects and scores on. Redis gone for good:
+    the worker exits 1 within its reconnect budget, with one line naming Redis, no traceback."""
+    from tests.support.redis_server import RedisServer
+
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis", appendonly=True)
+    procs = RewardProcs(server.url, run_id, tmp_path)
+    try:
+        asyncio.run(publish_config(server.url, make_cfg(run_id, "--rm-type", "exact")))
+        worker = procs.reward("reward-0")
+        procs.wait_beating("reward", "reward-0")
+        server.restart(down_s=1.0)
+
+        async def score_one(redis):
+            await publish_groups(redis, run_id, [group("after", ["4"], ["4"])])
+            return await collect_scored(redis, run_id, 1, timeout_s=30)
+
+        scored = arun(server.url, score_one)
+        assert [s.group.prompt.group_id for s, _fields in scored] == ["after"]
+        server.stop()
+        assert worker.wait(timeout=40) == 1
+    finally:
+        procs.stop_all()
+        server.stop()
+    log = procs.log("reward-0")
+    assert "Redis at 127.0.0.1:" in log and "is unreachable" in log, log
+    assert "Traceback" not in log and "never retrieved" not in log, log

@@ -5,7 +5,8 @@ After a sync every engine reports the new version, the router serves it, and eac
 generates exactly what the trainer's HF model gives (greedy ids, logprobs within 1e-4): the
 weights are equal. Failures: an engine that never answers is removed within the timeout and
 the healthy one is still synced; an engine that fails in the middle of a broadcast is removed
-and the group is rebuilt with the rest in the same sync.
+and the group is rebuilt with the rest in the same sync. Router and engines all require the
+admin token, so every call of the sync carries it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[EngineProcess]]:
     logs = tmp_path_factory.mktemp("engines")
-    args = ("--weight-version", "v0", "--weight-update-timeout", "10")
+    # The engines guard their admin endpoints with the router's token: every pause, group
+    # and bucket call of the sync must carry it.
+    args = ("--weight-version", "v0", "--weight-update-timeout", "10", "--admin-token", TOKEN)
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(EngineProcess, tiny_model_dir, logs, *args) for _ in range(2)]
         procs = [f.result() for f in futures]
@@ -259,7 +262,7 @@ def test_an_engine_failing_mid_broadcast_is_removed_and_the_group_rebuilt(
     from tests.support.tiny_model import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", hidden_size=32)
-    misfit = EngineProcess(other, tmp_path, "--weight-update-timeout", "10")
+    misfit = EngineProcess(other, tmp_path, "--weight-update-timeout", "10", "--admin-token", TOKEN)
     healthy = engines[1].url
     try:
         router = router_of(healthy, misfit.url)

@@ -16,7 +16,9 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, password: str | None = None):
+    """`appendonly`: AOF on (fsync every second), so `restart()` finds its streams again."""
+
+    def __init__(self, workdir: Path, password: str | None = None, *, appendonly: bool = False):
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
@@ -35,7 +37,7 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if appendonly else "no",
             "--daemonize",
             "no",
             "--loglevel",
@@ -43,8 +45,17 @@ class RedisServer:
         ]
         if password:
             args += ["--requirepass", password]
-        self.log = open(workdir / "redis.log", "w")  # noqa: SIM115 - closed in stop()
+        self.args = args
+        self.log = open(workdir / "redis.log", "a")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def restart(self, down_s: float = 0.5) -> None:
+        """SIGTERM (Redis writes its AOF out and exits), `down_s` of absence, the same port."""
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        time.sleep(down_s)
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
 
     @property

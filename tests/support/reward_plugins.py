@@ -45,10 +45,13 @@ def group_reward_wrong_length(samples: list[Sample], cfg: Any) -> list[float]:
 
 
 def misbehaving(sample: Sample, cfg: Any) -> float:
-    """label "boom": raises; "hang": sleeps past any test timeout; "flaky": fails on the first
-    attempt for each sample, then succeeds; anything else: exact match."""
+    """label "boom": raises; "hang": sleeps past any test timeout; "nan": returns NaN;
+    "flaky": fails on the first attempt for each sample, then succeeds; anything else: exact
+    match."""
     if sample.label == "boom":
         raise RuntimeError(f"reward exploded on {sample.response_text!r}")
+    if sample.label == "nan":
+        return float("nan")
     if sample.label == "hang":
         time.sleep(30)
     if sample.label == "flaky":

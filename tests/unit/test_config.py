@@ -271,3 +271,66 @@ def test_json_round_trip_is_exact():
         mode="async",
     )  # fmt: skip
     assert config_store.loads(config_store.dumps(cfg)) == cfg
+
+
+def _file(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_redis_password_file_resolves_into_the_password_once(tmp_path):
+    from millstream.rollout.config import parse_worker_args
+
+    file = _file(tmp_path, "pw", "s3cret\n\n")
+    cfg = parse_run_config(["--rollout-batch-size", "1", "--redis-password-file", file])
+    assert cfg.connection.redis_password == "s3cret"
+    # A config resolved again (the launcher points it at its own Redis) stays the same.
+    moved = dataclasses.replace(cfg.connection, redis_url="redis://127.0.0.1:1/0")
+    assert moved.redis_password == "s3cret"
+    same = ["--redis-password", "s3cret", "--redis-password-file", file]
+    args = parse_worker_args(["--redis-url", "redis://h:1/0", "--run-id", "r", *same])
+    assert args.redis_password == "s3cret"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--redis-password-file", "/nonexistent/pw"], "/nonexistent/pw: cannot read it"),
+        (["--redis-password-file", "{empty}"], "the file is empty"),
+        (["--redis-password-file", "{pw}", "--redis-password", "other"], "not both"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "rollout", "reward", "reward-celery"])
+def test_a_bad_redis_password_file_exits_2_naming_the_flag(
+    tmp_path, capsys, command, flags, expected
+):
+    from millstream.reward.config import parse_celery_args
+    from millstream.reward.config import parse_worker_args as parse_reward_args
+    from millstream.rollout.config import parse_worker_args as parse_rollout_args
+
+    names = {"{empty}": _file(tmp_path, "empty", "\n"), "{pw}": _file(tmp_path, "pw", "s3cret")}
+    argv = [names.get(f, f) for f in flags] + ["--redis-url", "redis://h:1/0", "--run-id", "r"]
+    parse = {
+        "train": lambda a: parse_run_config([*a, "--rollout-batch-size", "1"]),
+        "rollout": parse_rollout_args,
+        "reward": parse_reward_args,
+        "reward-celery": parse_celery_args,
+    }[command]
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--redis-password-file" in err and expected in err
+    assert "s3cret" not in err and "other" not in err
+
+
+def test_the_trainer_takes_the_admin_token_from_the_environment_unless_given():
+    env = {"MILLSTREAM_ADMIN_TOKEN": "from-env"}
+    base = ["--rollout-batch-size", "1"]
+    assert parse_run_config(base, environ=env).service.admin_token == "from-env"
+    given = parse_run_config([*base, "--admin-token", "flag"], environ=env)
+    assert given.service.admin_token == "flag"
+    assert parse_run_config(base, environ={}).service.admin_token is None
+    with pytest.raises(SystemExit):
+        parse_run_config([*base, "--admin-token", " "], environ={})

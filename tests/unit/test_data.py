@@ -88,3 +88,16 @@ def test_long_prompts_are_skipped_and_counted(tmp_path, tokenizer):
 def test_missing_file_is_a_clear_error(tmp_path, tokenizer):
     with pytest.raises(MillstreamError, match="does not exist"):
         PromptDataSource(tmp_path / "nope.jsonl", tokenizer)
+
+
+def test_a_built_in_reward_refuses_labels_that_are_not_text():
+    from millstream.trainer.data import parse_row
+
+    line = json.dumps({"prompt": "1+1=", "label": {"answer": 2}})
+    with pytest.raises(TypeError, match="--label-key 'label' holds a JSON dict"):
+        parse_row(line, "prompt", "label", "metadata", None, False, text_label=True)
+    assert parse_row(line, "prompt", "label", "metadata", None, False).label == '{"answer": 2}'
+    number = json.dumps({"prompt": "1+1=", "label": 2})
+    assert (
+        parse_row(number, "prompt", "label", "metadata", None, False, text_label=True).label == "2"
+    )

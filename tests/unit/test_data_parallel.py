@@ -113,8 +113,9 @@ def test_several_trainer_ranks_without_torchrun_say_how_to_start_them(
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(prompts),
-            "--rm-type", "exact", "--num-rollout", "1", "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "2", "--actor-num-gpus-per-node", "2"]  # fmt: skip
+            "--input-key", "prompt", "--rm-type", "exact", "--num-rollout", "1",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--actor-num-gpus-per-node", "2"]  # fmt: skip
     assert train(argv) == 2
     err = capsys.readouterr().err
     assert "torchrun --nnodes 1 --nproc-per-node 2 -m millstream.cli train --hf-checkpoint" in err

@@ -58,6 +58,8 @@ def test_flags_parse_into_a_frozen_config():
         (["--model-path", "/m", "--dtype", "float16"], "--dtype"),
         (["--model-path", "/m", "--max-running"], "unrecognized arguments"),
         (["--model-path", "/m", "--weight-update-timeout", "0"], "--weight-update-timeout"),
+        (["--model-path", "/m", "--max-request-bytes", "0"], "--max-request-bytes"),
+        (["--model-path", "/m", "--admin-token", " "], "--admin-token must not be empty"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):

@@ -127,6 +127,7 @@ def test_config_flags_and_env_token():
         (["--cache-threshold", "1.5"], "--cache-threshold"),
         (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold"),
         (["--router-policy", "random"], "--router-policy"),
+        (["--max-request-bytes", "0"], "--max-request-bytes"),
         (["--max-retr", "1"], "unrecognized arguments"),  # no abbreviations
     ],
 )

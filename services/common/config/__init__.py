@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..auth import ADMIN_TOKEN_ENV
 from .algo import AlgoConfig
 from .errors import ConfigError
 from .eval import EvalConfig
@@ -135,11 +137,19 @@ def resolve_run_config(ns: argparse.Namespace, mode: str) -> RunConfig:
 
 
 def parse_run_config(
-    argv: Sequence[str], *, mode: str = "sync", prog: str = "millstream train"
+    argv: Sequence[str],
+    *,
+    mode: str = "sync",
+    prog: str = "millstream train",
+    environ: Mapping[str, str] | None = None,
 ) -> RunConfig:
-    """Parse a Miles-style command line; on any error print it and exit with status 2."""
+    """Parse a Miles-style command line; on any error print it and exit with status 2.
+    Without --admin-token, the token is MILLSTREAM_ADMIN_TOKEN's, as for router and engines."""
     parser = build_parser(prog)
     ns = parser.parse_args(list(argv))
+    env = os.environ if environ is None else environ
+    if not hasattr(ns, "admin_token") and env.get(ADMIN_TOKEN_ENV):
+        ns.admin_token = env[ADMIN_TOKEN_ENV]
     try:
         return resolve_run_config(ns, mode)
     except ConfigError as err:

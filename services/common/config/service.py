@@ -2,14 +2,48 @@
 
 Rollout and reward workers are started with only --redis-url and --run-id (WorkerConfig);
 everything else they read from the resolved run config in Redis.
+
+The Redis password, highest precedence first: the one in --redis-url, --redis-password,
+the contents of --redis-password-file (which keeps it off the command line and out of
+`ps`), the REDIS_PASSWORD environment variable (`redis_conn.connect`). Every service that
+connects to Redis takes the same flags; `redis_password` resolves them once, at parse time,
+into the config's `redis_password`, which `store.dumps` never writes out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import ConfigError
 from .schema import flag
+
+PASSWORD_FILE_HELP = "file holding the Redis password (keeps it off the command line)"
+
+
+def read_secret_file(path: str, option: str) -> str:
+    """The file's text without its trailing newline; ConfigError naming `option` and the
+    path (never the contents) when it cannot be read or is empty."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or type(err).__name__
+        raise ConfigError(f"{option} {path}: cannot read it ({reason})") from None
+    secret = text.rstrip("\r\n")
+    if not secret:
+        raise ConfigError(f"{option} {path}: the file is empty")
+    return secret
+
+
+def redis_password(password: str | None, password_file: str | None) -> str | None:
+    """--redis-password, or the contents of --redis-password-file. Giving both is an error
+    unless they agree, so resolving an already resolved config again changes nothing."""
+    if password_file is None:
+        return password
+    from_file = read_secret_file(password_file, "--redis-password-file")
+    if password is not None and password != from_file:
+        raise ConfigError("give --redis-password or --redis-password-file, not both")
+    return from_file
 
 
 @dataclass(frozen=True)
@@ -21,6 +55,7 @@ class ConnectionConfig:
     redis_password: str | None = flag(
         None, "Redis password, when not in the URL (or REDIS_PASSWORD)"
     )
+    redis_password_file: str | None = flag(None, PASSWORD_FILE_HELP)
     log_level: str = flag("info", "", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
@@ -28,6 +63,8 @@ class ConnectionConfig:
             raise ConfigError(
                 f"--run-id must be non-empty without spaces, ':' or braces (got {self.run_id!r})"
             )
+        password = redis_password(self.redis_password, self.redis_password_file)
+        object.__setattr__(self, "redis_password", password)
 
 
 @dataclass(frozen=True)
@@ -35,7 +72,9 @@ class ServiceConfig:
     run_dir: str | None = flag(None, "logs, traces and metrics go here (default runs/RUN_ID)")
     router_url: str | None = flag(None, "an existing router; none: start engines and a router")
     admin_token: str | None = flag(
-        None, "bearer token for admin endpoints (or MILLSTREAM_ADMIN_TOKEN)"
+        None,
+        "bearer token sent to the router's and engines' admin endpoints and required by the "
+        "Coordinator's JoinEngine (or MILLSTREAM_ADMIN_TOKEN)",
     )
     coordinator_port: int = flag(0, "Coordinator gRPC port on trainer rank 0 (0: pick a free one)")
     num_rollout_workers: int = flag(1, "rollout workers `millstream train` starts locally")
@@ -84,5 +123,7 @@ class ServiceConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})"
                 )
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ConfigError("--admin-token must not be empty")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0 (got {self.max_staleness})")

@@ -2,11 +2,16 @@
 
 The trainer writes it once at start; rollout and reward workers, started with only
 --redis-url and --run-id, read it back. JSON (not pickle) so `redis-cli get` shows it.
+
+Invariant: no secret is written out. Workers bring their own Redis password, and none of
+them calls an admin endpoint, so the published config has no Redis password (flag, file or
+in the URL: there it reads `***`) and no admin token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -14,14 +19,29 @@ from typing import Any
 
 from ..errors import MillstreamError
 from ..keys import RunKeys
+from ..redis_conn import redact
 from . import GROUPS, RunConfig
 from .schema import from_dict, to_dict
 
 SCHEMA_VERSION = 1
 
 
+def without_secrets(cfg: RunConfig) -> RunConfig:
+    """`cfg` as workers and the run dir may see it (module docstring)."""
+    conn = cfg.connection
+    url = conn.redis_url and redact(conn.redis_url)
+    return dataclasses.replace(
+        cfg,
+        connection=dataclasses.replace(
+            conn, redis_url=url, redis_password=None, redis_password_file=None
+        ),
+        service=dataclasses.replace(cfg.service, admin_token=None),
+    )
+
+
 def dumps(cfg: RunConfig) -> str:
-    return json.dumps({"schema": SCHEMA_VERSION, "config": to_dict(cfg)}, indent=1, sort_keys=True)
+    doc = {"schema": SCHEMA_VERSION, "config": to_dict(without_secrets(cfg))}
+    return json.dumps(doc, indent=1, sort_keys=True)
 
 
 def loads(text: str | bytes) -> RunConfig:

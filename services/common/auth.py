@@ -1,0 +1,40 @@
+"""The admin token: one bearer scheme for the router, the engines and the Coordinator.
+
+A caller proves it may change a service's state with `Authorization: Bearer <token>`: an
+HTTP header for the router's and engines' admin endpoints, the gRPC metadata key
+`authorization` for the Coordinator's JoinEngine. The token comes from `--admin-token` or
+the environment (`MILLSTREAM_ADMIN_TOKEN`, so it stays out of process listings).
+
+Invariants: with no token configured every endpoint is open (a local, loopback-only run);
+with one, an admin call without the exact token is refused, and the comparison takes the
+same time wherever the given token differs (`hmac.compare_digest`). Read-only and data-path
+endpoints (health, info, /generate) never ask for it, as in SGLang, whose API key guards
+only its admin routes. Nothing here logs or echoes a token.
+
+Imports no torch, FastAPI or gRPC: the router, the engine and the trainer all load it.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+ADMIN_TOKEN_ENV = "MILLSTREAM_ADMIN_TOKEN"
+NEEDS_TOKEN = "this endpoint needs `Authorization: Bearer <admin token>`"
+WRONG_TOKEN = "wrong admin token"
+
+
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """The header an admin call sends: none when no token is configured."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def refusal(authorization: str | None, token: str | None) -> str | None:
+    """Why a call with this `Authorization` value is refused, or None when it may proceed."""
+    if token is None:
+        return None
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return NEEDS_TOKEN
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        return WRONG_TOKEN
+    return None

@@ -1,0 +1,303 @@
+"""Validate everything before starting anything: `check(cfg)` runs once in `millstream train`,
+after the flags parse and before the first child process (redis-server, engines, router,
+workers) starts. A problem is a ConfigError whose message starts with the flag; the CLI
+prints it and exits 2, within a second or two and with nothing to stop.
+
+In order, cheapest first:
+
+1. flags alone: what the trainer needs (--hf-checkpoint, --prompt-data, a reward, a length),
+   what this build cannot honour (--train-backend megatron, --custom-generate-function-path),
+   --rm-type among the reward hub's built-ins, and the rest of the reward worker's own check;
+2. this machine: redis-server on PATH when none is given, the packages of the extras the
+   processes started here import (found with `importlib.util.find_spec`, never imported:
+   torch's import is seconds of CPU and happens later, in a thread, while the engines load),
+   and the tracking packages (--tensorboard-dir, --use-wandb);
+3. the user's code (--custom-rm-path, --rollout-function-path, --buffer-filter-path,
+   --dynamic-sampling-filter-path), imported with the loader the workers use
+   (common/plugins.py), from the directory they run in, so the rules are theirs;
+4. files: the model dirs, a --load checkpoint that is there, and the prompt data and eval
+   sets, read up to their first usable row with the data source's own row parser.
+
+Left to others: value checks of one group (the config's `__post_init__`); what needs a service
+(Redis answering, engines loading the model); the whole data set, which the trainer's build
+reads and tokenizes. Workers check their part again at their own start, for deployments where
+they run elsewhere; with --redis-url and --router-url both given this process starts no
+worker, so steps 2 and 3 skip what only those workers need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from millstream.common.config import ConfigError, RunConfig
+from millstream.common.errors import MillstreamError
+from millstream.common.plugins import load_function
+
+from .data import ROW_ERRORS, labels_are_text, parse_row
+from .launcher import given_router_url
+from .metrics import TRACKING_PACKAGES
+
+# Repeated here, and held equal to the originals by tests/unit/test_preflight.py: the reward
+# hub's built-ins (reward/rm_hub.py RM_TYPES, BOXED_PREFIX) and the dynamic-sampling filter's
+# (reward/filters.py BUILTINS), since the trainer imports no other service (DESIGN.md section
+# 2); checkpoint.py's file names, since checkpoint.py imports torch.
+RM_TYPES = ("math", "deepscaler", "dapo", "f1", "exact", "remote_rm")
+BOXED_PREFIX = "boxed_"
+BUILTIN_FILTERS = ("check_reward_nonzero_std", "check_no_aborted")
+LATEST = "latest_checkpointed_iteration.txt"
+STATE = "trainer_state.json"
+
+# What each extra of pyproject.toml provides that a process started here imports.
+MODEL_EXTRA = ("torch", "transformers", "safetensors", "tokenizers")
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
+
+
+def check(cfg: RunConfig) -> None:
+    """ConfigError, naming the flag, on the first problem found; see the module docstring."""
+    check_flags(cfg)
+    check_machine(cfg)
+    check_plugins(cfg)
+    check_files(cfg)
+
+
+def starts_services(cfg: RunConfig) -> bool:
+    """This process starts services, workers included (LocalCluster.starts_anything): all
+    but a trainer given both --redis-url and --router-url."""
+    return not cfg.connection.redis_url or given_router_url(cfg) is None
+
+
+def check_flags(cfg: RunConfig) -> None:
+    """What the trainer needs beyond the generic validation, from the flags alone."""
+    if not (cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load):
+        raise ConfigError("--hf-checkpoint (or --ref-load) is required: the starting model")
+    if not cfg.rollout.prompt_data:
+        raise ConfigError("--prompt-data is required: a JSONL file of prompts")
+    if not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
+        raise ConfigError("--rm-type or --custom-rm-path is required: how samples are scored")
+    if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
+        raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
+    if cfg.ckpt.train_backend != "torch":
+        raise ConfigError(f"--train-backend {cfg.ckpt.train_backend} is not built yet (torch is)")
+    if cfg.rollout.custom_generate_function_path:
+        raise ConfigError(
+            "--custom-generate-function-path is not supported by the rollout worker; use "
+            "--rollout-function-path (fn(group, cfg, client) -> SampleGroup) instead"
+        )
+    if given_router_url(cfg) is None and not cfg.ckpt.hf_checkpoint:
+        raise ConfigError(
+            "--hf-checkpoint is required to start local engines (--ref-load is not served); "
+            "or pass --router-url to use running ones"
+        )
+    _check_group_size(cfg)
+    _check_reward(cfg)
+    for name in ("critic_load", "opd_teacher_load"):
+        path = getattr(cfg.algo, name)
+        if path:
+            _model_dir("--" + name.replace("_", "-"), path)
+
+
+def _check_group_size(cfg: RunConfig) -> None:
+    a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
+    grpo = a.advantage_estimator in ("grpo", "gspo")
+    if grpo and n < 2 and not a.disable_grpo_std_normalization:
+        raise ConfigError(
+            f"--n-samples-per-prompt {n}: {a.advantage_estimator} needs >= 2, "
+            "or --disable-grpo-std-normalization"
+        )
+    if a.advantage_estimator == "reinforce_plus_plus_baseline" and n < 2:
+        raise ConfigError(
+            f"--n-samples-per-prompt {n}: reinforce_plus_plus_baseline subtracts the group "
+            "mean, it needs >= 2"
+        )
+
+
+def _check_reward(cfg: RunConfig) -> None:
+    """The reward worker's start-up check (reward/rewarder.py check_reward_config), here."""
+    r = cfg.reward
+    if r.group_rm and not r.custom_rm_path:
+        raise ConfigError("--group-rm scores with your function: set --custom-rm-path too")
+    if not r.rm_type:
+        return
+    name = r.rm_type.strip()
+    if name.removeprefix(BOXED_PREFIX) not in RM_TYPES:
+        raise ConfigError(
+            f"--rm-type {r.rm_type} is not a built-in reward; known: {', '.join(RM_TYPES)} "
+            f"(each may take the {BOXED_PREFIX} prefix); for your own reward use "
+            "--custom-rm-path pkg.mod.fn"
+        )
+
+
+def check_machine(cfg: RunConfig) -> None:
+    """Programs and packages the processes started here need, and the tracking packages."""
+    if not cfg.connection.redis_url and shutil.which("redis-server") is None:
+        raise ConfigError(
+            "--redis-url not given and redis-server is not on PATH: install it (Debian: "
+            "apt-get install redis-server) or pass --redis-url to use an existing Redis"
+        )
+    _need(MODEL_EXTRA, "model", f"--train-backend {cfg.ckpt.train_backend} needs")
+    if given_router_url(cfg) is None:
+        _need(
+            SERVE_EXTRA, "serve", "--router-url not given: the engines and router started here need"
+        )
+    if starts_services(cfg):
+        executor = cfg.reward.reward_executor
+        package = "celery" if executor == "celery" else "math_verify"
+        _need((package,), "reward", f"--reward-executor {executor}: the reward workers need")
+    wanted = {
+        "--tensorboard-dir": cfg.logging.tensorboard_dir,
+        "--use-wandb": cfg.logging.use_wandb,
+    }
+    for flag, package in TRACKING_PACKAGES.items():
+        if wanted[flag] and not _installed(package):
+            raise ConfigError(
+                f"{flag} needs the {package} package, which is not installed: pip install {package}"
+            )
+
+
+def _need(packages: tuple[str, ...], extra: str, who: str) -> None:
+    missing = [p for p in packages if not _installed(p)]
+    if missing:
+        raise ConfigError(
+            f"{who} {', '.join(missing)} (not installed here): pip install 'millstream[{extra}]'"
+        )
+
+
+def _installed(package: str) -> bool:
+    """A top-level package is importable; finds it without importing it."""
+    return importlib.util.find_spec(package) is not None
+
+
+def check_plugins(cfg: RunConfig) -> None:
+    """The user's functions load, as the workers started here will load them."""
+    if not starts_services(cfg):
+        return  # the workers run elsewhere, with their own PYTHONPATH
+    r = cfg.rollout
+    plugins = {
+        "--custom-rm-path": cfg.reward.custom_rm_path,
+        "--rollout-function-path": r.rollout_function_path,
+        "--buffer-filter-path": r.buffer_filter_path,
+        "--dynamic-sampling-filter-path": r.dynamic_sampling_filter_path,
+    }
+    # A built-in filter's name, bare or in Miles' or slime's module path, is the reward
+    # worker's to resolve (reward/filters.py resolve_filter): no module to import here.
+    filter_path = r.dynamic_sampling_filter_path
+    if filter_path and filter_path.rsplit(".", 1)[-1] in BUILTIN_FILTERS:
+        del plugins["--dynamic-sampling-filter-path"]
+    with _workers_sys_path():
+        for flag, path in plugins.items():
+            if not path:
+                continue
+            try:
+                load_function(path, flag)
+            except MillstreamError as err:  # the loader's message starts with the flag
+                raise ConfigError(str(err)) from None
+            except Exception as err:  # the user's module raised while it was imported
+                raise ConfigError(
+                    f"{flag} {path!r}: importing it raised {type(err).__name__}: {err}"
+                ) from None
+
+
+@contextlib.contextmanager
+def _workers_sys_path() -> Iterator[None]:
+    """The workers run as `python -m millstream.cli ...` in this directory, which puts it first
+    on their sys.path; the `millstream` script does not put it on ours. Import as they do."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def check_files(cfg: RunConfig) -> None:
+    """Model dirs, a --load checkpoint, the prompt data and the eval sets."""
+    ckpt, a = cfg.ckpt, cfg.algo
+    if ckpt.hf_checkpoint:
+        _model_dir("--hf-checkpoint", ckpt.hf_checkpoint)
+    # --ref-load is read as the reference (a KL term) or as the actor without --hf-checkpoint;
+    # a Miles script may pass a Megatron dir there that the torch backend never reads.
+    if ckpt.ref_load and (a.use_kl_loss or a.use_kl_in_reward or not ckpt.hf_checkpoint):
+        _model_dir("--ref-load", ckpt.ref_load)
+    if ckpt.load:
+        _check_load(ckpt.load)
+    if ckpt.save and os.path.exists(ckpt.save) and not os.path.isdir(ckpt.save):
+        raise ConfigError(f"--save {ckpt.save} is a file, not a directory")
+    r, e = cfg.rollout, cfg.eval
+    _check_prompts(
+        "--prompt-data", r.prompt_data, r.input_key, r.label_key, r.metadata_key, r.tool_key,
+        r.apply_chat_template, r.skip_bad_lines, labels_are_text(cfg),
+    )  # fmt: skip
+    for name, path in e.datasets().items():
+        _check_prompts(
+            f"--eval-prompt-data {name}", path, e.eval_input_key or r.input_key,
+            e.eval_label_key or r.label_key, e.eval_metadata_key or r.metadata_key, r.tool_key,
+            r.apply_chat_template, r.skip_bad_lines, labels_are_text(cfg),
+        )  # fmt: skip
+
+
+def _model_dir(flag: str, path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        what = "does not exist" if not os.path.exists(path) else "has no config.json"
+        raise ConfigError(f"{flag} {path} is not a Hugging Face model dir ({what})")
+
+
+def _check_load(root: str) -> None:
+    """A missing --load dir, or one without the latest file, is a fresh start (as in
+    checkpoint.latest_iteration); one that names a checkpoint must hold it."""
+    if not os.path.exists(root):
+        return
+    if not os.path.isdir(root):
+        raise ConfigError(f"--load {root} is a file, not a checkpoint directory")
+    latest = Path(root, LATEST)
+    if not latest.is_file():
+        return
+    text = latest.read_text().strip()
+    if not text.isdigit():
+        raise ConfigError(f"--load {root}: {LATEST} holds {text!r}, not an iteration number")
+    state = Path(root, f"iter_{int(text):07d}", STATE)
+    if not state.is_file():
+        raise ConfigError(f"--load {root}: {LATEST} names iteration {text} but {state} is missing")
+
+
+def _check_prompts(
+    flag: str, path: str | None, input_key: str, label_key: str | None, metadata_key: str,
+    tool_key: str | None, chat: bool, skip_bad_lines: bool, text_label: bool,
+) -> None:  # fmt: skip
+    """Every row parsed as the trainer's data source parses it, without the tokenizer (JSON
+    only: about a second per 100k rows): a bad line is an error (unless --skip-bad-lines), and
+    so is a file without a usable row."""
+    if not path or not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: no such file")
+    first_bad, usable = None, 0
+    with open(path, encoding="utf-8") as f:
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    parse_row(line, input_key, label_key, metadata_key, tool_key, chat, text_label)
+                    usable += 1
+                except ROW_ERRORS as err:
+                    # str() of a KeyError is the repr of its message: quotes around it
+                    why = err.args[0] if isinstance(err, KeyError) and err.args else err
+                    if not skip_bad_lines:
+                        raise ConfigError(
+                            f"{flag} {path}:{lineno}: {why} (fix the line, or pass --skip-bad-lines)"
+                        ) from None
+                    first_bad = first_bad or f"the first bad line is {lineno}: {why}"
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{flag} {path}: not UTF-8 text ({err})") from None
+    if usable:
+        return
+    if first_bad is None:
+        raise ConfigError(f"{flag} {path}: the file has no rows")
+    raise ConfigError(f"{flag} {path}: no usable row ({first_bad})")

@@ -1,0 +1,96 @@
+"""`make chaos`: the chaos suite at full length, and its table.
+
+    python -m tests.chaos            # every scenario (about 15 minutes on 2 cores)
+    python -m tests.chaos poison     # the scenarios whose name contains "poison"
+
+Each scenario deploys a run on loopback (tests/chaos/harness.py), injects its fault while
+the trainer trains and checks the promises; the exit code is 1 when any promise broke.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.support.tiny_model import build_tiny_model
+
+from . import scenarios
+from .harness import Row
+
+FULL: dict[str, Callable[[Path, Path], Row]] = {
+    "workers_killed": lambda w, m: scenarios.workers_killed(w, m, iterations=600, every_s=10.0),
+    "engine_killed": lambda w, m: scenarios.engine_killed(w, m, iterations=300, kills=3),
+    "trainer_killed": lambda w, m: scenarios.trainer_killed(w, m, iterations=120, save_interval=30),
+    "redis_restarted": lambda w, m: scenarios.redis_restarted(w, m, iterations=300, restarts=3),
+    "poison": lambda w, m: scenarios.poison(w, m, iterations=150, entries=30),
+    "bad_input": scenarios.bad_input,
+    "oversized_request": scenarios.oversized_request,
+}
+
+COLUMNS = ("admitted", "trained", "filtered", "failed", "dropped", "lost", "trained twice")
+
+
+def cells(row: Row) -> list[str]:
+    r = row.result
+    if r is None or not r.counts:
+        return ["-"] * len(COLUMNS)
+    c = r.counts
+    dropped = c.get("dropped_stale", 0) + c.get("dropped_at_end", 0)
+    values = [
+        c["admitted"],
+        c["trained"],
+        c["filtered"],
+        c["failed"],
+        dropped,
+        r.lost,
+        r.trained_twice,
+    ]
+    return [str(v) for v in values]
+
+
+def table(rows: list[tuple[Row, float]]) -> str:
+    head = ["fault", "injected", "outcome", *COLUMNS, "seconds", "ok"]
+    body = [
+        [
+            row.fault,
+            str(row.injected),
+            row.outcome,
+            *cells(row),
+            f"{secs:.0f}",
+            "yes" if row.ok else "NO",
+        ]
+        for row, secs in rows
+    ]
+    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
+        for line in body
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    chosen = {k: v for k, v in FULL.items() if not argv or any(a in k for a in argv)}
+    rows: list[tuple[Row, float]] = []
+    with tempfile.TemporaryDirectory(prefix="millstream-chaos-") as tmp:
+        model = build_tiny_model(Path(tmp) / "model")
+        for name, scenario in chosen.items():
+            print(f"== {name}", flush=True)
+            workdir = Path(tmp) / name
+            workdir.mkdir()
+            start = time.monotonic()
+            row = scenario(workdir, model)
+            rows.append((row, time.monotonic() - start))
+            for problem in row.problems:
+                print(f"   problem: {problem[:2000]}", flush=True)
+    print(table(rows))
+    return 0 if all(row.ok for row, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

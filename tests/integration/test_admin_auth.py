@@ -1,0 +1,184 @@
+"""The admin token and the body size limit on real processes: an engine started with
+--admin-token and a small --max-request-bytes, and a router (default limit) in front of it.
+
+Every engine route is either an admin route (the token is required: 401 without it or with a
+wrong one) or an open one (health, info, generation), and the two lists are written out here,
+so a new route must be put in one of them. A body over the limit is a 413, declared by
+Content-Length or counted as it streams in (chunked), and the service goes on serving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.engine_proc import EngineProcess
+from tests.support.router_proc import ServiceProcess, start_router
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+TOKEN = "adm1n-s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LIMIT = 256 * 1024
+SMALL = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+
+ADMIN_ROUTES = {
+    ("POST", "/abort_request"),
+    ("POST", "/pause_generation"),
+    ("POST", "/continue_generation"),
+    ("GET", "/flush_cache"),
+    ("POST", "/flush_cache"),
+    ("POST", "/init_weights_update_group"),
+    ("POST", "/destroy_weights_update_group"),
+    ("POST", "/update_weights_from_distributed"),
+    ("POST", "/update_weights_from_tensor"),
+    ("POST", "/update_weights_from_disk"),
+}
+OPEN_ROUTES = {
+    ("POST", "/generate"),
+    ("GET", "/health"),
+    ("GET", "/health_generate"),
+    ("GET", "/get_model_info"),
+    ("GET", "/get_server_info"),
+    ("GET", "/get_weight_version"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    workdir = tmp_path_factory.mktemp("engine-admin")
+    flags = ("--admin-token", TOKEN, "--max-request-bytes", str(LIMIT))
+    proc = EngineProcess(tiny_model_dir, workdir, *flags)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def router(engine: EngineProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    proc: ServiceProcess = start_router(
+        tmp_path_factory.mktemp("router-admin"), "--worker-urls", engine.url
+    )
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(engine: EngineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine.url, timeout=30.0) as c:
+        yield c
+
+
+def routes_of(api_router) -> set[tuple[str, str]]:
+    return {(method, route.path) for route in api_router.routes for method in route.methods}
+
+
+def paused(client: httpx.Client) -> bool:
+    return client.get("/get_server_info").json()["scheduler"]["paused"]
+
+
+def test_every_engine_route_is_either_admin_or_open():
+    from millstream.engine.api import router as api_router
+    from millstream.engine.control_api import router as control_router
+    from millstream.engine.openai_api import router as openai_router
+
+    assert routes_of(control_router) == ADMIN_ROUTES
+    assert routes_of(api_router) | routes_of(openai_router) == OPEN_ROUTES
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": "Bearer"},
+    ],
+    ids=["none", "wrong", "not-bearer", "empty"],
+)
+def test_admin_routes_refuse_a_missing_or_wrong_token(client: httpx.Client, headers: dict):
+    for method, path in sorted(ADMIN_ROUTES):
+        body = {"json": {"mode": "abort"}} if method == "POST" else {}
+        r = client.request(method, path, headers=headers, **body)
+        assert r.status_code == 401, (method, path, r.text)
+        assert r.headers["www-authenticate"] == "Bearer"
+        error = r.json()
+        assert error["code"] == 401 and error["type"] == "AuthenticationError"
+        assert "admin token" in error["message"] and TOKEN not in r.text
+    assert not paused(client)  # nothing got through
+
+
+def test_admin_routes_answer_with_the_token(client: httpx.Client):
+    r = client.post("/pause_generation", json={"mode": "abort"}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["success"] is True
+    assert paused(client)
+    r = client.post("/continue_generation", json={}, headers=AUTH)
+    assert r.status_code == 200 and not paused(client)
+    assert client.post("/abort_request", json={"abort_all": True}, headers=AUTH).status_code == 200
+    assert client.get("/flush_cache", headers=AUTH).status_code == 200
+    # Past the token check, the endpoint's own answer: there is no such group.
+    r = client.post("/destroy_weights_update_group", json={"group_name": "none"}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["success"] is False
+
+
+def test_open_routes_need_no_token(client: httpx.Client):
+    for method, path in sorted(OPEN_ROUTES):
+        if method == "GET":
+            assert client.get(path).status_code == 200, path
+    r = client.post("/generate", json=SMALL)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
+    info = client.get("/get_server_info").json()
+    assert "admin_token" not in info and TOKEN not in str(info)
+
+
+def test_the_router_passes_the_callers_token_on_to_the_engine(router, client: httpx.Client):
+    r = httpx.post(router.url + "/pause_generation", json={"mode": "abort"}, timeout=30)
+    assert r.status_code == 401 and not paused(client)
+    r = httpx.post(router.url + "/pause_generation", json={"mode": "abort"}, headers=AUTH)
+    assert r.status_code == 200 and paused(client)
+    r = httpx.post(router.url + "/continue_generation", json={}, headers=AUTH)
+    assert r.status_code == 200 and not paused(client)
+
+
+def test_the_engine_refuses_a_body_over_its_limit_and_goes_on_serving(client: httpx.Client):
+    padded = {**SMALL, "rid": ""}
+    padded["rid"] = "r" * (LIMIT - len(httpx.Request("POST", "/", json=padded).content))
+    r = client.post("/generate", json=padded)  # exactly the limit: accepted
+    assert r.status_code == 200, r.text
+
+    r = client.post("/generate", content=b"x" * (LIMIT + 1))
+    assert r.status_code == 413 and r.headers["connection"] == "close"
+    assert r.json()["code"] == 413 and "--max-request-bytes" in r.json()["message"]
+    r = client.post("/generate", content=iter([b"x" * 65536] * 8))  # chunked: no length
+    assert r.status_code == 413 and "chunked" in r.json()["message"]
+    # An admin route reads no body over the limit either, token or not.
+    r = client.post("/update_weights_from_tensor", content=iter([b"x" * 65536] * 8), headers=AUTH)
+    assert r.status_code == 413
+
+    assert client.post("/generate", json=SMALL).status_code == 200
+    assert client.get("/health").status_code == 200
+
+
+def test_the_router_refuses_50_mb_at_once_and_goes_on_serving(router):
+    big = b"x" * (50 * 1024**2)  # over the default 32 MiB
+    with httpx.Client(base_url=router.url, timeout=30.0) as c:
+        start = time.monotonic()
+        r = c.post("/generate", content=big)
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+        r = c.post("/generate", content=iter([big[: 1024**2]] * 50))
+        assert r.status_code == 413 and "chunked" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 10
+        r = c.post("/add_worker", content=big)  # the router's own endpoints too
+        assert r.status_code == 413
+
+        r = c.post("/generate", json=SMALL)
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
+        assert c.get("/readiness").status_code == 200
