@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -245,6 +246,9 @@ class WeightSync:
         self._group: UpdateGroup | None = None
         self._members: list[str] = []
         self._generation = itertools.count(1)
+        # Group names unique to this trainer process: an engine that outlived a killed trainer
+        # still holds its groups, and a restarted trainer's `_1` would collide with them.
+        self._instance = secrets.token_hex(3)
         # One client for the life of the trainer's event loop, made at the first sync (a new
         # one per sync built its SSL context and opened fresh connections every time: a
         # third of a small model's sync). Use one WeightSync from one event loop.
@@ -391,7 +395,7 @@ class WeightSync:
         start = time.monotonic()
         # Old members that left between syncs are asked too: they may still hold the group.
         await self._drop_group(calls, [u for u in self._members if u not in report.removed])
-        name = f"{self.group_name}_{next(self._generation)}"
+        name = f"{self.group_name}_{self._instance}_{next(self._generation)}"
         group = UpdateGroup(name, 1 + len(engines), backend, self.master_address, self.timeout_s)
         self._group, self._members = group, list(engines)
 

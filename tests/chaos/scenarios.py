@@ -79,7 +79,9 @@ def workers_killed(workdir: Path, model: Path, *, iterations: int, every_s: floa
         d.stop()
 
 
-def engine_killed(workdir: Path, model: Path, *, iterations: int, kills: int) -> Row:
+def engine_killed(
+    workdir: Path, model: Path, *, iterations: int, kills: int, first_at: int | None = None
+) -> Row:
     """SIGKILL one of two engines while it generates; the router must take it out of routing
     within a health interval, and the engine started again must serve the trainer's current
     weights before the router sends it anything."""
@@ -91,7 +93,8 @@ def engine_killed(workdir: Path, model: Path, *, iterations: int, kills: int) ->
         victim = d.engines[1]
         for k in range(kills):
             # Early enough that the run outlasts the restarted engine's boot (~5-10 s).
-            d.wait_iterations(max(2, (k + 1) * iterations // (4 * kills)), trainer)
+            at = first_at if first_at and k == 0 else (k + 1) * iterations // (4 * kills)
+            d.wait_iterations(max(2, at), trainer)
             victim.kill()
             victim.stop()  # reaped, its log closed
             row.injected += 1
@@ -279,3 +282,52 @@ def bad_input(workdir: Path, model: Path) -> Row:
         outcomes.append(f"{name}: exit {proc.returncode}")
     row.outcome = "; ".join(outcomes) + ", nothing started"
     return row
+
+
+def mixed(workdir: Path, model: Path, *, iterations: int) -> list[Row]:
+    """The short run of `make test`: worker kills, a Redis restart and poison in one run (one
+    deployment instead of three); a row per fault, each with the whole run's promises."""
+    prompts = write_prompts(workdir / "prompts.jsonl", n=40, bad_labels=BAD_LABELS)
+    d = Deployment(workdir, model, prompts, rollout=2, reward=2)
+    keys = RunKeys(d.run_id)
+    client = redis.Redis.from_url(d.redis.url)
+    kills = Row("SIGKILL a rollout/reward worker", 0, "")
+    restart = Row("restart Redis (AOF on)", 0, "")
+    bad = Row("poison entries; reward raises/hangs/NaN", 0, "")
+    try:
+        trainer = d.start_trainer(iterations)
+        d.wait_iterations(2, trainer)
+        for i, stream in enumerate((keys.prompts, keys.generated, keys.scored)):
+            client.xadd(stream, {"data": b"\xff\xfe not protobuf", "v": "1"})
+            client.xadd(stream, {**entry_fields(PromptGroup(group_id=f"future-{i}")), "v": "99"})
+            bad.injected += 2
+        for at, name in ((iterations // 5, "rollout-0"), (2 * iterations // 5, "reward-1")):
+            d.wait_iterations(at, trainer)
+            d.workers.kill(name)
+            d.spawn_worker(name.split("-")[0], name)
+            kills.injected += 1
+        d.wait_iterations(3 * iterations // 5, trainer)
+        d.redis.restart()
+        restart.injected += 1
+        result = d.finish(trainer)
+        for row in (kills, restart, bad):
+            check_run(row, result)
+            _all_alive(d, row)
+        failed = failed_groups(result.log)
+        bad_rows = {40 + i for i in range(len(BAD_LABELS))}
+        wrongly = [gid for gid in failed if int(gid.rsplit("-i", 1)[1]) not in bad_rows]
+        if wrongly:
+            bad.problems.append(f"good groups failed: {wrongly}")
+        if _trained_rows(d) & bad_rows:
+            bad.problems.append(f"broken-reward groups trained: {_trained_rows(d) & bad_rows}")
+        if not failed or any("reward" not in why for why in failed.values()):
+            bad.problems.append(f"bad groups did not fail with the reward's reason: {failed}")
+        kills.outcome = "every kill recovered"
+        restart.outcome = "services reconnected"
+        bad.outcome = (
+            f"{len(failed)} groups failed with the reason; {client.xlen(keys.dead)} dead letters"
+        )
+        return [kills, restart, bad]
+    finally:
+        client.close()
+        d.stop()
