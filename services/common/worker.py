@@ -45,7 +45,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import Interrupted, ServiceUnavailable
-from .redis_conn import redact
 from .streams import Consumer, PoisonEntry, StreamEntry, check_envelope
 
 log = logging.getLogger(__name__)
@@ -307,7 +306,7 @@ class StreamWorker:
         url = self.consumer.redis.connection_pool.connection_kwargs
         where = f"{url.get('host', '?')}:{url.get('port', '?')}"
         return RedisGone(
-            f"{self.name}: Redis at {redact(where)} is unreachable ({err}), also after "
+            f"{self.name}: Redis at {where} is unreachable ({err}), also after "
             "reconnecting; stopping. Its entries stay pending for other consumers."
         )
 

@@ -207,23 +207,33 @@ def poison(workdir: Path, model: Path, *, iterations: int, entries: int) -> Row:
         result = d.finish(trainer)
         check_run(row, result)
         _all_alive(d, row)
-        failed = failed_groups(result.log)
-        wrongly = [gid for gid in failed if int(gid.rsplit("-i", 1)[1]) not in bad_rows]
-        if wrongly:
-            row.problems.append(f"good groups failed: {wrongly}")
-        trained = _trained_rows(d)
-        if trained & bad_rows:
-            row.problems.append(f"groups with a broken reward were trained: {trained & bad_rows}")
-        long_row = f"-i{40 + len(BAD_LABELS)}"
-        expected = {gid: "context length" if gid.endswith(long_row) else "reward" for gid in failed}
-        if not failed or any(word not in failed[gid] for gid, word in expected.items()):
-            row.problems.append(f"bad groups did not fail with their reason: {failed}")
+        reasons = {row_index: "reward" for row_index in bad_rows}
+        reasons[40 + len(BAD_LABELS)] = "context length"
+        failed = _check_bad_groups(row, d, result, reasons)
         dead = client.xlen(keys.dead)
         row.outcome = f"{len(failed)} groups failed with the reason; {dead} dead letters"
         return row
     finally:
         client.close()
         d.stop()
+
+
+def _check_bad_groups(
+    row: Row, d: Deployment, result: RunResult, reasons: dict[int, str]
+) -> dict[str, str]:
+    """The groups of the data rows in `reasons` (row -> a word their failure reason must
+    hold) failed with it and were never trained; no other group failed. Returns the failed."""
+    failed = failed_groups(result.log)
+    index = {gid: int(gid.rsplit("-i", 1)[1]) for gid in failed}
+    wrongly = [gid for gid, i in index.items() if i not in reasons]
+    if wrongly:
+        row.problems.append(f"good groups failed: {wrongly}")
+    trained = _trained_rows(d) & set(reasons)
+    if trained:
+        row.problems.append(f"groups with a broken reward or prompt were trained: {trained}")
+    if not failed or any(reasons.get(i, "") not in failed[gid] for gid, i in index.items()):
+        row.problems.append(f"bad groups did not fail with their reason: {failed}")
+    return failed
 
 
 def _trained_rows(d: Deployment) -> set[int]:
@@ -313,15 +323,9 @@ def mixed(workdir: Path, model: Path, *, iterations: int) -> list[Row]:
         for row in (kills, restart, bad):
             check_run(row, result)
             _all_alive(d, row)
-        failed = failed_groups(result.log)
-        bad_rows = {40 + i for i in range(len(BAD_LABELS))}
-        wrongly = [gid for gid in failed if int(gid.rsplit("-i", 1)[1]) not in bad_rows]
-        if wrongly:
-            bad.problems.append(f"good groups failed: {wrongly}")
-        if _trained_rows(d) & bad_rows:
-            bad.problems.append(f"broken-reward groups trained: {_trained_rows(d) & bad_rows}")
-        if not failed or any("reward" not in why for why in failed.values()):
-            bad.problems.append(f"bad groups did not fail with the reward's reason: {failed}")
+        failed = _check_bad_groups(
+            bad, d, result, dict.fromkeys(range(40, 40 + len(BAD_LABELS)), "reward")
+        )
         kills.outcome = "every kill recovered"
         restart.outcome = "services reconnected"
         bad.outcome = (
