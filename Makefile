@@ -36,8 +36,8 @@ bench: bootstrap
 COMPOSE = $(VENV)/bin/python -c 'import compose, os, sys; b = os.path.join(os.path.dirname(compose.__file__), "docker-compose"); os.execv(b, [b, *sys.argv[1:]])' -f deploy/compose/compose.yml --env-file deploy/compose/.env
 
 deploy/compose/.env:
-	@printf 'REDIS_PASSWORD=%s\nCOMPOSE_PROFILES=cpu\n' "$$(head -c 18 /dev/urandom | base64 | tr -d '/+=')" > $@
-	@echo "wrote $@ (a random REDIS_PASSWORD; COMPOSE_PROFILES=cpu)"
+	@printf 'REDIS_PASSWORD=%s\nADMIN_TOKEN=%s\nCOMPOSE_PROFILES=cpu\n' "$$(head -c 18 /dev/urandom | base64 | tr -d '/+=')" "$$(head -c 18 /dev/urandom | base64 | tr -d '/+=')" > $@
+	@echo "wrote $@ (a random REDIS_PASSWORD and ADMIN_TOKEN; COMPOSE_PROFILES=cpu)"
 
 compose-up: bootstrap deploy/compose/.env
 	$(COMPOSE) up -d --build

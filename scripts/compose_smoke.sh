@@ -52,8 +52,8 @@ CERT="$(.venv/bin/pip config get global.cert 2>/dev/null || echo "${PIP_CERT:-}"
 [ -n "$CERT" ] && [ -f "$CERT" ] && cp "$CERT" "$HERE/ca/host.crt"
 
 if [ ! -f "$HERE/.env" ]; then
-  say "writing $HERE/.env (a random REDIS_PASSWORD)"
-  printf 'REDIS_PASSWORD=%s\nCOMPOSE_PROFILES=cpu\n' "$(head -c 18 /dev/urandom | base64 | tr -d '/+=')" > "$HERE/.env"
+  say "writing $HERE/.env (a random REDIS_PASSWORD and ADMIN_TOKEN)"
+  printf 'REDIS_PASSWORD=%s\nADMIN_TOKEN=%s\nCOMPOSE_PROFILES=cpu\n' "$(head -c 18 /dev/urandom | base64 | tr -d '/+=')" "$(head -c 18 /dev/urandom | base64 | tr -d '/+=')" > "$HERE/.env"
 fi
 export NUM_ROLLOUT="${NUM_ROLLOUT:-30}" MODE="${MODE:-train}"
 DC=("$COMPOSE_BIN" -f "$HERE/compose.yml" --env-file "$HERE/.env" -p millstream-smoke)

@@ -2,7 +2,8 @@
 # The main job (`make run`): GRPO on two-digit addition with a 140k-parameter Qwen2, on CPU.
 # Written as a Miles launch script: bash arrays of Miles flags, then one command.
 # Everything it needs ships in this folder (model/, data/); `millstream train-async` starts a
-# private redis-server, the engine, the router and the workers, and stops them at the end.
+# private redis-server, the engine, the router and the workers, and stops them at the end;
+# then `millstream plot` draws the run's curves into $RUN_DIR/plots/.
 # MODE=train-async (default: one version of overlap; a sync updates the engines in place)
 # or MODE=train (strictly on-policy). On the 2-core CPU machine both reach 85% greedy accuracy
 # in about half a minute; async first (31 s vs 34 s) and at 832 vs 739 completions/s (README).
@@ -86,7 +87,9 @@ esac
 echo "[run.sh] millstream $MODE (set MODE=train or MODE=train-async)" >&2
 
 rm -rf "$RUN_DIR"
-exec "$MILLSTREAM" "$MODE" \
+# Not `exec`: the plots come after training. The trainer stops cleanly on SIGTERM, and in
+# compose this shell is PID 1, which `docker stop` signals: so TERM and INT go on to it.
+"$MILLSTREAM" "$MODE" \
    "${CKPT_ARGS[@]}" \
    "${ROLLOUT_ARGS[@]}" \
    "${EVAL_ARGS[@]}" \
@@ -95,4 +98,18 @@ exec "$MILLSTREAM" "$MODE" \
    "${OPTIMIZER_ARGS[@]}" \
    "${SGLANG_ARGS[@]}" \
    "${SERVICE_ARGS[@]}" \
-   "$@"
+   "$@" &
+TRAINER=$!
+trap 'kill -TERM "$TRAINER" 2>/dev/null || true' TERM INT
+STATUS=0
+wait "$TRAINER" || STATUS=$?
+# A signal ends `wait` before the trainer has stopped: wait on until it has.
+while kill -0 "$TRAINER" 2>/dev/null; do STATUS=0; wait "$TRAINER" || STATUS=$?; done
+trap - TERM INT
+[ "$STATUS" -eq 0 ] || exit "$STATUS"
+
+# The job is the training: a plot that fails says why and leaves the exit status at 0.
+# On stderr, with run.sh's own lines: stdout is the trainer's.
+if "$MILLSTREAM" plot "$RUN_DIR" >&2; then
+   echo "[run.sh] plots in $RUN_DIR/plots/" >&2
+fi

@@ -1,24 +1,35 @@
 """Tracing for every service: one trace per prompt group, across processes (DESIGN.md section 7).
 
 Where spans go, decided once per process from the environment by `setup_tracing`:
-  1. OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set (compose ships a collector + Jaeger);
+  1. OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set, or MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES
+     is and its host resolves (compose: Jaeger, when the observability profile is on);
   2. else JSONL files under `{run_dir}/traces/` when a run dir is given (one file per process,
      one span per line; `millstream trace` reads them);
   3. else nothing: the no-op tracer, zero cost.
 
 Context crosses process boundaries as W3C trace context (`traceparent`/`tracestate`) in three
 carriers: stream entry fields, HTTP headers and gRPC metadata. Nothing here runs at import.
+
+Every span of a group's lifecycle carries `millstream.stage` (one of STAGES), the name
+`millstream trace` groups by; span names and the other attributes follow OpenTelemetry's
+semantic conventions (messaging for the streams, HTTP, RPC, GenAI for a generation). Time a
+group spends in a stream is a span of its own (`wait_span`): from the entry's XADD (its id is
+Redis' clock in ms) to the moment a consumer takes it, so a waterfall shows where it waited.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import socket
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -29,6 +40,15 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 TRACE_FIELDS = ("traceparent", "tracestate")
+
+STAGE = "millstream.stage"
+GROUP_ID = "millstream.group_id"
+# A group's stages in lifecycle order, then the trainer's per-iteration ones.
+STAGES = (
+    "admit", "prompts_wait", "rollout", "router", "engine", "generated_wait", "reward",
+    "reward_task", "buffer_wait", "train_step", "weight_sync",
+    "iteration", "batch_wait", "eval",
+)  # fmt: skip
 
 
 class JsonlSpanExporter(SpanExporter):
@@ -74,15 +94,34 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     }
 
 
+# An OTLP endpoint used only when its host name resolves: compose sets it to the Jaeger
+# service, which exists (and resolves) only when the observability profile is on.
+OTLP_IF_RESOLVES = "MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES"
+
+
+def _if_resolves(endpoint: str) -> str | None:
+    host = urlsplit(endpoint).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return None
+    return endpoint
+
+
 def make_provider(service_name: str, run_dir: str | Path | None = None) -> TracerProvider | None:
     """A provider exporting as the environment says (see module docstring), or None."""
     resource = Resource.create(
         {"service.name": service_name, "service.instance.id": str(os.getpid())}
     )
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or _if_resolves(
+        os.environ.get(OTLP_IF_RESOLVES, "")
+    )
+    if endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        exporter: SpanExporter = OTLPSpanExporter()
+        exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint)
     elif run_dir is not None:
         exporter = JsonlSpanExporter(
             Path(run_dir) / "traces" / f"{service_name}-{os.getpid()}.jsonl"
@@ -135,6 +174,84 @@ def tracer(name: str) -> trace.Tracer:
     group). Taken before setup_tracing, it is OpenTelemetry's proxy, which follows the
     provider set later."""
     return trace.get_tracer(name)
+
+
+def messaging_attributes(stream: str, operation: str, **extra: Any) -> dict[str, Any]:
+    """OpenTelemetry messaging attributes for a Redis stream produce/consume."""
+    return {
+        "messaging.system": "redis",
+        "messaging.destination.name": stream,
+        "messaging.operation.type": operation,
+        **extra,
+    }
+
+
+def process_attributes(stream: str, entry_id: str, consumer_group: str) -> dict[str, Any]:
+    """Messaging attributes of a consumer's `process {stream}` span for one entry."""
+    return messaging_attributes(
+        stream,
+        "process",
+        **{"messaging.consumer.group.name": consumer_group, "messaging.message.id": entry_id},
+    )
+
+
+def rpc_server_span(tr: trace.Tracer, service: str, method: str, metadata: Any, **kw: Any) -> Any:
+    """A gRPC server span named and attributed as OpenTelemetry's RPC conventions say
+    (`millstream.v1.Service/Method`), continuing the caller's trace from the metadata."""
+    return tr.start_as_current_span(
+        f"millstream.v1.{service}/{method}",
+        context=context_from_grpc_metadata(metadata),
+        kind=trace.SpanKind.SERVER,
+        attributes={
+            "rpc.system": "grpc",
+            "rpc.service": f"millstream.v1.{service}",
+            "rpc.method": method,
+            **kw.pop("attributes", {}),
+        },
+        **kw,
+    )
+
+
+@contextlib.contextmanager
+def send_span(tr: trace.Tracer, stream: str, parent_fields: Mapping[str, str]) -> Iterator[dict]:
+    """A producer span around one XADD to `stream`, child of the span whose context
+    `parent_fields` carry; yields the trace fields to publish the entry with (its own)."""
+    with tr.start_as_current_span(
+        f"send {stream}",
+        context=context_from_fields(parent_fields),
+        kind=trace.SpanKind.PRODUCER,
+        attributes=messaging_attributes(stream, "send"),
+    ):
+        yield inject_fields()
+
+
+def entry_time_ns(entry_id: str) -> int:
+    """When Redis appended the entry: the ms part of its id, in ns since the epoch."""
+    return int(entry_id.split("-", 1)[0]) * 1_000_000
+
+
+def wait_span(
+    tr: trace.Tracer,
+    stream: str,
+    stage: str,
+    since_ns: int,
+    parent: Any = None,
+    attributes: Mapping[str, Any] | None = None,
+    links: Sequence[trace.Link] = (),
+) -> trace.Span:
+    """A finished span for the time a group sat in `stream`: from `since_ns` to now.
+
+    Clocks of two machines (Redis' and ours) can disagree: the start is never after now."""
+    now = time.time_ns()
+    span = tr.start_span(
+        f"wait {stream}",
+        context=parent,
+        start_time=min(since_ns, now),
+        links=links,
+        attributes={STAGE: stage, **messaging_attributes(stream, "receive"), **(attributes or {})},
+    )
+    span.end(end_time=now)
+    return span
 
 
 def _text(value: str | bytes) -> str:

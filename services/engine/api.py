@@ -1,4 +1,5 @@
-"""The engine's HTTP app: SGLang's native /generate and info endpoints, plus error shape.
+"""The engine's HTTP app: SGLang's native /generate and info endpoints, Prometheus /metrics
+(engine/prom.py), plus error shape.
 
 Errors. Every client mistake is a 4xx with the body SGLang's OpenAI layer uses,
 `{"object": "error", "message": ..., "type": "BadRequestError", "param": ..., "code": 400}`,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -25,13 +27,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from millstream.common import telemetry
 from millstream.common.http_limits import BodyLimit
-from millstream.common.telemetry import context_from_headers, tracer
+from millstream.common.prom import CONTENT_TYPE, render
+from millstream.common.telemetry import STAGE, context_from_headers, tracer
 
 from .control_api import Unauthorized
 from .control_api import router as control_router
 from .core import EngineCore
 from .generation import Job, job_from_generate, output_of, stream_outputs, submit, wait_done
 from .openai_api import router as openai_router
+from .prom import engine_registry
 from .protocol import GenerateReqIn
 from .scheduler import RequestError
 
@@ -91,31 +95,52 @@ async def generate(req: GenerateReqIn, request: Request) -> Any:
         submit(core, job)
         chunks = _traced_stream(core, job, span_ctx)
         return StreamingResponse(chunks, media_type="text/event-stream")
+    name, attributes = _generation_span(core, job)
     with tracer("millstream.engine").start_as_current_span(
-        "engine.generate", context=span_ctx
+        name, context=span_ctx, attributes=attributes
     ) as span:
-        span.set_attribute("engine.num_sequences", len(job.items))
         submit(core, job)
         await wait_done(core, job, request.receive)
         outputs = [output_of(core, item, job.text_in_logprobs) for item in job.items]
-        span.set_attribute("engine.completion_tokens", sum(len(s.output_ids) for s in job.seqs))
-        span.set_attribute(
-            "engine.finish_reasons", [str(o["meta_info"]["finish_reason"]) for o in outputs]
-        )
+        span.set_attributes(_generation_usage(job, outputs))
     return outputs if job.as_list else outputs[0]
+
+
+def _generation_span(core: EngineCore, job: Job) -> tuple[str, dict[str, Any]]:
+    """Name and attributes of a generation's span, as OpenTelemetry's GenAI conventions say."""
+    model = core.config.served_model_name or Path(str(core.config.model_path)).name
+    return f"text_completion {model}", {
+        STAGE: "engine",
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": "millstream",
+        "gen_ai.request.model": model,
+        "gen_ai.usage.input_tokens": sum(len(s.prompt_ids) for s in job.seqs),
+        "millstream.sequences": len(job.items),
+    }
+
+
+def _generation_usage(job: Job, outputs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    usage: dict[str, Any] = {"gen_ai.usage.output_tokens": sum(len(s.output_ids) for s in job.seqs)}
+    if outputs is not None:
+        reasons = [o["meta_info"]["finish_reason"] for o in outputs]
+        usage["gen_ai.response.finish_reasons"] = [
+            str(r.get("type") if isinstance(r, dict) else r) for r in reasons
+        ]
+    return usage
 
 
 async def _traced_stream(core: EngineCore, job: Job, span_ctx: Any) -> AsyncIterator[str]:
     # A manual span: a "current" span would attach a context in one task and detach it in
     # another, since the response body is iterated outside this handler.
-    span = tracer("millstream.engine").start_span("engine.generate", context=span_ctx)
-    span.set_attribute("engine.stream", True)
-    span.set_attribute("engine.num_sequences", len(job.items))
+    name, attributes = _generation_span(core, job)
+    span = tracer("millstream.engine").start_span(
+        name, context=span_ctx, attributes={**attributes, "millstream.stream": True}
+    )
     try:
         async for chunk in stream_outputs(core, job):
             yield chunk
     finally:
-        span.set_attribute("engine.completion_tokens", sum(len(s.output_ids) for s in job.seqs))
+        span.set_attributes(_generation_usage(job, None))
         span.end()
 
 
@@ -178,6 +203,12 @@ async def get_weight_version(request: Request) -> dict[str, str]:
     return {"weight_version": core_of(request).weight_version}
 
 
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format (engine/prom.py); a probe path: no span (telemetry.py)."""
+    return Response(render(request.app.state.metrics), media_type=CONTENT_TYPE)
+
+
 def create_app(core: EngineCore) -> FastAPI:
     app = FastAPI(
         title="millstream engine",
@@ -186,6 +217,7 @@ def create_app(core: EngineCore) -> FastAPI:
         telemetry=telemetry.fastapi_telemetry(),  # type: ignore[arg-type]
     )
     app.state.core = core
+    app.state.metrics = engine_registry(core)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:

@@ -90,7 +90,7 @@ def main(argv: Sequence[str]) -> int:
 
     print(f"[engine] {threads.apply(config.num_threads)} compute thread(s)", flush=True)
 
-    provider = setup_tracing("millstream-engine", config.run_dir)
+    provider = setup_tracing("engine", config.run_dir)
     core = None
     try:
         core = EngineCore(config)

@@ -27,6 +27,9 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from opentelemetry.trace import SpanKind
+
+from millstream.common import telemetry
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.redis_conn import password_for
@@ -131,14 +134,32 @@ def register_tasks(app: Any, runtime: CeleryRuntime) -> None:
         payload = json.loads(payload_json)
         runtime.check_run(payload)
         sample = decode_sample(payload["sample"])
-        return runtime.run(runtime.rewarder.sample_reward(sample, payload.get("prompt", "")))
+        with _task_span(TASK_SAMPLE, payload, 1):
+            return runtime.run(runtime.rewarder.sample_reward(sample, payload.get("prompt", "")))
 
     @app.task(name=TASK_GROUP)
     def score_group(payload_json: str) -> list[float]:
         payload = json.loads(payload_json)
         runtime.check_run(payload)
         samples = [decode_sample(text) for text in payload["samples"]]
-        return runtime.run(runtime.rewarder.group_rewards(samples), len(samples))
+        with _task_span(TASK_GROUP, payload, len(samples)):
+            return runtime.run(runtime.rewarder.group_rewards(samples), len(samples))
+
+
+def _task_span(task: str, payload: dict[str, Any], samples: int) -> Any:
+    """The Celery task's span, a child of the reward worker's `reward.score` span: the trace
+    context rides in the task's JSON payload (`traceparent`/`tracestate`)."""
+    queue = queue_name(payload["run_id"])
+    return telemetry.tracer("millstream.reward").start_as_current_span(
+        f"process {queue}",
+        context=telemetry.context_from_fields(payload),
+        kind=SpanKind.CONSUMER,
+        attributes={
+            telemetry.STAGE: "reward_task",
+            "millstream.samples": samples,
+            **telemetry.messaging_attributes(queue, "process", **{"celery.task.name": task}),
+        },
+    )
 
 
 class CeleryExecutor:
@@ -165,6 +186,7 @@ class CeleryExecutor:
         return [float(v) for v in values]
 
     async def _call(self, task: str, payload: dict[str, Any], timeout_s: float) -> Any:
+        telemetry.inject_fields(payload)  # the task's span continues the caller's trace
         return await self.threads.run(self._send_and_wait, task, json.dumps(payload), timeout_s)
 
     def _send_and_wait(self, task: str, payload_json: str, timeout_s: float) -> Any:

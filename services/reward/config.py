@@ -4,7 +4,8 @@ Reward workers start with only --redis-url and --run-id (DESIGN.md section 3); e
 about scoring (--rm-type, --custom-rm-path, timeouts, executor, filter, claim/dead-letter
 policy) comes from the run config the trainer published at `{run}:config`. The few flags
 here are about this process: the Redis password when not in the URL (--redis-password,
---redis-password-file or REDIS_PASSWORD), its gRPC port, consumer name, logs and traces.
+--redis-password-file or REDIS_PASSWORD), its gRPC and metrics ports, consumer name, logs and
+traces.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from dataclasses import dataclass
 
 from millstream.common.config.errors import ConfigError
 from millstream.common.config.schema import add_group, flag, from_namespace
-from millstream.common.config.service import PASSWORD_FILE_HELP, redis_password
+from millstream.common.config.service import (
+    METRICS_PORT_HELP,
+    PASSWORD_FILE_HELP,
+    check_metrics_port,
+    redis_password,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -45,6 +51,7 @@ class RewardWorkerConfig:
     log_level: str = flag("info", "", choices=LOG_LEVELS)
     run_dir: str | None = flag(None, "traces go to RUN_DIR/traces (default: the run's run dir)")
     config_wait: float = flag(600.0, "seconds to wait for the trainer to publish the run config")
+    metrics_port: int | None = flag(None, METRICS_PORT_HELP)
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
@@ -52,6 +59,7 @@ class RewardWorkerConfig:
         object.__setattr__(self, "redis_password", password)
         if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"--grpc-port must be in 0..65535 (got {self.grpc_port})")
+        check_metrics_port(self.metrics_port)
         if self.config_wait < 0:
             raise ConfigError(f"--config-wait must be >= 0 (got {self.config_wait})")
 

@@ -1,8 +1,9 @@
 """`millstream reward` and `millstream reward-celery`: thin entry points.
 
 `main`: connect to Redis, read the run config the trainer published (waiting for it if need
-be), build the scorer it describes, serve gRPC Reward.Score when --grpc-port is set, and run
-the stream worker until SIGTERM/SIGINT drains it; clean up in `finally`.
+be), build the scorer it describes, serve gRPC Reward.Score when --grpc-port is set and
+Prometheus /metrics when --metrics-port is, and run the stream worker until SIGTERM/SIGINT
+drains it; clean up in `finally`.
 `celery_worker`: the same config, served as Celery tasks (`--reward-executor celery`).
 
 Imports stay light (no torch, no Celery until asked for): see tests/unit/test_reward_imports.
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 from millstream.common.config import RunConfig
 from millstream.common.config import store as config_store
+from millstream.common.prom import start_metrics
 from millstream.common.redis_conn import connect, redact
 from millstream.common.streams import default_consumer_name
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
@@ -55,7 +57,7 @@ async def serve(wc: RewardWorkerConfig) -> None:
     from .worker import RewardWorker, build_executor
 
     redis = await connect(wc.redis_url, wc.redis_password)
-    executor = server = provider = None
+    executor = server = provider = metrics = None
     try:
         cfg = await config_store.load(
             redis, wc.run_id, wait_s=wc.config_wait, on_wait=lambda msg: log.info("%s", msg)
@@ -67,6 +69,11 @@ async def serve(wc: RewardWorkerConfig) -> None:
             await asyncio.to_thread(warm_up)
         name = wc.consumer_name or default_consumer_name("reward")
         worker = RewardWorker(redis, cfg, scorer, name)
+        if wc.metrics_port is not None:
+            metrics = start_metrics(
+                "reward", worker.metrics.registry, wc.metrics_port, redis_url=wc.redis_url,
+                redis_password=wc.redis_password, streams=[worker.keys.generated],
+            )  # fmt: skip
         if wc.grpc_port is not None:
             server, port = await start_server(scorer, wc.grpc_port)
             print(f"[reward] gRPC Reward.Score on port {port}", flush=True)
@@ -83,6 +90,8 @@ async def serve(wc: RewardWorkerConfig) -> None:
         await worker.run()
         log.info("reward worker %s: %s", name, dict(sorted(scorer.stats.items())))
     finally:
+        if metrics is not None:
+            metrics.close()
         if server is not None:
             await server.stop(grace=2)
         if executor is not None:
@@ -109,6 +118,7 @@ def celery_worker(argv: Sequence[str]) -> int:
     app = make_celery_app(cc.redis_url, cfg.run_id, cc.redis_password)
     runtime = CeleryRuntime(cfg)
     register_tasks(app, runtime)
+    provider = setup_tracing("reward-celery", cfg.run_dir)
     try:
         worker = app.Worker(
             hostname=f"reward-celery-{os.getpid()}@%h",
@@ -130,6 +140,7 @@ def celery_worker(argv: Sequence[str]) -> int:
         return int(worker.exitcode or 0)
     finally:
         runtime.close()
+        shutdown_tracing(provider)
 
 
 if __name__ == "__main__":

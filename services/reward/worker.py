@@ -25,6 +25,7 @@ from millstream.common.types import SampleGroup, ScoredGroup, Verdict
 from millstream.common.worker import StreamWorker
 
 from .celery_app import CeleryExecutor, make_celery_app
+from .prom import RewardMetrics
 from .rewarder import Rewarder, check_reward_config
 from .scorer import Executor, GroupScorer
 
@@ -49,16 +50,23 @@ def build_executor(cfg: RunConfig, redis_url: str, password: str | None) -> Exec
 
 
 async def score_traced(
-    scorer: GroupScorer, group: SampleGroup, parent: Any, kind: SpanKind = SpanKind.CONSUMER
+    scorer: GroupScorer,
+    group: SampleGroup,
+    parent: Any,
+    kind: SpanKind = SpanKind.CONSUMER,
+    name: str = "reward.score",
+    attributes: dict[str, Any] | None = None,
 ) -> tuple[ScoredGroup, dict[str, Any]]:
-    """Score under a `reward.score` span, child of `parent` (a trace context); returns the
+    """Score under a span (stage `reward`), child of `parent` (a trace context); returns the
     ScoredGroup and the span's trace fields for whatever carries the result onward."""
     span_attrs = {
-        "millstream.group_id": group.prompt.group_id,
+        telemetry.STAGE: "reward",
+        telemetry.GROUP_ID: group.prompt.group_id,
         "millstream.samples": len(group.samples),
+        **(attributes or {}),
     }
     with telemetry.tracer("millstream.reward").start_as_current_span(
-        "reward.score", context=parent, kind=kind, attributes=span_attrs
+        name, context=parent, kind=kind, attributes=span_attrs
     ) as span:
         scored = await scorer.score(group)
         span.set_attribute("millstream.verdict", Verdict.Name(scored.verdict))
@@ -83,12 +91,22 @@ class RewardWorker:
             name=consumer_name,
             heartbeat=(redis, self.keys.heartbeat("reward", consumer_name), HEARTBEAT_TTL_S),
         )
+        self.metrics = RewardMetrics(self)  # served by main.py with --metrics-port
 
     async def handle(self, entry: StreamEntry) -> None:
         group = decode(entry, SampleGroup)
         parent = telemetry.context_from_fields(entry.trace_fields)
-        scored, fields = await score_traced(self.scorer, group, parent)
-        await self.consumer.publish_and_ack(self.keys.scored, scored, fields, entry)
+        ids = {telemetry.GROUP_ID: group.prompt.group_id}
+        queued_ns = telemetry.entry_time_ns(entry.id)
+        tr = telemetry.tracer("millstream.reward")
+        telemetry.wait_span(tr, entry.stream, "generated_wait", queued_ns, parent, ids)
+        attributes = telemetry.process_attributes(entry.stream, entry.id, GROUP_REWARD)
+        scored, fields = await score_traced(
+            self.scorer, group, parent, name=f"process {entry.stream}", attributes=attributes
+        )
+        with telemetry.send_span(tr, self.keys.scored, fields) as fields:
+            await self.consumer.publish_and_ack(self.keys.scored, scored, fields, entry)
+        self.metrics.observe(scored)
 
     async def run(self) -> None:
         self.stream_worker.install_signal_handlers()

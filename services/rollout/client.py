@@ -42,12 +42,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext, SpanKind
 
 from millstream.common.errors import Interrupted, MillstreamError
 from millstream.common.http_pool import make_client
-from millstream.common.telemetry import inject_headers
+from millstream.common.telemetry import inject_headers, tracer
 
 log = logging.getLogger("millstream.rollout")
+
+# A caller's request body, the future its answer goes to, and its span (for the batch's links).
+Member = tuple[dict[str, Any], "asyncio.Future[Any]", SpanContext]
 
 FRESH = 2**62
 """Priority of a sample that has not been aborted yet; resumed samples use 0, 1, ..."""
@@ -145,7 +150,7 @@ class RouterClient:
         self.coalesce_window_s = coalesce_window_s
         self.max_batch = max_batch
         self.batches_sent = 0  # batch requests of more than one prompt (tests, curiosity)
-        self._pending: dict[int, list[tuple[dict[str, Any], asyncio.Future[Any]]]] = {}
+        self._pending: dict[int, list[Member]] = {}
         self._flushing: set[asyncio.Future[None]] = set()
         self.on_answer: Callable[[], None] | None = None
         # A generation may take minutes (long responses, requests held while engines are
@@ -217,7 +222,7 @@ class RouterClient:
         n = int(body["sampling_params"].get("n") or 1)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         members = self._pending.setdefault(n, [])
-        members.append((body, future))
+        members.append((body, future, trace.get_current_span().get_span_context()))
         if len(members) == 1:
             asyncio.get_running_loop().call_later(self.coalesce_window_s, self._flush, n)
         elif len(members) >= self.max_batch:
@@ -231,24 +236,35 @@ class RouterClient:
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
 
-    async def _post_batch(
-        self, members: list[tuple[dict[str, Any], asyncio.Future[Any]]], n: int
-    ) -> None:
-        """Send `members` as one batch request and hand each future its part."""
+    async def _post_batch(self, members: list[Member], n: int) -> None:
+        """Send `members` as one batch request and hand each future its part. The request's
+        span is a child of the first member's span and links to every other member's, so
+        each group's trace reaches the router and engine spans of the batch it rode in."""
         if len(members) == 1:
             results: list[Any] = [await self._settle(self._post_single(members[0][0]))]
         else:
             self.batches_sent += 1
             batch = {
-                "input_ids": [body["input_ids"] for body, _ in members],
-                "sampling_params": [body["sampling_params"] for body, _ in members],
-                "rid": [body["rid"] for body, _ in members],
+                "input_ids": [body["input_ids"] for body, _, _ in members],
+                "sampling_params": [body["sampling_params"] for body, _, _ in members],
+                "rid": [body["rid"] for body, _, _ in members],
                 "return_logprob": True,
             }
-            outcome = await self._settle(self._post_single(batch, count=len(members) * n))
+            links = [trace.Link(ctx) for _, _, ctx in members[1:] if ctx.is_valid]
+            with tracer("millstream.rollout").start_as_current_span(
+                "POST",
+                kind=SpanKind.CLIENT,
+                links=links,
+                attributes={
+                    "http.request.method": "POST",
+                    "url.full": f"{self.url}/generate",
+                    "millstream.batch_size": len(members),
+                },
+            ):
+                outcome = await self._settle(self._post_single(batch, count=len(members) * n))
             if isinstance(outcome, GenerationFailed):  # rejected as bad: find which one
                 results = await asyncio.gather(
-                    *(self._settle(self._post_single(body)) for body, _ in members)
+                    *(self._settle(self._post_single(body)) for body, _, _ in members)
                 )
             elif outcome[0] is None:
                 results = [outcome] * len(members)
@@ -258,7 +274,7 @@ class RouterClient:
                     (answers[i] if n == 1 else answers[i * n : (i + 1) * n], "")
                     for i in range(len(members))
                 ]
-        for (_, future), result in zip(members, results, strict=True):
+        for (_, future, _), result in zip(members, results, strict=True):
             if future.done():
                 continue
             if isinstance(result, BaseException):

@@ -29,7 +29,12 @@ from typing import Any
 from millstream.common.config import RunConfig
 from millstream.common.config.errors import ConfigError
 from millstream.common.config.schema import add_group, flag, from_namespace
-from millstream.common.config.service import PASSWORD_FILE_HELP, redis_password
+from millstream.common.config.service import (
+    METRICS_PORT_HELP,
+    PASSWORD_FILE_HELP,
+    check_metrics_port,
+    redis_password,
+)
 from millstream.common.errors import MillstreamError
 from millstream.common.types import PromptGroup
 
@@ -49,12 +54,14 @@ class WorkerArgs:
     consumer_name: str | None = flag(None, "Redis consumer name (default: rollout-HOST-PID)")
     log_level: str = flag("info", "", choices=("debug", "info", "warning", "error"))
     run_dir: str | None = flag(None, "traces go to RUN_DIR/traces (default: the run config's)")
+    metrics_port: int | None = flag(None, METRICS_PORT_HELP)
 
     def __post_init__(self) -> None:
         if not self.redis_url:
             raise ConfigError("--redis-url is required (the run's Redis)")
         if not self.run_id:
             raise ConfigError("--run-id is required (the trainer's --run-id)")
+        check_metrics_port(self.metrics_port)
         password = redis_password(self.redis_password, self.redis_password_file)
         object.__setattr__(self, "redis_password", password)
 

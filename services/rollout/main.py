@@ -1,9 +1,10 @@
 """`millstream rollout`: read the run config from Redis, then turn prompts into sample groups.
 
 Thin entry: parse the worker flags, connect to Redis, wait for the run config the trainer
-publishes, set up tracing, build the router client and the worker, run until SIGTERM/SIGINT
-(which drain in-flight groups), and close everything in `finally`. No torch here: the worker
-talks to engines only through the router over HTTP.
+publishes, set up tracing, build the router client and the worker, serve Prometheus /metrics
+with --metrics-port, run until SIGTERM/SIGINT (which drain in-flight groups), and close
+everything in `finally`. No torch here: the worker talks to engines only through the router
+over HTTP.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Sequence
 
 from millstream.common.config import store
+from millstream.common.prom import start_metrics
 from millstream.common.redis_conn import connect, redact
 from millstream.common.streams import default_consumer_name
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
@@ -30,7 +32,7 @@ CONFIG_WAIT_S = 600.0
 async def serve(args: WorkerArgs) -> None:
     assert args.redis_url and args.run_id  # WorkerArgs checked both
     redis = await connect(args.redis_url, args.redis_password)
-    provider = client = None
+    provider = client = metrics = None
     try:
         cfg = await store.load(redis, args.run_id, wait_s=CONFIG_WAIT_S, on_wait=log.info)
         provider = setup_tracing("rollout", args.run_dir or cfg.run_dir)
@@ -38,6 +40,11 @@ async def serve(args: WorkerArgs) -> None:
         client = RouterClient(router_url, max_concurrency=cfg.rollout.rollout_max_concurrency)
         name = args.consumer_name or default_consumer_name("rollout")
         worker = RolloutWorker(cfg, redis, client, name)
+        if args.metrics_port is not None:
+            metrics = start_metrics(
+                "rollout", worker.metrics.registry, args.metrics_port, redis_url=args.redis_url,
+                redis_password=args.redis_password, streams=[worker.keys.prompts],
+            )  # fmt: skip
         worker.stream_worker.install_signal_handlers()
         log.info(
             "rollout worker %s: run %r on %s, router %s, partial rollout %s",
@@ -49,6 +56,8 @@ async def serve(args: WorkerArgs) -> None:
         )
         await worker.run()
     finally:
+        if metrics is not None:
+            metrics.close()
         if client is not None:
             await client.aclose()
         await redis.aclose()

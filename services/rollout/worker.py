@@ -26,7 +26,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from opentelemetry.trace import SpanKind
 
+from millstream.common import telemetry
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import GROUP_ROLLOUT, RunKeys
@@ -39,6 +41,7 @@ from millstream.common.worker import StreamWorker
 from .client import GenerationFailed, RouterClient
 from .group import DefaultRollout
 from .partial import BufferFilter, PartialBuffer, fifo
+from .prom import RolloutMetrics
 
 log = logging.getLogger("millstream.rollout")
 
@@ -109,6 +112,7 @@ class RolloutWorker:
         )
         self.failed_groups = 0
         self._tracer = tracer("millstream.rollout")
+        self.metrics = RolloutMetrics(self)  # served by main.py with --metrics-port
 
     async def run(self) -> None:
         """Consume until `stop()` (or SIGTERM after `install_signal_handlers`), then drain."""
@@ -125,9 +129,17 @@ class RolloutWorker:
     async def handle(self, entry: StreamEntry) -> None:
         group = decode(entry, PromptGroup)
         parent = context_from_fields(entry.trace_fields)
-        attributes = {"group_id": group.group_id, "n_samples": group.n_samples}
+        ids = {telemetry.GROUP_ID: group.group_id}
+        queued_ns = telemetry.entry_time_ns(entry.id)
+        telemetry.wait_span(self._tracer, entry.stream, "prompts_wait", queued_ns, parent, ids)
+        attributes = {
+            telemetry.STAGE: "rollout",
+            **ids,
+            "millstream.n_samples": group.n_samples,
+            **telemetry.process_attributes(entry.stream, entry.id, GROUP_ROLLOUT),
+        }
         with self._tracer.start_as_current_span(
-            "rollout.group", context=parent, attributes=attributes
+            f"process {entry.stream}", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
         ) as span:
             # Wall clocks of two machines: good to a clock skew, so never below 0.
             queued_s = max(0.0, time.time() - group.admitted_unix) if group.admitted_unix else 0.0
@@ -137,9 +149,13 @@ class RolloutWorker:
             if group.admitted_unix:
                 result.timings["rollout_queue"] = queued_s
             if result.failure_reason:
-                span.set_attribute("failure_reason", result.failure_reason)
+                span.set_attribute("millstream.failure_reason", result.failure_reason)
             fields = inject_fields()
-        handed_off = await self.consumer.publish_and_ack(self.keys.generated, result, fields, entry)
+        self.metrics.observe(result.timings)
+        with telemetry.send_span(self._tracer, self.keys.generated, fields) as fields:
+            handed_off = await self.consumer.publish_and_ack(
+                self.keys.generated, result, fields, entry
+            )
         if handed_off is None:
             log.info("group %s was taken over and handed off by another worker", group.group_id)
 

@@ -184,7 +184,11 @@ class Proxy:
             "router.proxy",
             context=telemetry.context_from_headers(request.headers),
             kind=SpanKind.SERVER,
-            attributes={"http.request.method": request.method, "url.path": request.url.path},
+            attributes={
+                telemetry.STAGE: "router",
+                "http.request.method": request.method,
+                "url.path": request.url.path,
+            },
         )
         headers = forward_headers(request, span)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind
 
 from millstream.common import streams, telemetry
 from millstream.common.types import PromptGroup
@@ -100,9 +101,15 @@ class Admission:
             self.in_flight[gid] = (epoch, row.data_index)
             messages.append(self._message(gid, row, epoch, version))
             with tracer.start_as_current_span(
-                "trainer.admit",
+                f"send {self.stream}",
                 context=otel_context.Context(),
-                attributes={"group_id": gid, "version": version},
+                kind=SpanKind.PRODUCER,
+                attributes={
+                    telemetry.STAGE: "admit",
+                    telemetry.GROUP_ID: gid,
+                    "millstream.version": version,
+                    **telemetry.messaging_attributes(self.stream, "send"),
+                },
             ):
                 contexts.append(telemetry.inject_fields())
         await streams.publish_many(self.redis, self.stream, messages, contexts)

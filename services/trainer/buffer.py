@@ -29,6 +29,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext
 
 from millstream.common import streams, telemetry
@@ -88,7 +89,8 @@ class Buffer:
         self._waiting: set[str] = set()  # ids of the kept groups in `_kept`
         self._arrived = asyncio.Condition()
         self._eval: dict[str, ScoredGroup] = {}
-        self._contexts: dict[str, SpanContext] = {}
+        # gid -> (the trace context it arrived with, its XADD time in ns)
+        self._contexts: dict[str, tuple[Context, int]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -125,9 +127,9 @@ class Buffer:
             elif scored.verdict == Verdict.VERDICT_KEPT:
                 self._kept.append(scored)
                 self._waiting.add(gid)
-                span = trace.get_current_span(telemetry.context_from_fields(entry.trace_fields))
-                if span.get_span_context().is_valid:
-                    self._contexts[gid] = span.get_span_context()
+                parent = telemetry.context_from_fields(entry.trace_fields)
+                if trace.get_current_span(parent).get_span_context().is_valid:
+                    self._contexts[gid] = (parent, telemetry.entry_time_ns(entry.id))
             else:
                 state = "filtered" if scored.verdict == Verdict.VERDICT_FILTERED else "failed"
                 self._terminal(gid, state)
@@ -200,10 +202,22 @@ class Buffer:
             self._terminal(self._kept.popleft().group.prompt.group_id, "dropped_at_end")
         return n
 
-    def pop_span_contexts(self, groups: list[ScoredGroup]) -> list[SpanContext]:
-        """The trace contexts the groups arrived with, for the train step's span links."""
-        found = (self._contexts.pop(g.group.prompt.group_id, None) for g in groups)
-        return [c for c in found if c is not None]
+    def trace_taken(self, groups: list[ScoredGroup]) -> list[SpanContext]:
+        """End each taken group's `buffer_wait` span (from its XADD on `{run}:scored` to now)
+        in its own trace; returns their contexts, for the train step's span links."""
+        tr = telemetry.tracer("millstream.trainer")
+        contexts = []
+        for g in groups:
+            gid = g.group.prompt.group_id
+            found = self._contexts.pop(gid, None)
+            if found is not None:
+                parent, since_ns = found
+                ids = {telemetry.GROUP_ID: gid}
+                span = telemetry.wait_span(
+                    tr, self.consumer.stream, "buffer_wait", since_ns, parent, ids
+                )
+                contexts.append(span.get_span_context())
+        return contexts
 
     async def _wait(self) -> None:
         """Wait for an arrival, waking every second to notice a crashed reader."""

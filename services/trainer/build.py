@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import RunKeys
+from millstream.common.prom import start_metrics
 from millstream.common.streams import default_consumer_name
 
 from . import checkpoint, distributed
@@ -25,6 +26,8 @@ from .distributed import DataParallel
 from .evaluate import Evaluator
 from .janitor import Tidied, run_janitor
 from .metrics import MetricsLogger
+from .profiler import TrainProfiler
+from .prom import TrainerMetrics
 from .teacher import TeacherClient
 from .trainer import Parts, Trainer
 from .watch import Watch
@@ -121,6 +124,7 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
     resume_from = checkpoint.latest_iteration(cfg.ckpt.load)
     state = checkpoint.load_state(cfg.ckpt.load, resume_from) if resume_from is not None else None  # type: ignore[arg-type]
     backend: TorchBackend | DataParallel = build_backend(cfg, total)
+    backend.profiler = TrainProfiler.from_config(cfg)  # rank 0 only, as Megatron's default
     if distributed.world_size_from_env() > 1:
         backend = DataParallel(backend)
 
@@ -163,6 +167,8 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
             master_address=master_address(cfg),
         )  # fmt: skip
         closers.append(sync.close)
+        metrics = TrainerMetrics()
+        timed_sync = metrics.timed(sync)  # every sync's seconds, the resume sync's too
         evaluator = None
         if eval_sources:
             evaluator = Evaluator(
@@ -184,7 +190,7 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
             backend,
             admission,
             buffer,
-            sync,
+            timed_sync,
             evaluator,
             logger,
             coordinator,
@@ -193,10 +199,19 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
             janitor,
         )
         trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
+        metrics.watch(trainer)
+        if cfg.service.metrics_port is not None:
+            server = start_metrics(
+                "trainer", metrics.registry, cfg.service.metrics_port,
+                redis_url=cfg.connection.redis_url, redis_password=cfg.connection.redis_password,
+                streams=[keys.prompts, keys.generated, keys.scored, keys.dead],
+            )  # fmt: skip
+            closers.append(server.aclose)
         await buffer.start()
         closers.append(buffer.stop)
         if state is not None:
-            await sync.sync(backend.named_weights, version)  # engines serve the resumed weights
+            # Engines serve the resumed weights.
+            await timed_sync.sync(backend.named_weights, version)
             n = await admission.readmit(version)
             print(
                 f"[trainer] resumed at iteration {iteration} (version {version}); re-admitted {n} groups in flight"

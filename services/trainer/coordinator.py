@@ -123,9 +123,8 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
     # -- the RPCs -------------------------------------------------------------------------
 
     def _span(self, name: str, context: grpc.aio.ServicerContext) -> Any:
-        parent = telemetry.context_from_grpc_metadata(context.invocation_metadata())
-        return self._tracer.start_as_current_span(
-            f"coordinator.{name}", context=parent, kind=SpanKind.SERVER
+        return telemetry.rpc_server_span(
+            self._tracer, "Coordinator", name, context.invocation_metadata()
         )
 
     async def _check_token(self, context: grpc.aio.ServicerContext) -> None:
@@ -151,9 +150,16 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
         # context across them would be detached out of order when the stream is cancelled.
         parent = telemetry.context_from_grpc_metadata(context.invocation_metadata())
         span = self._tracer.start_span(
-            "coordinator.WatchVersion", context=parent, kind=SpanKind.SERVER
+            "millstream.v1.Coordinator/WatchVersion",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": "millstream.v1.Coordinator",
+                "rpc.method": "WatchVersion",
+                "millstream.after_version": request.after_version,
+            },
         )
-        span.set_attribute("after_version", request.after_version)
         queue: asyncio.Queue[services_pb2.VersionInfo] = asyncio.Queue()
         self._watchers.add(queue)
         try:

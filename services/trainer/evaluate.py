@@ -13,8 +13,11 @@ import statistics
 import time
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from millstream.common import streams, telemetry
-from millstream.common.types import PromptGroup, Verdict
+from millstream.common.types import PromptGroup, SampleStatus, Verdict
 
 from .buffer import Buffer
 from .data import PromptDataSource
@@ -43,9 +46,29 @@ class Evaluator:
         self.datasets = datasets
         self.n_samples = n_samples
         self.buffer = buffer
+        # The last round's samples by eval set, in Miles' shape: the `data` of the custom eval
+        # log function (log_hooks.py).
+        self.last_data: dict[str, dict[str, list[Any]]] = {}
 
     async def run(self, iteration: int, version: int) -> dict[str, float]:
+        """One eval round, traced as its own root span (stage `eval`) that every eval group
+        of the round is a child of, linked to the iteration that ran it."""
+        current = trace.get_current_span().get_span_context()
+        with telemetry.tracer("millstream.trainer").start_as_current_span(
+            "trainer.eval",
+            context=otel_context.Context(),
+            links=[trace.Link(current)] if current.is_valid else [],
+            attributes={
+                telemetry.STAGE: "eval",
+                "millstream.iteration": iteration,
+                "millstream.version": version,
+            },
+        ):
+            return await self._round(iteration, version)
+
+    async def _round(self, iteration: int, version: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
+        self.last_data = {}
         for name, source in self.datasets.items():
             ids = [f"eval-{name}-r{iteration}-i{row.data_index}" for row in source.rows]
             messages = [
@@ -67,13 +90,16 @@ class Evaluator:
             start = time.monotonic()
             await streams.publish_many(self.redis, self.stream, messages, telemetry.inject_fields())
             results = await self.buffer.wait_eval(ids)
-            rewards, failed = [], 0
+            rewards, samples, failed = [], [], 0
             for scored in results:
                 if scored.verdict == Verdict.VERDICT_FAILED:
                     failed += 1
                     rewards += [0.0] * self.n_samples
                 else:
                     rewards += [s.reward for s in scored.group.samples]
+                    samples += scored.group.samples
+            truncated = [s.status == SampleStatus.SAMPLE_STATUS_TRUNCATED for s in samples]
+            self.last_data[name] = {"rewards": rewards, "truncated": truncated, "samples": samples}
             metrics[f"eval/{name}"] = sum(r > 0 for r in rewards) / len(rewards)
             metrics[f"eval/{name}_reward"] = statistics.fmean(rewards)
             metrics[f"eval/{name}_failed_groups"] = failed

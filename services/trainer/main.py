@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
-from millstream.common.redis_conn import connect
+from millstream.common.redis_conn import connect, redact
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
 from .evaluate import format_accuracies
@@ -63,11 +63,29 @@ def _run(argv: Sequence[str], mode: str, prog: str) -> int:
             f"{prog}: error: --actor-num-nodes x --actor-num-gpus-per-node = {ranks} trainer "
             "ranks: start them with torchrun, e.g.\n  torchrun --nnodes "
             f"{cfg.megatron.actor_num_nodes} --nproc-per-node "
-            f"{cfg.megatron.actor_num_gpus_per_node} -m millstream.cli {command} " + " ".join(argv),
+            f"{cfg.megatron.actor_num_gpus_per_node} -m millstream.cli {command} " + _shown(argv),
             file=sys.stderr,
         )
         return 2
     return _run_trainer(cfg)
+
+
+SECRET_FLAGS = ("--wandb-key", "--admin-token", "--redis-password")
+
+
+def _shown(argv: Sequence[str]) -> str:
+    """The command line with secrets masked (the values of SECRET_FLAGS, a password in a
+    Redis URL), for messages that echo it."""
+    out: list[str] = []
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        if out and out[-1] in SECRET_FLAGS:
+            out.append("***")
+        elif eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}=***")
+        else:
+            out.append(redact(arg) if "://" in arg else arg)
+    return " ".join(out)
 
 
 def _apply_cpu_budget(cfg: RunConfig) -> None:

@@ -8,13 +8,19 @@ In order, cheapest first:
 1. flags alone: what the trainer needs (--hf-checkpoint, --prompt-data, a reward, a length),
    what this build cannot honour (--train-backend megatron, --custom-generate-function-path),
    --rm-type among the reward hub's built-ins, and the rest of the reward worker's own check;
+   a profiler window that the run reaches (--profile-step-start under --num-rollout);
 2. this machine: redis-server on PATH when none is given, the packages of the extras the
    processes started here import (found with `importlib.util.find_spec`, never imported:
    torch's import is seconds of CPU and happens later, in a thread, while the engines load),
-   and the tracking packages (--tensorboard-dir, --use-wandb);
+   and the tracking packages (--tensorboard-dir, --use-tensorboard, --use-wandb: the `track`
+   extra) and where --use-tensorboard writes; a CUDA GPU for
+   --memory-snapshot-path (torch is imported for that check alone, and only with the flag);
 3. the user's code (--custom-rm-path, --rollout-function-path, --buffer-filter-path,
    --dynamic-sampling-filter-path), imported with the loader the workers use
-   (common/plugins.py), from the directory they run in, so the rules are theirs;
+   (common/plugins.py), from the directory they run in, so the rules are theirs; and the
+   trainer's own (--custom-rollout-log-function-path,
+   --custom-eval-rollout-log-function-path), loaded as the trainer loads them (log_hooks.py),
+   whether or not the workers run here;
 4. files: the model dirs, a --load checkpoint that is there, and the prompt data and eval
    sets, read up to their first usable row with the data source's own row parser.
 
@@ -36,12 +42,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from millstream.common.config import ConfigError, RunConfig
+from millstream.common.config.profiling import MEMORY_SNAPSHOT_NEEDS_CUDA
 from millstream.common.errors import MillstreamError
 from millstream.common.plugins import load_function
 
+from . import log_hooks
 from .data import ROW_ERRORS, labels_are_text, parse_row
 from .launcher import given_router_url
-from .metrics import TRACKING_PACKAGES
+from .metrics import TRACK_EXTRA, TRACKING_PACKAGES, tensorboard_dir
 
 # Repeated here, and held equal to the originals by tests/unit/test_preflight.py: the reward
 # hub's built-ins (reward/rm_hub.py RM_TYPES, BOXED_PREFIX) and the dynamic-sampling filter's
@@ -55,7 +63,7 @@ STATE = "trainer_state.json"
 
 # What each extra of pyproject.toml provides that a process started here imports.
 MODEL_EXTRA = ("torch", "transformers", "safetensors", "tokenizers")
-SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
+SERVE_EXTRA = ("fastapi", "uvicorn")
 
 
 def check(cfg: RunConfig) -> None:
@@ -63,6 +71,7 @@ def check(cfg: RunConfig) -> None:
     check_flags(cfg)
     check_machine(cfg)
     check_plugins(cfg)
+    check_log_functions(cfg)
     check_files(cfg)
 
 
@@ -96,6 +105,7 @@ def check_flags(cfg: RunConfig) -> None:
         )
     _check_group_size(cfg)
     _check_reward(cfg)
+    _check_profiling(cfg)
     for name in ("critic_load", "opd_teacher_load"):
         path = getattr(cfg.algo, name)
         if path:
@@ -133,6 +143,16 @@ def _check_reward(cfg: RunConfig) -> None:
         )
 
 
+def _check_profiling(cfg: RunConfig) -> None:
+    """A profiler asked for must profile something (the window itself: ProfilingConfig)."""
+    p, n = cfg.profiling, cfg.rollout.num_rollout
+    if p.enabled and n and p.profile_step_start >= n:
+        raise ConfigError(
+            f"--profile-step-start {p.profile_step_start}: the run has --num-rollout {n} "
+            f"(rollout ids 0 to {n - 1}), so nothing would be profiled"
+        )
+
+
 def check_machine(cfg: RunConfig) -> None:
     """Programs and packages the processes started here need, and the tracking packages."""
     if not cfg.connection.redis_url and shutil.which("redis-server") is None:
@@ -149,15 +169,21 @@ def check_machine(cfg: RunConfig) -> None:
         executor = cfg.reward.reward_executor
         package = "celery" if executor == "celery" else "math_verify"
         _need((package,), "reward", f"--reward-executor {executor}: the reward workers need")
-    wanted = {
-        "--tensorboard-dir": cfg.logging.tensorboard_dir,
-        "--use-wandb": cfg.logging.use_wandb,
-    }
     for flag, package in TRACKING_PACKAGES.items():
-        if wanted[flag] and not _installed(package):
+        if getattr(cfg.logging, flag[2:].replace("-", "_")) and not _installed(package):
             raise ConfigError(
-                f"{flag} needs the {package} package, which is not installed: pip install {package}"
+                f"{flag} needs the {package} package, which is not installed: pip install "
+                f"'millstream[{TRACK_EXTRA}]' (or pip install {package})"
             )
+    tensorboard_dir(cfg)  # --use-tensorboard without a directory: ConfigError
+    if cfg.profiling.memory_snapshot_path and not _cuda_available():
+        raise ConfigError(MEMORY_SNAPSHOT_NEEDS_CUDA)
+
+
+def _cuda_available() -> bool:
+    import torch  # seconds of CPU: only for --memory-snapshot-path
+
+    return torch.cuda.is_available()
 
 
 def _need(packages: tuple[str, ...], extra: str, who: str) -> None:
@@ -201,6 +227,19 @@ def check_plugins(cfg: RunConfig) -> None:
                 raise ConfigError(
                     f"{flag} {path!r}: importing it raised {type(err).__name__}: {err}"
                 ) from None
+
+
+def check_log_functions(cfg: RunConfig) -> None:
+    """The custom log functions load, as the trainer (this process) will load them."""
+    for flag, path in log_hooks.paths(cfg).items():
+        try:
+            log_hooks.load(flag, path)
+        except MillstreamError as err:  # the loader's message starts with the flag
+            raise ConfigError(str(err)) from None
+        except Exception as err:  # the user's module raised while it was imported
+            raise ConfigError(
+                f"{flag} {path!r}: importing it raised {type(err).__name__}: {err}"
+            ) from None
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from millstream.common import telemetry
@@ -34,6 +35,10 @@ from .watch import Watch
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+def _tracer() -> trace.Tracer:
+    return telemetry.tracer("millstream.trainer")
 
 
 @dataclass
@@ -109,19 +114,35 @@ class Trainer:
             )
 
     async def step(self) -> None:
+        """One iteration, traced as its own root span (stage `iteration`)."""
         it = self.iteration + 1
-        tracer = telemetry.tracer("millstream.trainer")
+        attributes = {
+            telemetry.STAGE: "iteration",
+            "millstream.iteration": it,
+            "millstream.version": self.version,
+        }
+        with _tracer().start_as_current_span(
+            "trainer.iteration", context=otel_context.Context(), attributes=attributes
+        ):
+            await self._step(it)
+
+    async def _step(self, it: int) -> None:
+        tracer = _tracer()
         t0 = time.monotonic()
         n = self.cfg.rollout.rollout_batch_size
-        groups = await self._watched(
-            f"a batch of {n} groups (iteration {it})",
-            self.p.buffer.take(n, self.version, self.cfg.service.max_weight_staleness),
-            lambda: f"{self.p.buffer.ready} ready, {len(self.p.admission.in_flight)} in flight",
-        )
+        with tracer.start_as_current_span(
+            "trainer.batch_wait", attributes={telemetry.STAGE: "batch_wait"}
+        ):
+            groups = await self._watched(
+                f"a batch of {n} groups (iteration {it})",
+                self.p.buffer.take(n, self.version, self.cfg.service.max_weight_staleness),
+                lambda: f"{self.p.buffer.ready} ready, {len(self.p.admission.in_flight)} in flight",
+            )
         t1 = time.monotonic()
         samples, stats = build_samples(groups, self.version, self.cfg)
-        links = [trace.Link(c) for c in self.p.buffer.pop_span_contexts(groups)]
-        attributes = {"iteration": it, "version": self.version, "groups": len(groups)}
+        # The step and the sync that ships it link to each group's trace (its buffer wait).
+        links = [trace.Link(c) for c in self.p.buffer.trace_taken(groups)]
+        attributes = {telemetry.STAGE: "train_step", "millstream.groups": len(groups)}
         with tracer.start_as_current_span("trainer.step", links=links, attributes=attributes):
             if self.p.teacher is not None:
                 samples = await self.p.teacher.score(samples)
@@ -131,8 +152,12 @@ class Trainer:
             )
         t2 = time.monotonic()
         joins = self.p.coordinator.take_pending_joins() if self.p.coordinator else ()
-        report = await self.p.weight_sync.sync(
-            self.p.backend.named_weights, self.version + 1, join=joins
+        report = await self._watched(
+            f"the weight sync to version {self.version + 1}",
+            self.p.weight_sync.sync(
+                self.p.backend.named_weights, self.version + 1, join=joins, links=links
+            ),
+            stall=False,  # bounded by --weight-sync-timeout; cancelling it mid-way is worse
         )
         self._publish_version(self.version + 1)
         t3 = time.monotonic()
@@ -147,7 +172,7 @@ class Trainer:
             and it % self.cfg.eval.eval_interval == 0
         ):
             metrics |= await self.evaluate()
-        self.p.logger.log(it, metrics, format_row(it, self.num_rollout, metrics))
+        self.p.logger.log(it, metrics, format_row(it, self.num_rollout, metrics), groups=groups)
         if self._should_save(it):
             self.save()
 
@@ -180,11 +205,15 @@ class Trainer:
             await asyncio.sleep(0.2)
 
     async def _watched(
-        self, what: str, awaitable: Awaitable[T], detail: Callable[[], str] = str
+        self,
+        what: str,
+        awaitable: Awaitable[T],
+        detail: Callable[[], str] = str,
+        stall: bool = True,
     ) -> T:
         if self.p.watch is None:
             return await awaitable
-        return await self.p.watch.wait(what, awaitable, detail)
+        return await self.p.watch.wait(what, awaitable, detail, stall=stall)
 
     async def _admission_pump(self) -> None:
         """Admit whenever the budget has room: at start, when a group ends, when V moves."""
@@ -209,6 +238,7 @@ class Trainer:
             f"the eval at iteration {self.iteration}",
             self.p.evaluator.run(self.iteration, self.version),
         )
+        self.p.logger.log_eval(self.iteration, metrics, getattr(self.p.evaluator, "last_data", {}))
         acc = accuracies(list(self.p.evaluator.datasets), metrics)
         self.eval_history.append((self.iteration, time.monotonic() - self._start, acc))
         print(

@@ -66,8 +66,16 @@ class Watch:
         self.say = say
         self.check_every_s = min(progress_every_s, max(0.5, stall_timeout_s / 4))
 
-    async def wait(self, what: str, awaitable: Awaitable[T], detail: Callable[[], str] = str) -> T:
-        """`awaitable`'s result; progress lines while it is long, Stalled when it cannot end."""
+    async def wait(
+        self,
+        what: str,
+        awaitable: Awaitable[T],
+        detail: Callable[[], str] = str,
+        *,
+        stall: bool = True,
+    ) -> T:
+        """`awaitable`'s result; progress lines while it is long, Stalled when it cannot end
+        (`stall=False`: progress only, for a wait that bounds itself, like a weight sync)."""
         task = asyncio.ensure_future(awaitable)
         start = next_progress = time.monotonic()
         next_progress += self.progress_every_s
@@ -92,7 +100,7 @@ class Watch:
                         + (f" ({extra})" if extra else "") + f"; alive: {seen}"
                     )  # fmt: skip
                 for kind, seen_at in last_seen.items():
-                    if now - seen_at >= self.stall_timeout_s:
+                    if stall and now - seen_at >= self.stall_timeout_s:
                         raise Stalled(
                             f"waited {now - start:.0f}s for {what}, and no {kind} "
                             f"{'is routed' if kind == 'engine' else 'worker is alive'} for "

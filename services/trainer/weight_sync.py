@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from opentelemetry import trace
 
 from millstream.common import telemetry
 from millstream.common.auth import bearer_headers
@@ -83,6 +84,12 @@ class SyncReport:
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Take an abandoned rank-0 step's outcome, so asyncio does not report it as lost."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("abandoned rank-0 step ended: %s", task.exception())
 
 
 class GroupBroken(Exception):
@@ -265,18 +272,25 @@ class WeightSync:
         version: int,
         *,
         join: Sequence[str] = (),
+        links: Sequence[trace.Link] = (),
     ) -> SyncReport:
-        """Push the tensors to every engine as `version`; `join`: engines to add first."""
+        """Push the tensors to every engine as `version`; `join`: engines to add first;
+        `links`: the trace links of the groups whose update this sync ships."""
         source = named_tensors() if callable(named_tensors) else named_tensors
         buckets = plan_buckets(source, self.bucket_bytes)
         if not buckets:
             raise MillstreamError(f"weight sync v{version}: no tensors to send")
         report = SyncReport(version, bytes=sum(b.nbytes for b in buckets), buckets=len(buckets))
         start = time.monotonic()
-        with self._tracer.start_as_current_span("trainer.weight_sync") as span:
-            span.set_attributes(
-                {"version": version, "bytes": report.bytes, "buckets": len(buckets)}
-            )
+        attributes = {
+            telemetry.STAGE: "weight_sync",
+            "millstream.version": version,
+            "millstream.bytes": report.bytes,
+            "millstream.buckets": len(buckets),
+        }
+        with self._tracer.start_as_current_span(
+            "trainer.weight_sync", links=links, attributes=attributes
+        ) as span:
             calls, router = self._clients()
             engines = await self._paused_engines(calls, router, join, report)
             backend = self.backend or backend_for(buckets[0].tensors[0].device)
@@ -284,7 +298,12 @@ class WeightSync:
             await self._serve(calls, router, engines, report)
             report.engines = engines
             report.add_time("total", time.monotonic() - start)
-            span.set_attributes({"engines": len(engines), "removed": len(report.removed)})
+            span.set_attributes(
+                {
+                    "millstream.sync.engine_count": len(engines),
+                    "millstream.sync.removed": len(report.removed),
+                }
+            )
         log.info(
             "weight sync v%d: %d engine(s), %.1f MB in %d bucket(s), %.2fs (%s)%s",
             version,
@@ -410,7 +429,9 @@ class WeightSync:
             }
 
         try:
-            await self._group_step(calls, "/init_weights_update_group", engines, body, group.join)
+            await self._group_step(
+                calls, "/init_weights_update_group", engines, body, group.join, early_out=True
+            )
         finally:
             report.add_time("init", time.monotonic() - start)
         report.new_group = True
@@ -476,14 +497,24 @@ class WeightSync:
         body: Callable[[int, str], dict[str, Any]],
         rank0: Callable[[], None],
         label: str = "",
+        early_out: bool = False,
     ) -> None:
-        """Call `path` on every engine while rank 0 runs its side in a thread."""
-        results = await asyncio.gather(
-            asyncio.to_thread(rank0), calls.each(engines, path, body), return_exceptions=True
-        )
-        rank0_result, failed = results
-        if isinstance(failed, BaseException):
-            raise failed
+        """Call `path` on every engine while rank 0 runs its side in a thread.
+
+        `early_out` (the group's rendezvous): an engine that answered with an error will
+        never join, and rank 0 would wait out the whole timeout for it. Stop waiting at once
+        instead; the abandoned rendezvous ends on its own timeout in its thread, and the group
+        is rebuilt without the engine (a broadcast is never abandoned: its group is in use)."""
+        rank0_task = asyncio.ensure_future(asyncio.to_thread(rank0))
+        try:
+            failed = await calls.each(engines, path, body)
+        except BaseException:
+            rank0_task.add_done_callback(_retrieve)
+            raise
+        if early_out and failed and not rank0_task.done():
+            rank0_task.add_done_callback(_retrieve)
+            raise GroupBroken(f"{path} {label}".strip(), None, failed)
+        (rank0_result,) = await asyncio.gather(rank0_task, return_exceptions=True)
         rank0_error = rank0_result if isinstance(rank0_result, BaseException) else None
         if rank0_error is not None and not isinstance(rank0_error, Exception):
             raise rank0_error

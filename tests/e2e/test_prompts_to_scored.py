@@ -72,7 +72,7 @@ class Run:
         for name in ("w1", "w2"):
             self.reward.wait_for_log(name, "consuming", timeout_s=60)
 
-    def publish(self, n: int) -> list[str]:
+    def publish(self, n: int, first: int = 0) -> list[str]:
         groups = [
             PromptGroup(
                 group_id=f"g{i}",
@@ -82,7 +82,7 @@ class Run:
                 label="abc",
                 admitted_version=0,
             )
-            for i in range(n)
+            for i in range(first, first + n)
         ]
         publish_prompts(self.redis_url, self.keys.prompts, groups, TRACE)
         return [g.group_id for g in groups]
@@ -179,6 +179,8 @@ def test_every_group_arrives_once_after_workers_are_sigkilled(router, redis_url,
             or run.pending(run.keys.prompts, GROUP_ROLLOUT, "r1") == 0
         ):
             assert time.monotonic() < deadline, run.logs()
+            if run.count(run.keys.generated) >= len(ids):  # all through before r1 was seen
+                ids += run.publish(12, first=len(ids))  # holding one: more work, look again
             time.sleep(0.02)
         run.rollout.kill("r1")
         # Read after the kill: what the dead worker still holds (it may have acked some of

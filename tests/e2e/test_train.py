@@ -73,12 +73,37 @@ def _check_run(proc: subprocess.CompletedProcess[str], run_dir: Path, iterations
     return summary
 
 
+def _check_traces(run_dir: Path) -> None:
+    """`millstream trace` finds every stage of a group's life in the services' span files,
+    and one trained group's waterfall runs from its admission to the sync that shipped it."""
+    from millstream.common import trace_cli
+    from millstream.common.telemetry import STAGES
+
+    spans, unreadable = trace_cli.read_spans(run_dir)
+    run = trace_cli.Run.index(spans)
+    assert unreadable == 0
+    assert set(trace_cli.stage_table(run)) == set(STAGES) - {"reward_task"}  # no Celery here
+    assert sorted(run.iterations) == [1, 2, 3] and len(run.trained_in) == 6
+    assert sorted(run.evals) == [0, 3]
+    services = {s.service for s in spans}
+    assert services == {"trainer", "rollout", "router", "engine", "reward"}  # compose's names
+    gid = min(run.trained_in)
+    stages = [s.stage for s in trace_cli.group_timeline(run, gid)]
+    assert stages[0] == "admit" and stages[-2:] == ["train_step", "weight_sync"]
+    assert {"prompts_wait", "rollout", "engine", "reward", "buffer_wait"} <= set(stages)
+    out = subprocess.run(
+        [sys.executable, "-m", "millstream.cli", "trace", str(run_dir), "--group", gid],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"},
+    ).stdout  # fmt: skip
+    assert f"group {gid}:" in out and "trainer.weight_sync" in out and "█" in out
+
+
 @pytest.mark.parametrize("command", ["train", "train-async"])
 def test_three_iterations_through_every_service(command, tiny_model_dir, prompts, tmp_path):
     run_dir = tmp_path / f"run-{command}"
     extra = ["--num-rollout", "3", "--save", str(run_dir / "ckpt"), "--save-interval", "3"]
     if command == "train-async":
-        extra += ["--max-staleness", "2"]
+        extra += ["--max-staleness", "2", "--metrics-port", "0"]
     else:  # eval through the same services: before training and after iteration 3
         extra += ["--eval-prompt-data", "dev_set", str(prompts), "--eval-interval", "3",
                   "--eval-temperature", "0", "--eval-max-prompt-len", "4"]  # fmt: skip
@@ -93,11 +118,13 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
             "eval/dev_set" in _records(run_dir)[-1]
             and "eval at iter 3 (version 3): dev_set=" in proc.stdout
         )
+        _check_traces(run_dir)
     versions = [r["version"] for r in _records(run_dir)]
     assert versions == [1, 2, 3]
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
     if command == "train-async":
         assert max(r["staleness_max"] for r in _records(run_dir)) <= 2
+        assert "[trainer] Prometheus /metrics on port " in proc.stdout  # served, then closed
 
 
 def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, tmp_path):

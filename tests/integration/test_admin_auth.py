@@ -45,6 +45,7 @@ OPEN_ROUTES = {
     ("GET", "/get_model_info"),
     ("GET", "/get_server_info"),
     ("GET", "/get_weight_version"),
+    ("GET", "/metrics"),
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),

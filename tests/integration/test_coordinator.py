@@ -149,9 +149,9 @@ def test_every_rpc_span_is_a_child_of_the_callers_trace_context():
     provider.shutdown()
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert set(spans) == {
-        "coordinator.GetVersion",
-        "coordinator.JoinEngine",
-        "coordinator.WatchVersion",
+        "millstream.v1.Coordinator/GetVersion",
+        "millstream.v1.Coordinator/JoinEngine",
+        "millstream.v1.Coordinator/WatchVersion",
     }
     for span in spans.values():
         assert f"{span.context.trace_id:032x}" == TRACE_ID

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -396,3 +397,44 @@ def test_the_engine_prints_the_compute_threads_it_runs_with(engine: EngineProces
     # tests/support/engine_proc.py starts engines with --num-threads 1 (the CPU budget);
     # the line is torch's own count, read back after setting it.
     assert "[engine] 1 compute thread(s)" in engine.log_tail(100_000)
+
+
+def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics, parsed: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = client.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(resp.text)
+        for s in family.samples
+    }
+
+
+def test_metrics_count_generated_tokens_and_show_the_weight_version(
+    client: httpx.Client, engine: EngineProcess, tiny_model_dir: Path
+):
+    tokens = ("millstream_engine_generated_tokens_total", ())
+    finished = ("millstream_engine_completions_total", (("outcome", "finished"),))
+    version = ("millstream_engine_weight_version", ())
+    before = scrape(client)
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    out = post(client, "/generate", body)
+    assert out["meta_info"]["completion_tokens"] == 4
+    after = scrape(client)
+    assert after[tokens] - before[tokens] >= 4  # other tests' aborted leftovers may add some
+    assert after[finished] - before[finished] >= 1
+    assert after[("millstream_engine_running_requests", ())] >= 0
+
+    was = client.get("/get_weight_version").json()["weight_version"]
+    assert was != "7"
+    if was == "default":  # no integer: no number to report
+        assert math.isnan(before[version])
+    reload = {"model_path": str(tiny_model_dir), "weight_version": "7"}
+    try:
+        assert post(client, "/update_weights_from_disk", reload, engine)["success"] is True
+        assert scrape(client)[version] == 7
+    finally:  # the same weights back under the version the other tests expect
+        post(client, "/update_weights_from_disk", {**reload, "weight_version": was}, engine)
+    assert client.get("/get_weight_version").json() == {"weight_version": was}

@@ -96,7 +96,9 @@ def test_engine_registers_traces_and_unregisters_on_sigterm(
         for file in (run_dir / "traces").glob("*.jsonl")
         for line in file.read_text().splitlines()
     ]
-    generate = [s for s in spans if s["name"] == "engine.generate"]
+    generate = [s for s in spans if s["attributes"].get("millstream.stage") == "engine"]
     assert len(generate) == 1, spans
+    assert generate[0]["name"] == f"text_completion {tiny_model_dir.name}"
+    assert generate[0]["attributes"]["gen_ai.usage.output_tokens"] > 0
     assert generate[0]["trace_id"] == TRACE_ID
     assert generate[0]["parent_span_id"] == PARENT_SPAN

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import uuid
 
 import pytest
 
 from millstream.common.config import parse_run_config
+from millstream.common.telemetry import GROUP_ID, STAGE
 from millstream.common.types import PromptGroup, Sample, SampleGroup, Verdict
 from millstream.reward.rewarder import Rewarder
 from millstream.reward.scorer import GroupScorer
@@ -62,7 +64,14 @@ def score_inline(cfg, groups):
 @pytest.mark.timeout(90)
 def test_celery_executor_gives_the_same_results_as_inline(redis_url, tmp_path):
     run_id = f"cel{uuid.uuid4().hex[:8]}"
-    cfg = make_cfg(run_id, "--dynamic-sampling-filter-path", "check_reward_nonzero_std")
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(
+        run_id,
+        "--dynamic-sampling-filter-path",
+        "check_reward_nonzero_std",
+        "--run-dir",
+        str(run_dir),
+    )
     asyncio.run(publish_config(redis_url, cfg))
     procs = RewardProcs(redis_url, run_id, tmp_path)
     try:
@@ -104,6 +113,20 @@ def test_celery_executor_gives_the_same_results_as_inline(redis_url, tmp_path):
         assert procs.stop("celery") == 0
     finally:
         procs.stop_all()
+    # The Celery task's span continues the reward worker's trace of the group.
+    lines = [
+        json.loads(x) for f in tmp_path.rglob("traces/*.jsonl") for x in f.read_text().splitlines()
+    ]
+    spans = {
+        name: [x for x in lines if x["service"] == name] for name in ("reward", "reward-celery")
+    }
+    scoring = {s["span_id"]: s for s in spans["reward"] if s["attributes"].get(STAGE) == "reward"}
+    tasks = [s for s in spans["reward-celery"] if s["attributes"].get(STAGE) == "reward_task"]
+    assert tasks and all(t["parent_span_id"] in scoring for t in tasks)
+    assert {scoring[t["parent_span_id"]]["trace_id"] for t in tasks} == {
+        t["trace_id"] for t in tasks
+    }
+    assert len({scoring[t["parent_span_id"]]["attributes"][GROUP_ID] for t in tasks}) == len(groups)
 
 
 @pytest.mark.timeout(30)

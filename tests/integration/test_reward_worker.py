@@ -17,7 +17,9 @@ from millstream.common.config import parse_run_config
 from millstream.common.keys import GROUP_REWARD, RunKeys
 from millstream.common.pb import services_pb2, services_pb2_grpc
 from millstream.common.redis_conn import connect
+from millstream.common.telemetry import STAGE
 from millstream.common.types import PromptGroup, Sample, SampleGroup, Verdict
+from tests.support.prom import metrics_url, scrape_until
 from tests.support.redis_server import free_port
 from tests.support.reward_proc import RewardProcs, collect_scored, publish_config, publish_groups
 
@@ -118,7 +120,7 @@ def test_failures_become_failed_groups_and_the_worker_goes_on(redis_url, run_id,
         "--reward-timeout", "0.5",
         "--reward-retries", "1",
     )  # fmt: skip
-    procs.reward("rw-f")  # before the trainer published the config: it waits for it
+    procs.reward("rw-f", "--metrics-port", "0")  # before the config: it waits for it
     procs.wait_for_log("rw-f", "waiting for the run config")
     asyncio.run(publish_config(redis_url, cfg))
     groups = [
@@ -152,6 +154,27 @@ def test_failures_become_failed_groups_and_the_worker_goes_on(redis_url, run_id,
     assert [x.reward for x in by_id["good"].group.samples] == [1.0, 0.0]
     assert dead == 1  # the undecodable entry, dead-lettered rather than scored
     assert procs.procs["rw-f"].poll() is None, "the worker died"
+    # /metrics says the same: verdicts, per-group seconds, attempts, jobs, the queue.
+    jobs = {"worker": "rw-f", "stream": "generated", "group": "reward"}
+    m = scrape_until(
+        metrics_url(procs.log("rw-f"), "reward"),
+        lambda m: m.value("millstream_worker_jobs_processed_total", **jobs) == len(groups),
+    )
+    assert m.value("millstream_reward_groups_total", verdict="failed") == 2
+    assert m.value("millstream_reward_groups_total", verdict="kept") == 2
+    assert m.value("millstream_reward_groups_total", verdict="filtered") == 0
+    assert m.value("millstream_reward_group_duration_seconds_count") == len(groups)
+    assert m.value("millstream_reward_group_duration_seconds_sum") >= 1.0  # hang: 2 x 0.5 s
+    assert m.value("millstream_reward_attempts_failed_total", reason="timeout") == 2
+    assert m.value("millstream_reward_attempts_failed_total", reason="error") == 3
+    assert m.value("millstream_reward_retries_total") == 3
+    assert m.value("millstream_worker_jobs_failed_total", **jobs) == 0
+    assert m.value("millstream_worker_entries_dead_lettered_total", **jobs) == 1
+    assert m.value("millstream_worker_jobs_in_flight", **jobs) == 0
+    queue = {"run": run_id, "stream": "generated"}
+    assert m.value("millstream_stream_entries", **queue) == len(groups) + 1
+    assert m.value("millstream_stream_lag_entries", **queue, group="reward") == 0
+    assert m.value("millstream_stream_pending_entries", **queue, group="reward") == 0
     assert procs.stop("rw-f") == 0
     log = procs.log("rw-f")
     assert "'failed': 2" in log and "'reward_retries': 3" in log, log
@@ -208,9 +231,14 @@ def test_grpc_score_answers_what_the_stream_path_publishes(redis_url, run_id, pr
         for path in Path(tmp_path, "traces").glob("reward-*.jsonl")
         for line in path.read_text().splitlines()
     ]
-    scored_spans = [s for s in spans if s["name"] == "reward.score"]
+    scored_spans = [s for s in spans if s["attributes"].get(STAGE) == "reward"]
     assert len(scored_spans) == 2 * len(groups)  # stream + gRPC, each a child of the caller
     assert {(s["trace_id"], s["parent_span_id"]) for s in scored_spans} == {(TRACE_ID, PARENT_SPAN)}
+    # Named as OpenTelemetry's messaging and RPC conventions say.
+    names = sorted({s["name"] for s in scored_spans})
+    assert names == ["millstream.v1.Reward/Score", f"process {run_id}:generated"]
+    waits = [s for s in spans if s["attributes"].get(STAGE) == "generated_wait"]
+    assert len(waits) == len(groups) and all(w["end_ns"] >= w["start_ns"] for w in waits)
 
 
 @pytest.mark.timeout(90)

@@ -19,6 +19,7 @@ from millstream.common.streams import publish
 from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
 from millstream.rollout.client import RetryPolicy, RouterClient
 from millstream.rollout.worker import RolloutWorker
+from tests.support.prom import metrics_url, scrape_until
 from tests.support.redis_server import free_port
 from tests.support.rollout_proc import (
     FakeRouter,
@@ -135,12 +136,17 @@ def test_rollout_process_generates_through_the_router_and_drains(redis_url, tmp_
 
         try:
             # Started before the config exists: it waits for the trainer to publish it.
-            procs.start("r1", "--router-url", router.url)
+            procs.start("r1", "--router-url", router.url, "--metrics-port", "0")
             procs.wait_for_log("r1", "waiting for the run config")
             asyncio.run(publish_config())
             procs.wait_ready("r1")
             publish_prompts(redis_url, keys.prompts, groups(3), TRACE)
             out = read_stream(redis_url, keys.generated, SampleGroup, 3, timeout_s=30)
+            jobs = {"worker": "rollout[r1]", "stream": "prompts", "group": GROUP_ROLLOUT}
+            metrics = scrape_until(
+                metrics_url(procs.log("r1"), "rollout"),
+                lambda m: m.value("millstream_worker_jobs_processed_total", **jobs) == 3,
+            )
             assert procs.stop("r1") == 0, procs.log("r1")
         finally:
             procs.stop_all()
@@ -162,3 +168,11 @@ def test_rollout_process_generates_through_the_router_and_drains(redis_url, tmp_
     assert all(h["traceparent"].split("-")[1] == TRACE_ID for h, _ in requests)
     assert pending_count(redis_url, keys.prompts, GROUP_ROLLOUT) == 0
     assert (tmp_path / "traces").is_dir()
+    assert metrics.value("millstream_rollout_group_duration_seconds_count") == 3
+    assert metrics.value("millstream_rollout_group_duration_seconds_sum") > 0
+    assert metrics.value("millstream_rollout_queue_wait_seconds_count") == 3
+    assert metrics.value("millstream_rollout_groups_failed_total") == 0
+    assert metrics.value("millstream_worker_jobs_failed_total", **jobs) == 0
+    queue = {"run": run_id, "stream": "prompts", "group": GROUP_ROLLOUT}
+    assert metrics.value("millstream_stream_lag_entries", **queue) == 0
+    assert metrics.value("millstream_stream_pending_entries", **queue) == 0

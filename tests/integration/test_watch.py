@@ -65,7 +65,13 @@ def test_a_wait_fails_when_the_router_lists_no_engine(redis_url):
             async def engines() -> list[str]:
                 return []
 
-            watch = Watch(redis, keys, engines, stall_timeout_s=1.0, say=lambda line: None)
+            lines: list[str] = []
+            watch = Watch(
+                redis, keys, engines, stall_timeout_s=1.0, progress_every_s=0.5, say=lines.append
+            )
+            # A weight sync bounds itself: with no engine it reports progress, never Stalled.
+            answer = await watch.wait("the weight sync", asyncio.sleep(1.6, "v1"), stall=False)
+            assert answer == "v1" and any("waiting" in x and "the weight sync" in x for x in lines)
             with pytest.raises(Stalled) as failed:
                 await watch.wait("a batch", asyncio.Event().wait())
             return failed.value

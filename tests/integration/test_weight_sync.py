@@ -216,7 +216,14 @@ def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
         assert info["weight_update_groups"] == []
     spans = [s for s in exporter.get_finished_spans() if s.name == "trainer.weight_sync"]
     assert [dict(s.attributes or {}) for s in spans] == [
-        {"version": v, "engines": n, "bytes": first.bytes, "buckets": first.buckets, "removed": 0}
+        {
+            "millstream.stage": "weight_sync",
+            "millstream.version": v,
+            "millstream.sync.engine_count": n,
+            "millstream.bytes": first.bytes,
+            "millstream.buckets": first.buckets,
+            "millstream.sync.removed": 0,
+        }
         for v, n in ((1, 2), (2, 2), (3, 1))
     ]
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import compose
 import pytest
+import yaml
 
 from millstream.common.config import parse_run_config
 from millstream.engine.config import parse_engine_config
@@ -21,6 +22,7 @@ from millstream.router.config import parse_router_config
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "deploy" / "compose" / "compose.yml"
+PROMETHEUS_FILE = REPO / "deploy" / "compose" / "prometheus.yml"
 BINARY = Path(compose.__file__).parent / "docker-compose"
 PROFILES = ["cpu", "gpu", "cpu,observability", "gpu,observability"]
 PARSERS = {
@@ -64,6 +66,14 @@ def test_every_profile_validates_offline(profiles):
     assert redis["healthcheck"]["test"] and redis["volumes"][0]["target"] == "/data"
 
 
+def test_every_millstream_service_gets_the_admin_token():
+    services = json.loads(resolved("cpu", REDIS_PASSWORD="pw", ADMIN_TOKEN="tok").stdout)[
+        "services"
+    ]
+    for name in ("router", "engine", "rollout", "reward", "trainer"):
+        assert services[name]["environment"]["MILLSTREAM_ADMIN_TOKEN"] == "tok", name
+
+
 def test_a_missing_redis_password_is_refused_by_name():
     proc = resolved("cpu")
     assert proc.returncode != 0 and "REDIS_PASSWORD" in proc.stderr
@@ -95,6 +105,7 @@ def test_each_service_command_parses_with_millstreams_own_cli(tmp_path):
             assert cfg.service.router_url == "http://router:30000"
             assert cfg.connection.redis_url == "redis://redis:6379/0"
             assert cfg.service.coordinator_port == 50051
+            assert cfg.service.metrics_port == 9400
     assert seen == {
         "engine",
         "router",
@@ -103,9 +114,32 @@ def test_each_service_command_parses_with_millstreams_own_cli(tmp_path):
         "trainer:trainer",
         "trainer:trainer-gpu",
     }
-    # Workers get only --redis-url and --run-id (DESIGN.md): the rest is the run config's.
+    # Workers get only --redis-url and --run-id (DESIGN.md): the rest is the run config's;
+    # --metrics-port is about the process, not the run.
     for worker in ("rollout", "reward"):
         flags = services[worker]["command"][2:]
-        assert flags[::2] == ["--redis-url", "--run-id"], flags
+        assert flags[::2] == ["--redis-url", "--run-id", "--metrics-port"], flags
     engine = shlex.join(services["engine"]["command"])
     assert "--coordinator trainer:50051" in engine
+
+
+def test_prometheus_scrapes_every_millstream_service_where_it_serves_metrics():
+    """Router and engine on their HTTP port, the others on their --metrics-port; nothing else."""
+    proc = resolved("cpu,gpu,observability", REDIS_PASSWORD="pw")
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    expected = {"router": 30000, "engine": 30000}
+    for name, service in services.items():
+        argv = service.get("command") or []
+        if "--metrics-port" in argv:
+            expected[name] = int(argv[argv.index("--metrics-port") + 1])
+    assert {"rollout", "reward", "trainer", "trainer-gpu"} <= set(expected)
+    scraped = {
+        name: sd["port"]
+        for job in yaml.safe_load(PROMETHEUS_FILE.read_text())["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+        for name in sd["names"]
+    }
+    assert scraped == expected
+    mounted = services["prometheus"]["volumes"][0]
+    assert Path(mounted["source"]) == PROMETHEUS_FILE

@@ -115,7 +115,11 @@ def test_several_trainer_ranks_without_torchrun_say_how_to_start_them(
     argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(prompts),
             "--input-key", "prompt", "--rm-type", "exact", "--num-rollout", "1",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--actor-num-gpus-per-node", "2"]  # fmt: skip
+            "--actor-num-gpus-per-node", "2", "--wandb-key", "s3cret", "--admin-token=t0ken",
+            "--redis-url", "redis://:pw@127.0.0.1:1/0"]  # fmt: skip
     assert train(argv) == 2
     err = capsys.readouterr().err
     assert "torchrun --nnodes 1 --nproc-per-node 2 -m millstream.cli train --hf-checkpoint" in err
+    # The hint echoes the command line, never its secrets.
+    assert "--input-key prompt" in err and "--wandb-key *** --admin-token=***" in err
+    assert "s3cret" not in err and "t0ken" not in err and ":pw@" not in err

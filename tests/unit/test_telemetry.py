@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -86,3 +87,39 @@ def test_otlp_when_the_endpoint_is_set(monkeypatch):
     processor = provider._active_span_processor._span_processors[0]
     assert type(processor.span_exporter).__name__ == "OTLPSpanExporter"
     provider.shutdown()
+
+
+def test_otlp_to_the_compose_collector_only_when_its_name_resolves(tmp_path, monkeypatch):
+    """Compose names Jaeger in MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES: a host that resolves
+    (here localhost) gets the spans over OTLP; one that does not leaves them in JSONL files."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.setenv(telemetry.OTLP_IF_RESOLVES, "http://localhost:4317")
+    provider = telemetry.make_provider("svc", tmp_path)
+    processor = provider._active_span_processor._span_processors[0]
+    assert type(processor.span_exporter).__name__ == "OTLPSpanExporter"
+    provider.shutdown()
+    monkeypatch.setenv(telemetry.OTLP_IF_RESOLVES, "http://no-such-host.invalid:4317")
+    provider = telemetry.make_provider("svc", tmp_path)
+    processor = provider._active_span_processor._span_processors[0]
+    assert type(processor.span_exporter).__name__ == "JsonlSpanExporter"
+    provider.shutdown()
+
+
+def test_a_queue_wait_is_a_span_from_the_entry_time_to_now():
+    provider, exporter = _provider()
+    tracer = provider.get_tracer("t")
+    since = time.time_ns() - 250_000_000
+    telemetry.wait_span(
+        tracer, "r:prompts", "prompts_wait", since, None, {"millstream.group_id": "g"}
+    )
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "wait r:prompts" and span.start_time == since
+    assert 0.25 <= (span.end_time - span.start_time) / 1e9 < 5
+    assert span.attributes[telemetry.STAGE] == "prompts_wait"
+    assert span.attributes["messaging.destination.name"] == "r:prompts"
+    assert telemetry.entry_time_ns("1700000000123-4") == 1_700_000_000_123_000_000
+    # Redis' clock ahead of ours: the span never starts after it ends.
+    telemetry.wait_span(tracer, "s", "prompts_wait", time.time_ns() + 10**9)
+    assert (
+        exporter.get_finished_spans()[-1].start_time <= exporter.get_finished_spans()[-1].end_time
+    )

@@ -4,6 +4,8 @@ to the engines, and who is blamed when a step of the update group breaks."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -128,3 +130,32 @@ def test_the_rendezvous_address_is_loopback_only_when_the_router_is():
     assert address("--router-url", "http://router:30000") == host_address()
     explicit = ("--router-url", "http://router:30000", "--weight-sync-master-address", "10.0.0.7")
     assert address(*explicit) == "10.0.0.7"
+
+
+class Refusing:
+    """Engines that answer an init with an error at once (they will never join)."""
+
+    async def each(self, urls: list[str], path: str, body) -> dict[str, Failure]:
+        return {u: Failure("HTTP 400: backend gloo is not available", 0.01) for u in urls}
+
+
+def test_rank0_stops_waiting_for_a_rendezvous_an_engine_refused():
+    """Rank 0 would wait its whole timeout for an engine that refused to join: the
+    rendezvous step gives up at once (its thread ends on its own); a broadcast never does."""
+    ws = WeightSync("http://router", timeout_s=10)
+    rank0_done = threading.Event()
+
+    def rendezvous() -> None:
+        rank0_done.wait(1.0)
+
+    async def step(early_out: bool) -> float:
+        start = time.monotonic()
+        with pytest.raises(GroupBroken) as broken:
+            await ws._group_step(Refusing(), "/init", ["a"], lambda i, u: {}, rendezvous,
+                                 early_out=early_out)  # type: ignore[arg-type]  # fmt: skip
+        assert list(broken.value.failed) == ["a"]
+        return time.monotonic() - start
+
+    assert asyncio.run(step(early_out=True)) < 0.5
+    assert asyncio.run(step(early_out=False)) >= 0.9
+    rank0_done.set()

@@ -24,6 +24,7 @@ from .logs import LoggingConfig
 from .model import CkptConfig, MegatronConfig
 from .optimizer import OptimizerConfig
 from .perf import PerfConfig
+from .profiling import ProfilingConfig
 from .reward import RewardConfig
 from .rollout import RolloutConfig, resolve_batch_knobs
 from .schema import add_group, from_namespace
@@ -50,6 +51,7 @@ class RunConfig:
     sglang: SglangConfig
     reward: RewardConfig
     logging: LoggingConfig
+    profiling: ProfilingConfig
 
     @property
     def run_id(self) -> str:
@@ -78,6 +80,7 @@ GROUPS: tuple[tuple[str, type, str], ...] = (
     ("optimizer", OptimizerConfig, "optimizer (OPTIMIZER_ARGS)"),
     ("sglang", SglangConfig, "inference engines (SGLANG_ARGS)"),
     ("logging", LoggingConfig, "logging"),
+    ("profiling", ProfilingConfig, "profiling (Miles' and Megatron's profiler flags)"),
     (
         "megatron",
         MegatronConfig,

@@ -19,6 +19,15 @@ from .errors import ConfigError
 from .schema import flag
 
 PASSWORD_FILE_HELP = "file holding the Redis password (keeps it off the command line)"
+METRICS_PORT_HELP = (
+    "serve Prometheus /metrics on this port, all interfaces (0: a free one, printed at start); "
+    "none: no metrics server"
+)
+
+
+def check_metrics_port(port: int | None) -> None:
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port must be in 0..65535 (got {port})")
 
 
 def read_secret_file(path: str, option: str) -> str:
@@ -77,6 +86,11 @@ class ServiceConfig:
         "Coordinator's JoinEngine (or MILLSTREAM_ADMIN_TOKEN)",
     )
     coordinator_port: int = flag(0, "Coordinator gRPC port on trainer rank 0 (0: pick a free one)")
+    metrics_port: int | None = flag(
+        None,
+        "the trainer's Prometheus /metrics port on rank 0 (0: a free one, printed); none: off. "
+        "Workers started here serve none; engines and the router serve /metrics on their port",
+    )
     num_rollout_workers: int = flag(1, "rollout workers `millstream train` starts locally")
     num_reward_workers: int = flag(1, "reward workers `millstream train` starts locally")
     max_staleness: int | None = flag(
@@ -127,3 +141,4 @@ class ServiceConfig:
             raise ConfigError("--admin-token must not be empty")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0 (got {self.max_staleness})")
+        check_metrics_port(self.metrics_port)

@@ -5,7 +5,8 @@ The trainer writes it once at start; rollout and reward workers, started with on
 
 Invariant: no secret is written out. Workers bring their own Redis password, and none of
 them calls an admin endpoint, so the published config has no Redis password (flag, file or
-in the URL: there it reads `***`) and no admin token.
+in the URL: there it reads `***`) and no admin token; the trainer alone talks to W&B, so
+there is no --wandb-key either.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def without_secrets(cfg: RunConfig) -> RunConfig:
             conn, redis_url=url, redis_password=None, redis_password_file=None
         ),
         service=dataclasses.replace(cfg.service, admin_token=None),
+        logging=dataclasses.replace(cfg.logging, wandb_key=None),
     )
 
 

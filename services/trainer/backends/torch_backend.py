@@ -34,6 +34,7 @@ from millstream.common.errors import MillstreamError
 from .. import batching
 from ..algorithms.advantages import token_advantages
 from ..algorithms.loss import Denominator, approx_kl, policy_loss, value_loss
+from ..profiler import TrainProfiler
 from .base import TrainSample
 from .critic import ValueModel, load_value_model
 
@@ -160,6 +161,8 @@ class TorchBackend:
         self.reduce_across_ranks: Callable[[dict[str, float]], dict[str, float]] | None = None
         self.sum_across_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.step_metrics: list[dict[str, float]] = []  # the last rollout's, one per step
+        # --use-pytorch-profiler / --memory-snapshot-path: set by the build (rank 0), else off.
+        self.profiler = TrainProfiler()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter a step updates (actor, then critic): DataParallel sums their grads."""
@@ -319,6 +322,12 @@ class TorchBackend:
         self, samples: list[TrainSample], num_steps: int, rollout_id: int = 0
     ) -> dict[str, float]:
         """`num_steps` optimizer steps over consecutive equal slices of the samples."""
+        with self.profiler.target("train_overall", rollout_id):
+            return self._train_rollout(samples, num_steps, rollout_id)
+
+    def _train_rollout(
+        self, samples: list[TrainSample], num_steps: int, rollout_id: int
+    ) -> dict[str, float]:
         if len(samples) % num_steps:
             raise ValueError(f"{len(samples)} samples do not split into {num_steps} equal steps")
         per_step = len(samples) // num_steps
@@ -328,18 +337,20 @@ class TorchBackend:
             )
         steps = [samples[k * per_step : (k + 1) * per_step] for k in range(num_steps)]
         shares = [[step[i] for i in self._my_share(step)] for step in steps]
-        prepared = self.prepare(shares)
+        with self.profiler.target("train_log_probs", rollout_id):
+            prepared = self.prepare(shares)
         critic_only = rollout_id < self.cfg.algo.num_critic_only_steps and self.critic is not None
         totals: dict[str, float] = defaultdict(float)
         self.step_metrics = []
         offset = 0
-        for step, share in zip(steps, shares, strict=True):
-            rows = list(range(offset, offset + len(share)))
-            offset += len(share)
-            step_metrics = self._step(step, share, prepared.select(rows), critic_only)
-            self.step_metrics.append(step_metrics)
-            for name, value in step_metrics.items():
-                totals[name] += value / num_steps
+        with self.profiler.target("train_actor", rollout_id):
+            for step, share in zip(steps, shares, strict=True):
+                rows = list(range(offset, offset + len(share)))
+                offset += len(share)
+                step_metrics = self._step(step, share, prepared.select(rows), critic_only)
+                self.step_metrics.append(step_metrics)
+                for name, value in step_metrics.items():
+                    totals[name] += value / num_steps
         return dict(totals)
 
     def _step(

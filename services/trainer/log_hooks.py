@@ -1,0 +1,98 @@
+"""Miles' custom log functions, which the trainer's MetricsLogger (metrics.py) calls.
+
+    --custom-rollout-log-function-path pkg.mod.fn
+        fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool
+    --custom-eval-rollout-log-function-path pkg.mod.fn
+        fn(rollout_id, args, data, extra_metrics) -> bool
+
+Miles calls them first thing in its default loggers, and a true return skips the default
+logging (radixark/miles miles/ray/rollout/metrics.py `log_rollout_data` and
+`log_eval_rollout_data`; THUDM/slime slime/observability/rollout_metrics.py is the same). The
+eval function takes four arguments there, no rollout_time: so does Miles' --help text.
+
+What the arguments are here, against Miles':
+
+- rollout_id: the 0-based rollout index, as Miles' (stdout's `iter N/M` is rollout N-1; an
+  eval after iteration N is rollout N-1's, the eval before training rollout 0's).
+- args: the RunConfig as the workers and their plugins (--custom-rm-path, ...) get it: the
+  published config, without secrets (config/store.py `without_secrets`). Miles passes its
+  flat argparse Namespace; here the fields are grouped (`args.rollout.n_samples_per_prompt`).
+- samples: the iteration's samples, group after group, as `millstream.common.types.Sample`
+  (protobuf; the reward functions get the same): the raw `reward`, `response_text`,
+  `response_token_ids`, `status`, `weight_versions`, `label`, `metadata_json`. Miles passes
+  its rollout's list of `Sample` dataclasses (`response`, `reward`, `status`, `group_index`,
+  ...). Not the TrainSamples that trainer/batch.py `build_samples` builds from them for the
+  backend, whose `reward` is the estimator's (group-normalised for GRPO).
+- rollout_extra_metrics: the rollout/ metrics the default would log, by tag
+  ({"rollout/raw_reward": ...}); Miles passes its rollout function's extra metrics.
+- rollout_time: the seconds the trainer waited for the iteration's batch (perf/rollout_time).
+- data: {eval set: {"rewards": [...], "truncated": [...], "samples": [...]}}, Miles' shape;
+  a failed eval group adds n rewards of 0.0 (as the accuracy counts it) and no samples.
+- extra_metrics: the eval/ metrics the default would log ({"eval/aime": ...}).
+
+They run in the trainer process, on the event loop's thread, once per iteration or eval: keep
+them quick. A true return skips the default tensorboard and wandb logging of that part (the
+rollout/ tags, or the eval/ tags), as in Miles; metrics.jsonl and the stdout row are
+millstream's own record and still get everything. An exception in the function stops the run
+with a MillstreamError naming the flag and the function's path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from millstream.common.config import RunConfig
+from millstream.common.errors import MillstreamError
+from millstream.common.plugins import load_function
+
+ROLLOUT = "--custom-rollout-log-function-path"
+EVAL = "--custom-eval-rollout-log-function-path"
+
+
+def paths(cfg: RunConfig) -> dict[str, str]:
+    """The log functions given, by flag."""
+    given = {
+        ROLLOUT: cfg.logging.custom_rollout_log_function_path,
+        EVAL: cfg.logging.custom_eval_rollout_log_function_path,
+    }
+    return {flag: path for flag, path in given.items() if path}
+
+
+def load(flag: str, path: str) -> Callable[..., Any]:
+    """The function, imported as preflight checks it: with the working directory on sys.path
+    (the trainer runs there; the `millstream` script does not put it on sys.path)."""
+    from .preflight import _workers_sys_path  # preflight imports this module (through metrics)
+
+    with _workers_sys_path():
+        return load_function(path, flag)
+
+
+class LogHook:
+    """A loaded log function; calling it returns whether to skip the default logging."""
+
+    def __init__(self, flag: str, path: str):
+        self.flag = flag
+        self.path = path
+        self.fn = load(flag, path)
+
+    def __call__(self, *args: Any) -> bool:
+        try:
+            result = self.fn(*args)
+        except Exception as err:
+            raise MillstreamError(
+                f"{self.flag} {self.path!r} raised {type(err).__name__}: {err}"
+            ) from err
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()  # never awaited: no "coroutine was never awaited" warning
+            raise MillstreamError(
+                f"{self.flag} {self.path!r} returned an awaitable: Miles' log functions are "
+                "plain (not async) functions"
+            )
+        return bool(result)
+
+
+def hooks(cfg: RunConfig) -> dict[str, LogHook]:
+    return {flag: LogHook(flag, path) for flag, path in paths(cfg).items()}
