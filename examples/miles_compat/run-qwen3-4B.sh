@@ -2,6 +2,9 @@
 # A Miles launch script (scripts/run-qwen3-4B.sh style), unchanged but for the last line:
 # `millstream train-async` takes the same bash arrays of Miles flags. It needs the model and
 # data paths below and GPUs; tests/unit/test_config.py parses it to keep the flags compatible.
+# With the torch backend (the one built) preflight then refuses it, exit 2 before anything
+# starts, naming --tensor-model-parallel-size 2 and the other Megatron, GPU and SGLang server
+# flags it sets (tests/unit/test_flags_consumed.py lists them).
 # MILLSTREAM_PRINT_ARGS=1 prints the arguments (NUL-separated) instead of running.
 set -euo pipefail
 

@@ -6,7 +6,7 @@ prints it and exits 2, within a second or two and with nothing to stop.
 In order, cheapest first:
 
 1. flags alone: what the trainer needs (--hf-checkpoint, --prompt-data, a reward, a length),
-   what this build cannot honour (--train-backend megatron, --custom-generate-function-path),
+   what this build cannot honour (refusals.py's REFUSED, --custom-generate-function-path),
    --rm-type among the reward hub's built-ins, and the rest of the reward worker's own check;
    a profiler window that the run reaches (--profile-step-start under --num-rollout);
 2. this machine: redis-server on PATH when none is given, the packages of the extras the
@@ -21,7 +21,8 @@ In order, cheapest first:
    trainer's own (--custom-rollout-log-function-path,
    --custom-eval-rollout-log-function-path), loaded as the trainer loads them (log_hooks.py),
    whether or not the workers run here;
-4. files: the model dirs, a --load checkpoint that is there, and the prompt data and eval
+4. files: the model dirs, the MODEL_ARGS given against the model's config.json
+   (refusals.check_model), a --load checkpoint that is there, and the prompt data and eval
    sets, read up to their first usable row with the data source's own row parser.
 
 Left to others: value checks of one group (the config's `__post_init__`); what needs a service
@@ -46,7 +47,7 @@ from millstream.common.config.profiling import MEMORY_SNAPSHOT_NEEDS_CUDA
 from millstream.common.errors import MillstreamError
 from millstream.common.plugins import load_function
 
-from . import log_hooks
+from . import log_hooks, refusals
 from .data import ROW_ERRORS, labels_are_text, parse_row
 from .launcher import given_router_url
 from .metrics import TRACK_EXTRA, TRACKING_PACKAGES, tensorboard_dir
@@ -91,8 +92,7 @@ def check_flags(cfg: RunConfig) -> None:
         raise ConfigError("--rm-type or --custom-rm-path is required: how samples are scored")
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
         raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
-    if cfg.ckpt.train_backend != "torch":
-        raise ConfigError(f"--train-backend {cfg.ckpt.train_backend} is not built yet (torch is)")
+    refusals.check(cfg)
     if cfg.rollout.custom_generate_function_path:
         raise ConfigError(
             "--custom-generate-function-path is not supported by the rollout worker; use "
@@ -266,6 +266,7 @@ def check_files(cfg: RunConfig) -> None:
     # a Miles script may pass a Megatron dir there that the torch backend never reads.
     if ckpt.ref_load and (a.use_kl_loss or a.use_kl_in_reward or not ckpt.hf_checkpoint):
         _model_dir("--ref-load", ckpt.ref_load)
+    refusals.check_model(cfg)
     if ckpt.load:
         _check_load(ckpt.load)
     if ckpt.save and os.path.exists(ckpt.save) and not os.path.isdir(ckpt.save):

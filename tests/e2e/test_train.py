@@ -98,6 +98,27 @@ def _check_traces(run_dir: Path) -> None:
     assert f"group {gid}:" in out and "trainer.weight_sync" in out and "█" in out
 
 
+def _check_curves_tensorboard_and_profile(run_dir: Path) -> None:
+    """The run's plots are drawn, its tensorboard events read back under Miles' namespaces,
+    and the profiled rollout's trace opens with the train step in it."""
+    import gzip
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from millstream.trainer import plot
+
+    assert plot.main([str(run_dir)]) == 0
+    assert {p.name for p in (run_dir / "plots").glob("*.png")} >= {"reward.png", "timings.png"}
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "rollout/raw_reward", "perf/update_weights_time", "eval/dev_set"} <= tags
+    assert [e.step for e in acc.Scalars("rollout/raw_reward")] == [0, 1, 2]  # Miles' rollout ids
+    (trace_file,) = (run_dir / "tb").glob("train_overall_rollout1.pt.trace.json*")
+    events = json.loads(gzip.decompress(trace_file.read_bytes()))["traceEvents"]
+    assert any(e.get("name") == "millstream.train_overall" for e in events)
+
+
 @pytest.mark.parametrize("command", ["train", "train-async"])
 def test_three_iterations_through_every_service(command, tiny_model_dir, prompts, tmp_path):
     run_dir = tmp_path / f"run-{command}"
@@ -106,7 +127,9 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
         extra += ["--max-staleness", "2", "--metrics-port", "0"]
     else:  # eval through the same services: before training and after iteration 3
         extra += ["--eval-prompt-data", "dev_set", str(prompts), "--eval-interval", "3",
-                  "--eval-temperature", "0", "--eval-max-prompt-len", "4"]  # fmt: skip
+                  "--eval-temperature", "0", "--eval-max-prompt-len", "4",
+                  "--tensorboard-dir", str(run_dir / "tb"), "--use-pytorch-profiler",
+                  "--profile-step-start", "1", "--profile-step-end", "2"]  # fmt: skip
     proc = _train(command, _flags(tiny_model_dir, prompts, run_dir, *extra))
     summary = _check_run(proc, run_dir, 3)
     if command == "train":
@@ -119,6 +142,7 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
             and "eval at iter 3 (version 3): dev_set=" in proc.stdout
         )
         _check_traces(run_dir)
+        _check_curves_tensorboard_and_profile(run_dir)
     versions = [r["version"] for r in _records(run_dir)]
     assert versions == [1, 2, 3]
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"

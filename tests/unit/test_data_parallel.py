@@ -38,7 +38,9 @@ def build_backend(cfg, model: str) -> TorchBackend:
     return TorchBackend(cfg, model, ref_dir=None, critic_dir=critic, total_steps=2)
 
 
-def _rank(rank: int, world: int, port: int, model: str, out: str, extra: list[str]) -> None:
+def _rank(rank: int, world: int, port: int, model: str, out: str, runs: list[list[str]]) -> None:
+    """One rank of one process group that trains every run in turn (a spawn per run cost
+    ~8 s of start-up each)."""
     import torch.distributed as dist
 
     from millstream.trainer.distributed import DataParallel, init, send_stop, shutdown
@@ -48,46 +50,56 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, extra: list[st
     )
     init()
     try:
-        cfg = parse_run_config([*FLAGS, *extra])
-        dp = DataParallel(build_backend(cfg, model))
-        if rank == 0:
-            dp.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
-            send_stop()
-        else:
-            dp.follow()
-        torch.save(dict(dp.named_weights()), Path(out) / f"rank{rank}.pt")
-        dist.barrier()
+        for i, extra in enumerate(runs):
+            cfg = parse_run_config([*FLAGS, *extra])
+            dp = DataParallel(build_backend(cfg, model))
+            if rank == 0:
+                dp.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
+                send_stop()
+            else:
+                dp.follow()
+            torch.save(dict(dp.named_weights()), Path(out) / f"run{i}-rank{rank}.pt")
+            dist.barrier()
     finally:
         shutdown()
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        [],
-        ["--calculate-per-token-loss"],
-        ["--num-steps-per-rollout", "2", "--global-batch-size", "2"],
-        ["--balance-data", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6"],
-        ["--advantage-estimator", "reinforce_plus_plus", "--calculate-per-token-loss"],
-        ["--advantage-estimator", "ppo", "--normalize-advantages"],
-    ],
-    ids=["per-sample", "per-token", "two-steps", "balanced-packed", "reinforce++", "ppo"],
-)
-def test_two_ranks_take_the_one_rank_step(tiny_model_dir, tmp_path, extra):
-    cfg = parse_run_config([*FLAGS, *extra])
+RUNS = {
+    "per-sample": [],
+    "per-token": ["--calculate-per-token-loss"],
+    "two-steps": ["--num-steps-per-rollout", "2", "--global-batch-size", "2"],
+    "balanced-packed": ["--balance-data", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6"],
+    "reinforce++": ["--advantage-estimator", "reinforce_plus_plus", "--calculate-per-token-loss"],
+    "ppo": ["--advantage-estimator", "ppo", "--normalize-advantages"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_weights(tiny_model_dir, tmp_path_factory) -> Path:
+    """Every run of RUNS trained by two gloo ranks (one spawn); the weights each rank ended
+    with are in `run{i}-rank{r}.pt`."""
+    out = tmp_path_factory.mktemp("ranks")
+    runs = list(RUNS.values())
+    mp.spawn(_rank, args=(2, _free_port(), str(tiny_model_dir), str(out), runs), nprocs=2)
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name):
+    cfg = parse_run_config([*FLAGS, *RUNS[name]])
     single = build_backend(cfg, str(tiny_model_dir))
     single.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
     expected = dict(single.named_weights())
     before = load_file(Path(tiny_model_dir) / "model.safetensors")
 
-    mp.spawn(_rank, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path), extra), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    i = list(RUNS).index(name)
+    ranks = [torch.load(two_rank_weights / f"run{i}-rank{r}.pt", weights_only=True) for r in (0, 1)]
     moved = 0
-    for name, want in expected.items():
+    for key, want in expected.items():
         for got in ranks:
-            torch.testing.assert_close(got[name], want, atol=1e-6, rtol=0)
-        assert torch.equal(ranks[0][name], ranks[1][name]), name
-        moved += int(name in before and not torch.equal(before[name], want))
+            torch.testing.assert_close(got[key], want, atol=1e-6, rtol=0)
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+        moved += int(key in before and not torch.equal(before[key], want))
     assert moved > 0
 
 

@@ -1,7 +1,9 @@
 """Model and checkpoint flags (Miles' CKPT_ARGS), plus the Megatron flags of MODEL_ARGS and
 PERF_ARGS that Miles launch scripts carry. The torch backend takes the architecture from the
-Hugging Face config; the Megatron flags are accepted so a Miles script parses unchanged, and
-the Megatron backend will read them."""
+Hugging Face config: a Miles script parses unchanged, and then each Megatron flag is matched
+against the checkpoint's config.json, refused (exit 2) when it asks for what the torch backend
+does not do, or accepted where there is nothing to do; --help says which, and
+trainer/refusals.py holds the rule and the tables."""
 
 from __future__ import annotations
 
@@ -29,49 +31,80 @@ class CkptConfig:
     no_save_optim: bool = flag(False, "do not save optimizer state")
     no_load_optim: bool = flag(False, "do not load optimizer state")
     seed: int = flag(1234, "trainer random seed")
-    train_backend: str = flag("torch", "training backend", choices=("torch", "megatron"))
+    train_backend: str = flag(
+        "torch",
+        "training backend (megatron is not built yet: refused)",
+        choices=("torch", "megatron"),
+    )
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval <= 0:
             raise ConfigError(f"--save-interval must be > 0 (got {self.save_interval})")
 
 
+# What --help says of the Megatron flags (trainer/refusals.py decides, and says why).
+_PARALLEL = "; only 1 with the torch backend (data parallel only): anything else exits 2"
+_RECOMPUTE = "Megatron's activation recomputation; refused (exit 2) by the torch backend"
+_DROPOUT = "Megatron's dropout; only 0 with the torch backend (the HF config's dropout applies)"
+_FROM_HF = "checked against the HF checkpoint's config.json ({}): given values must match"
+_MODEL_CODE = "accepted: the HF checkpoint's modeling code decides it (not checked)"
+
+
 @dataclass(frozen=True)
 class MegatronConfig:
-    tensor_model_parallel_size: int = flag(1, "")
-    pipeline_model_parallel_size: int = flag(1, "")
-    context_parallel_size: int = flag(1, "")
-    expert_model_parallel_size: int = flag(1, "")
-    expert_tensor_parallel_size: int = flag(1, "")
-    sequence_parallel: bool = flag(False, "")
-    recompute_granularity: str | None = flag(None, "", choices=("full", "selective"))
-    recompute_method: str | None = flag(None, "", choices=("uniform", "block"))
-    recompute_num_layers: int | None = flag(None, "")
-    num_layers: int | None = flag(None, "")
-    hidden_size: int | None = flag(None, "")
-    ffn_hidden_size: int | None = flag(None, "")
-    num_attention_heads: int | None = flag(None, "")
-    group_query_attention: bool = flag(False, "")
-    num_query_groups: int | None = flag(None, "")
-    kv_channels: int | None = flag(None, "")
-    swiglu: bool = flag(False, "")
-    disable_bias_linear: bool = flag(False, "")
-    add_qkv_bias: bool = flag(False, "")
-    normalization: str | None = flag(None, "", choices=("LayerNorm", "RMSNorm"))
-    norm_epsilon: float | None = flag(None, "")
-    use_rotary_position_embeddings: bool = flag(False, "")
-    rotary_base: float | None = flag(None, "")
-    vocab_size: int | None = flag(None, "")
-    max_position_embeddings: int | None = flag(None, "")
-    seq_length: int | None = flag(None, "")
-    qk_layernorm: bool = flag(False, "")
-    untie_embeddings_and_output_weights: bool = flag(False, "")
-    attention_dropout: float = flag(0.0, "")
-    hidden_dropout: float = flag(0.0, "")
-    accumulate_allreduce_grads_in_fp32: bool = flag(False, "")
-    attention_softmax_in_fp32: bool = flag(False, "")
-    attention_backend: str | None = flag(None, "")
-    bf16: bool = flag(False, "")
+    tensor_model_parallel_size: int = flag(1, "Megatron tensor parallelism" + _PARALLEL)
+    pipeline_model_parallel_size: int = flag(1, "Megatron pipeline parallelism" + _PARALLEL)
+    context_parallel_size: int = flag(1, "Megatron context parallelism" + _PARALLEL)
+    expert_model_parallel_size: int = flag(1, "Megatron expert parallelism" + _PARALLEL)
+    expert_tensor_parallel_size: int = flag(1, "Megatron expert tensor parallelism" + _PARALLEL)
+    sequence_parallel: bool = flag(
+        False,
+        "Megatron sequence parallelism (with tensor parallelism); refused by the torch backend",
+    )
+    recompute_granularity: str | None = flag(None, _RECOMPUTE, choices=("full", "selective"))
+    recompute_method: str | None = flag(None, _RECOMPUTE, choices=("uniform", "block"))
+    recompute_num_layers: int | None = flag(None, _RECOMPUTE)
+    num_layers: int | None = flag(None, _FROM_HF.format("num_hidden_layers"))
+    hidden_size: int | None = flag(None, _FROM_HF.format("hidden_size"))
+    ffn_hidden_size: int | None = flag(None, _FROM_HF.format("intermediate_size"))
+    num_attention_heads: int | None = flag(None, _FROM_HF.format("num_attention_heads"))
+    group_query_attention: bool = flag(False, "accepted: switches on --num-query-groups")
+    num_query_groups: int | None = flag(None, _FROM_HF.format("num_key_value_heads"))
+    kv_channels: int | None = flag(None, _FROM_HF.format("head_dim"))
+    swiglu: bool = flag(False, _FROM_HF.format("hidden_act silu"))
+    disable_bias_linear: bool = flag(False, _MODEL_CODE)
+    add_qkv_bias: bool = flag(False, _MODEL_CODE)
+    normalization: str | None = flag(
+        None, _FROM_HF.format("rms_norm_eps: RMSNorm"), choices=("LayerNorm", "RMSNorm")
+    )
+    norm_epsilon: float | None = flag(None, _FROM_HF.format("rms_norm_eps"))
+    use_rotary_position_embeddings: bool = flag(False, _MODEL_CODE)
+    rotary_base: float | None = flag(None, _FROM_HF.format("rope_theta"))
+    vocab_size: int | None = flag(None, _FROM_HF.format("vocab_size"))
+    max_position_embeddings: int | None = flag(None, _FROM_HF.format("max_position_embeddings"))
+    seq_length: int | None = flag(
+        None, "accepted: a placeholder in Miles too; lengths come from --rollout-max-*-len"
+    )
+    qk_layernorm: bool = flag(False, _MODEL_CODE)
+    untie_embeddings_and_output_weights: bool = flag(
+        False, _FROM_HF.format("tie_word_embeddings false")
+    )
+    attention_dropout: float = flag(0.0, _DROPOUT)
+    hidden_dropout: float = flag(0.0, _DROPOUT)
+    accumulate_allreduce_grads_in_fp32: bool = flag(
+        False, "accepted: the torch backend's gradients are fp32 already"
+    )
+    attention_softmax_in_fp32: bool = flag(
+        False, "accepted: the torch backend computes in fp32 throughout"
+    )
+    attention_backend: str | None = flag(
+        None, "Megatron's attention kernel; refused by the torch backend (the HF model's own)"
+    )
+    bf16: bool = flag(False, "Megatron bf16 training; refused: the torch backend trains in fp32")
     actor_num_nodes: int = flag(1, "trainer nodes")
     actor_num_gpus_per_node: int = flag(1, "trainer ranks per node (torchrun --nproc-per-node)")
-    colocate: bool = flag(False, "accepted for Miles scripts; millstream always runs disaggregated")
+    colocate: bool = flag(
+        False,
+        "Miles: trainer and engines share GPUs; refused: millstream runs the engines as "
+        "separate services",
+    )

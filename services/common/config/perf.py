@@ -16,7 +16,9 @@ class PerfConfig:
     )
     max_tokens_per_gpu: int | None = flag(None, "token cap of a packed micro-batch")
     balance_data: bool = flag(False, "even out tokens across data-parallel ranks")
-    log_probs_chunk_size: int = flag(-1, "chunk the logprob computation over the vocab (-1: off)")
+    log_probs_chunk_size: int = flag(
+        -1, "Miles: chunk the logprob computation; only -1 (off): the torch backend takes it whole"
+    )
 
     def __post_init__(self) -> None:
         if self.micro_batch_size <= 0:

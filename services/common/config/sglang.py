@@ -11,10 +11,21 @@ from .schema import flag
 @dataclass(frozen=True)
 class SglangConfig:
     rollout_num_engines: int = flag(1, "inference engines `millstream train` starts locally")
-    rollout_num_gpus: int | None = flag(None, "accepted for Miles scripts (GPU deployments)")
-    rollout_num_gpus_per_engine: int = flag(1, "")
-    sglang_mem_fraction_static: float | None = flag(None, "passed to real SGLang engines")
-    sglang_server_concurrency: int = flag(512, "")
+    rollout_num_gpus: int | None = flag(
+        None, "Miles: the engines' GPUs; refused: engines started here run on CPU"
+    )
+    rollout_num_gpus_per_engine: int = flag(
+        1, "Miles: GPUs (SGLang tp) per engine; only 1: an engine started here is one process"
+    )
+    # SGLang server settings: millstream starts no SGLang server, so none is passed through.
+    sglang_mem_fraction_static: float | None = flag(
+        None,
+        "an SGLang server setting; refused: millstream starts no SGLang server (set it where "
+        "you launch yours, then pass --router-url)",
+    )
+    sglang_server_concurrency: int = flag(
+        512, "Miles: in-flight requests per engine; only 512: use --rollout-max-concurrency"
+    )
     sglang_router_ip: str | None = flag(None, "an existing router (alias of --router-url's host)")
     sglang_router_port: int | None = flag(None, "")
     engine_max_running_requests: int = flag(64, "continuous-batching bound of a local engine")

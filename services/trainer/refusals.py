@@ -1,0 +1,290 @@
+"""Every flag `millstream train` accepts is read, refused, or passed through (issue 14).
+
+The rule: a Miles flag does here what it does in Miles, or the run exits 2 before anything
+starts, naming the flag and why. Each field of each RunConfig group is one of:
+
+- read: a component outside the config package reads it (`cfg.rollout.rollout_batch_size`).
+  Most flags are. tests/unit/test_flags_consumed.py proves it for each by finding the
+  attribute in services/ (preflight and this module left out: checking a flag is not using it).
+- derived (DERIVED): the config folds it into another value of its group, which is read
+  (--global-batch-size fills --num-steps-per-rollout).
+- refused (REFUSED): what it asks for is not built here. Any value but the default exits 2
+  (`check`, in preflight's first step, from the flags alone). Miles scripts set many of these
+  to the value that asks for nothing special (--tensor-model-parallel-size 1, dropout 0.0):
+  those pass.
+- matched (MATCHED): Megatron's description of the model (MODEL_ARGS) that the Hugging Face
+  checkpoint's config.json already fixes. The torch backend builds the model from the
+  checkpoint, so a value given must equal the checkpoint's (`check_model`, in preflight's
+  file step), as Miles' hf_validate_args holds them for its Megatron backend. A key the
+  config.json does not have is not checked.
+- accepted (ACCEPTED): nothing to do, and --help says so: what the flag asks for is already
+  so here (fp32 gradients), or the checkpoint's modeling code decides it and config.json has
+  no key to check it against (--qk-layernorm).
+- passed through (PASSED_THROUGH): settings of real SGLang servers, handed on to them. None
+  today: millstream starts no SGLang server (the engines it starts are its own CPU processes;
+  with --router-url the servers are yours, configured where you launch them), so the
+  --sglang-* server settings are refused rather than pretended.
+
+A new flag belongs to one of these; the test fails for one that nothing reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from millstream.common.config import GROUPS, ConfigError, RunConfig
+
+# The group each field is in, and its default (no refused or matched field has a list default).
+_GROUP_OF = {f.name: group for group, cls, _ in GROUPS for f in dataclasses.fields(cls)}
+_DEFAULT = {f.name: f.default for _, cls, _ in GROUPS for f in dataclasses.fields(cls)}
+
+# field -> the value of its group the config folds it into (a property or method counts).
+DERIVED: dict[str, str] = {
+    "global_batch_size": "num_steps_per_rollout",  # resolve_batch_knobs
+    "eval_prompt_data": "datasets",  # NAME PATH pairs -> {name: path}
+    "custom_tis_function_path": "tis_mode",  # Miles' icepop_function -> icepop
+    "use_opd": "distills",  # the distillation term is on
+    "redis_password_file": "redis_password",  # the file's contents
+}
+
+_NO_MEGATRON = (
+    "needs --train-backend megatron, which is not built yet: the torch backend is data "
+    "parallel only, every rank holds the whole model (more ranks: --actor-num-gpus-per-node "
+    "under torchrun)"
+)
+_NO_RECOMPUTE = (
+    "is Megatron's activation recomputation; the torch backend keeps activations and "
+    "recomputes none (--train-backend megatron is not built yet): drop it, or save memory "
+    "with a smaller --micro-batch-size or --max-tokens-per-gpu"
+)
+_NO_DROPOUT = (
+    "is Megatron's dropout, which the torch backend does not apply (the HF model's own "
+    "config.json sets its dropout): drop it, or give 0"
+)
+
+# field -> why a value other than the default cannot be honoured. In this order: the first
+# one a run has is the error, the others are named after it.
+REFUSED: dict[str, str] = {
+    "train_backend": "is not built yet (torch is)",
+    "tensor_model_parallel_size": _NO_MEGATRON,
+    "pipeline_model_parallel_size": _NO_MEGATRON,
+    "context_parallel_size": _NO_MEGATRON,
+    "expert_model_parallel_size": _NO_MEGATRON,
+    "expert_tensor_parallel_size": _NO_MEGATRON,
+    "sequence_parallel": (
+        "needs tensor parallelism (--tensor-model-parallel-size > 1, --train-backend megatron, "
+        "not built yet); the torch backend has none: drop it"
+    ),
+    "recompute_granularity": _NO_RECOMPUTE,
+    "recompute_method": _NO_RECOMPUTE,
+    "recompute_num_layers": _NO_RECOMPUTE,
+    "attention_dropout": _NO_DROPOUT,
+    "hidden_dropout": _NO_DROPOUT,
+    "attention_backend": (
+        "picks Megatron's attention kernel; the torch backend runs the HF model's own "
+        "attention and has no such choice: drop it"
+    ),
+    "bf16": (
+        "asks for bf16 training; the torch backend trains in fp32 (weights, gradients and "
+        "optimizer state): drop it"
+    ),
+    "log_probs_chunk_size": (
+        "chunks Miles' logprob computation to save memory; the torch backend takes each "
+        "micro-batch's log-softmax whole: drop it (or -1), or save memory with a smaller "
+        "--micro-batch-size or --max-tokens-per-gpu"
+    ),
+    "colocate": (
+        "shares GPUs between the trainer and the engines, offloading each while the other "
+        "runs; millstream runs the engines as separate services, never on the trainer's "
+        "devices: drop it"
+    ),
+    "rollout_num_gpus": (
+        "gives the engines GPUs (Miles starts one engine per --rollout-num-gpus-per-engine "
+        "of them); the engines millstream starts are CPU processes: say how many with "
+        "--rollout-num-engines, or run GPU engines yourself and pass --router-url"
+    ),
+    "rollout_num_gpus_per_engine": (
+        "is the GPUs of one engine (SGLang's tensor parallelism); an engine millstream starts "
+        "is one CPU process: drop it, or set tp where you launch your own SGLang servers and "
+        "pass --router-url"
+    ),
+    "sglang_mem_fraction_static": (
+        "is an SGLang server setting (the GPU memory share of its static pool) and millstream "
+        "starts no SGLang server, its own engines have no such pool: drop it, and give "
+        "--mem-fraction-static where you launch your SGLang servers (then pass --router-url)"
+    ),
+    "sglang_server_concurrency": (
+        "caps Miles' in-flight generation requests per engine; here the cap is per rollout "
+        "worker: use --rollout-max-concurrency"
+    ),
+}
+
+
+def _key(name: str) -> Callable[[dict[str, Any]], tuple[str, Any] | None]:
+    """config.json's `name`, shown as `name value`, where the config has it."""
+    return lambda c: (f"{name} {c[name]}", c[name]) if c.get(name) is not None else None
+
+
+def _first_key(*names: str) -> Callable[[dict[str, Any]], tuple[str, Any] | None]:
+    def get(c: dict[str, Any]) -> tuple[str, Any] | None:
+        return next((_key(n)(c) for n in names if c.get(n) is not None), None)
+
+    return get
+
+
+def _num_query_groups(c: dict[str, Any]) -> tuple[str, Any] | None:
+    if c.get("num_key_value_heads") is not None:
+        return _key("num_key_value_heads")(c)
+    heads = c.get("num_attention_heads")  # no key-value heads given: one per attention head
+    return (
+        None if heads is None else (f"num_attention_heads {heads} (no num_key_value_heads)", heads)
+    )
+
+
+def _kv_channels(c: dict[str, Any]) -> tuple[str, Any] | None:
+    if c.get("head_dim") is not None:
+        return _key("head_dim")(c)
+    hidden, heads = c.get("hidden_size"), c.get("num_attention_heads")
+    if not (hidden and heads):
+        return None
+    return f"hidden_size {hidden} / num_attention_heads {heads} (no head_dim)", hidden // heads
+
+
+def _normalization(c: dict[str, Any]) -> tuple[str, Any] | None:
+    if "rms_norm_eps" in c:
+        return "rms_norm_eps (RMSNorm)", "RMSNorm"
+    name = next((n for n in ("layer_norm_eps", "layer_norm_epsilon") if n in c), None)
+    return (f"{name} (LayerNorm)", "LayerNorm") if name else None
+
+
+def _rotary_base(c: dict[str, Any]) -> tuple[str, Any] | None:
+    rope = c.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        return f"rope_parameters.rope_theta {rope['rope_theta']}", rope["rope_theta"]
+    return _key("rope_theta")(c)
+
+
+def _untied(c: dict[str, Any]) -> tuple[str, Any] | None:
+    tied = c.get("tie_word_embeddings")
+    return None if tied is None else (f"tie_word_embeddings {json.dumps(tied)}", not tied)
+
+
+def _swiglu(c: dict[str, Any]) -> tuple[str, Any] | None:
+    act = c.get("hidden_act")
+    return None if act is None else (f"hidden_act {act}", act in ("silu", "swish"))
+
+
+# field -> what the checkpoint's config.json says it is: (shown, value), None where it does not.
+MATCHED: dict[str, Callable[[dict[str, Any]], tuple[str, Any] | None]] = {
+    "num_layers": _key("num_hidden_layers"),
+    "hidden_size": _key("hidden_size"),
+    "ffn_hidden_size": _key("intermediate_size"),
+    "num_attention_heads": _key("num_attention_heads"),
+    "num_query_groups": _num_query_groups,
+    "kv_channels": _kv_channels,
+    "normalization": _normalization,
+    "norm_epsilon": _first_key("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"),
+    "rotary_base": _rotary_base,
+    "vocab_size": _key("vocab_size"),
+    "max_position_embeddings": _key("max_position_embeddings"),
+    "untie_embeddings_and_output_weights": _untied,
+    "swiglu": _swiglu,
+}
+
+_FROM_THE_MODEL_CODE = (
+    "the HF checkpoint's modeling code builds this part of the model, and config.json has no "
+    "portable key to check the flag against"
+)
+
+# field -> why it needs nothing here.
+ACCEPTED: dict[str, str] = {
+    "accumulate_allreduce_grads_in_fp32": "the torch backend's gradients are fp32 already",
+    "attention_softmax_in_fp32": "the torch backend computes in fp32 throughout",
+    "group_query_attention": "switches on --num-query-groups, which is matched",
+    "use_rotary_position_embeddings": _FROM_THE_MODEL_CODE,
+    "qk_layernorm": _FROM_THE_MODEL_CODE,
+    "add_qkv_bias": _FROM_THE_MODEL_CODE,
+    "disable_bias_linear": _FROM_THE_MODEL_CODE,
+    "seq_length": (
+        "a placeholder in Miles too (its Megatron runs take variable lengths); the lengths "
+        "here are --rollout-max-prompt-len and --rollout-max-response-len"
+    ),
+}
+
+# --sglang-* flag's field -> where it goes. Empty: see the module docstring.
+PASSED_THROUGH: dict[str, str] = {}
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _value(cfg: RunConfig, field: str) -> Any:
+    return getattr(getattr(cfg, _GROUP_OF[field]), field)
+
+
+def _shown(field: str, value: Any) -> str:
+    """The flag as given on the command line: `--colocate`, `--tensor-model-parallel-size 2`."""
+    return flag_name(field) if isinstance(value, bool) else f"{flag_name(field)} {value}"
+
+
+def _given(cfg: RunConfig, fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `fields` this run gives a value other than the default."""
+    return {f: v for f in fields if (v := _value(cfg, f)) != _DEFAULT[f]}
+
+
+def refused(cfg: RunConfig) -> dict[str, str]:
+    """flag -> its message, for each refused flag this run gives; in REFUSED's order."""
+    return {flag_name(f): f"{_shown(f, v)} {REFUSED[f]}" for f, v in _given(cfg, REFUSED).items()}
+
+
+def check(cfg: RunConfig) -> None:
+    """ConfigError for the first refused flag given, naming the others after it."""
+    found = refused(cfg)
+    if not found:
+        return
+    first, *others = found
+    more = f" (also refused: {', '.join(others)})" if others else ""
+    raise ConfigError(found[first] + more)
+
+
+def check_model(cfg: RunConfig) -> None:
+    """ConfigError when a MATCHED flag given disagrees with the model's config.json (the actor:
+    --hf-checkpoint, else --ref-load; preflight has checked the file is there)."""
+    given = _given(cfg, MATCHED)
+    flag, path = "--hf-checkpoint", cfg.ckpt.hf_checkpoint
+    if not path:
+        flag, path = "--ref-load", cfg.ckpt.ref_load
+    if not given or not path:
+        return
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{flag} {path}: cannot read its config.json ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{flag} {path}: its config.json is not a JSON object")
+    if isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # a multimodal model: its language model's
+    for field, value in given.items():
+        found = MATCHED[field](config)
+        if found is None:
+            continue  # the config does not say: the modeling code decides
+        shown, expected = found
+        if not _same(value, expected):
+            raise ConfigError(
+                f"{_shown(field, value)} disagrees with the model: {flag} {path} has {shown} "
+                "in its config.json, which the torch backend builds the model from: fix the "
+                "flag or drop it"
+            )
+
+
+def _same(given: Any, expected: Any) -> bool:
+    if isinstance(given, float) or isinstance(expected, float):
+        return isinstance(expected, int | float) and math.isclose(given, expected, rel_tol=1e-9)
+    return given == expected
