@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# A Miles launch script (scripts/run-qwen3-4B.sh style), unchanged but for the last line:
-# `millstream train-async` takes the same bash arrays of Miles flags. It needs the model and
-# data paths below and GPUs; tests/unit/test_config.py parses it to keep the flags compatible.
-# With the torch backend (the one built) preflight then refuses it, exit 2 before anything
-# starts, naming --tensor-model-parallel-size 2 and the other Megatron, GPU and SGLang server
-# flags it sets (tests/unit/test_flags_consumed.py lists them).
+# Miles' scripts/run-qwen3-4B.sh as of radixark/miles commit 5ed3fd170bfa (2026-08-09, the last
+# one whose MODEL_ARGS came from scripts/models/qwen3-4B.sh; the .sh scripts became .py on
+# 2026-08-11). Its flag arrays, CKPT_ARGS to MISC_ARGS, are copied byte for byte, comments
+# included; MODEL_ARGS is the text of scripts/models/qwen3-4B.sh at that commit, pasted where
+# Miles sources it. What changed: Miles' preamble (pkill -9 of sglang, ray and python, set
+# -ex, NVLink detection) and its `ray start` + `ray job submit ... python3 train.py` are gone;
+# `millstream train-async` takes the same arrays in the same order instead (last lines).
+# It needs the model and data paths below and GPUs; tests/unit/test_config.py and
+# tests/unit/test_miles_compat.py parse it to keep the flags compatible. With the torch
+# backend (the one built) preflight refuses it, exit 2 before anything starts, naming
+# --tensor-model-parallel-size 2 and the other Megatron, GPU and SGLang server flags it sets
+# (tests/unit/test_flags_consumed.py lists them). Past those, with the model at /root/Qwen3-4B,
+# its --ref-load /root/Qwen3-4B_torch_dist (read: --use-kl-loss) is refused as a Megatron
+# torch_dist checkpoint, with the converter command to run.
 # MILLSTREAM_PRINT_ARGS=1 prints the arguments (NUL-separated) instead of running.
 set -euo pipefail
 
@@ -20,7 +28,7 @@ MODEL_ARGS=(
    --disable-bias-linear
    --normalization "RMSNorm"
    --norm-epsilon 1e-6
-   --rotary-base 1000000
+   --rotary-base "${MODEL_ARGS_ROTARY_BASE:-1000000}"
    --vocab-size 151936
    --kv-channels 128
    --qk-layernorm
@@ -28,6 +36,7 @@ MODEL_ARGS=(
 
 CKPT_ARGS=(
    --hf-checkpoint /root/Qwen3-4B
+   #--hf-checkpoint /root/Qwen3-4B-FP8
    --ref-load /root/Qwen3-4B_torch_dist
    --load /root/Qwen3-4B_miles/
    --save /root/Qwen3-4B_miles/
@@ -45,7 +54,8 @@ ROLLOUT_ARGS=(
    --rollout-batch-size 32
    --n-samples-per-prompt 8
    --rollout-max-response-len 8192
-   --rollout-temperature 0.8
+   --rollout-temperature 1
+
    --global-batch-size 256
    --balance-data
 )
@@ -55,7 +65,7 @@ EVAL_ARGS=(
    --eval-prompt-data aime /root/aime-2024/aime-2024.jsonl
    --n-samples-per-eval-prompt 16
    --eval-max-response-len 16384
-   --eval-top-p 0.7
+   --eval-top-p 1
 )
 
 PERF_ARGS=(
@@ -65,9 +75,12 @@ PERF_ARGS=(
    --context-parallel-size 1
    --expert-model-parallel-size 1
    --expert-tensor-parallel-size 1
+
    --recompute-granularity full
    --recompute-method uniform
    --recompute-num-layers 1
+
+   # --micro-batch-size 1
    --use-dynamic-batch-size
    --max-tokens-per-gpu 9216
 )
@@ -91,16 +104,32 @@ OPTIMIZER_ARGS=(
    --adam-beta2 0.98
 )
 
+WANDB_ARGS=(
+   # --use-wandb
+   # --wandb-project miles-dev
+   # --wandb-group qwen3-4B-test
+   # --wandb-key ${WANDB_KEY}
+)
+
 SGLANG_ARGS=(
    --rollout-num-gpus-per-engine 2
    --sglang-mem-fraction-static 0.7
 )
 
+PROMETHEUS_ARGS=(
+   # --use-prometheus
+   # --prometheus-port 9090
+   # --prometheus-run-name "qwen3-4B-exp"
+)
+
 MISC_ARGS=(
+   # default dropout in megatron is 0.1
    --attention-dropout 0.0
    --hidden-dropout 0.0
+   # should be good for model performance
    --accumulate-allreduce-grads-in-fp32
    --attention-softmax-in-fp32
+   # need to comment this when using model with MLA
    --attention-backend flash
 )
 
@@ -113,9 +142,11 @@ ALL_ARGS=(
    "${ROLLOUT_ARGS[@]}"
    "${OPTIMIZER_ARGS[@]}"
    "${GRPO_ARGS[@]}"
+   "${WANDB_ARGS[@]}"
    "${PERF_ARGS[@]}"
    "${EVAL_ARGS[@]}"
    "${SGLANG_ARGS[@]}"
+   "${PROMETHEUS_ARGS[@]}"
    "${MISC_ARGS[@]}"
 )
 

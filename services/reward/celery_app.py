@@ -143,7 +143,8 @@ def register_tasks(app: Any, runtime: CeleryRuntime) -> None:
         runtime.check_run(payload)
         samples = [decode_sample(text) for text in payload["samples"]]
         with _task_span(TASK_GROUP, payload, len(samples)):
-            return runtime.run(runtime.rewarder.group_rewards(samples), len(samples))
+            prompt = payload.get("prompt", "")
+            return runtime.run(runtime.rewarder.group_rewards(samples, prompt), len(samples))
 
 
 def _task_span(task: str, payload: dict[str, Any], samples: int) -> Any:
@@ -180,8 +181,12 @@ class CeleryExecutor:
         payload = {"run_id": self.run_id, "prompt": prompt, "sample": encode_sample(sample)}
         return float(await self._call(TASK_SAMPLE, payload, self.timeout_s))
 
-    async def group_rewards(self, samples: Sequence[Sample]) -> list[float]:
-        payload = {"run_id": self.run_id, "samples": [encode_sample(s) for s in samples]}
+    async def group_rewards(self, samples: Sequence[Sample], prompt: str = "") -> list[float]:
+        payload = {
+            "run_id": self.run_id,
+            "prompt": prompt,
+            "samples": [encode_sample(s) for s in samples],
+        }
         values = await self._call(TASK_GROUP, payload, self.timeout_s * len(samples))
         return [float(v) for v in values]
 

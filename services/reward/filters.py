@@ -1,8 +1,11 @@
 """Dynamic-sampling filters (`--dynamic-sampling-filter-path`): keep a scored group or drop it.
 
-A filter is `fn(samples, cfg) -> keep`, sync or async, called after every sample has its
-reward, where `samples` is the group's list of Samples and `cfg` the RunConfig. It returns a
-bool, or an object (or dict) with `keep` and optionally `reason`, like Miles' FilterOutput.
+A filter is Miles' `fn(args, samples, **kwargs) -> DynamicFilterOutput`, sync or async, called
+after every sample has its reward, where `args` is Miles' read-only namespace of the run's
+flags and `samples` the group's list of Miles `Sample`s with their rewards (common/miles.py).
+It returns a DynamicFilterOutput (ours, Miles' or any object with `keep` and optionally
+`reason`), a dict with `keep`, or a bare bool (read as `keep`, as Miles' call_dynamic_filter
+does).
 A dropped group is published with verdict FILTERED and the reason, so the trainer's admission
 admits a replacement (DESIGN.md section 4). Eval groups are never filtered.
 
@@ -19,23 +22,24 @@ from __future__ import annotations
 import inspect
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from millstream.common.miles import (
+    DynamicFilterOutput,
+    Sample,
+    check_not_old_signature,
+    samples_from_pb,
+)
 from millstream.common.plugins import load_function
-from millstream.common.types import Sample, SampleStatus
+from millstream.common.types import SampleGroup
 
 _STD_EPS = 1e-8
 
-
-@dataclass(frozen=True)
-class FilterOutput:
-    keep: bool
-    reason: str | None = None
+FilterOutput = DynamicFilterOutput  # the name this module used before Miles' own
 
 
-def check_reward_nonzero_std(samples: Sequence[Sample], cfg: Any = None) -> FilterOutput:
-    rewards = [s.reward for s in samples]
+def check_reward_nonzero_std(args: Any, samples: Sequence[Sample], **kwargs: Any) -> FilterOutput:
+    rewards = [s.get_reward_value(args) for s in samples]
     if rewards and statistics.pstdev(rewards) > _STD_EPS:
         return FilterOutput(keep=True)
     first = rewards[0] if rewards else 0.0
@@ -45,8 +49,8 @@ def check_reward_nonzero_std(samples: Sequence[Sample], cfg: Any = None) -> Filt
     )
 
 
-def check_no_aborted(samples: Sequence[Sample], cfg: Any = None) -> FilterOutput:
-    aborted = [s.index for s in samples if s.status == SampleStatus.SAMPLE_STATUS_ABORTED]
+def check_no_aborted(args: Any, samples: Sequence[Sample], **kwargs: Any) -> FilterOutput:
+    aborted = [s.index for s in samples if s.status == Sample.Status.ABORTED]
     if aborted:
         return FilterOutput(keep=False, reason=f"group_has_aborted: samples {aborted} aborted")
     return FilterOutput(keep=True)
@@ -68,12 +72,18 @@ def resolve_filter(path: str) -> Callable[..., Any]:
     name = path.rsplit(".", 1)[-1]
     if name in BUILTINS and (path == name or path.startswith(_ALIAS_PREFIXES)):
         return BUILTINS[name]
-    return load_function(path, "--dynamic-sampling-filter-path")
+    fn = load_function(path, "--dynamic-sampling-filter-path")
+    check_not_old_signature(fn, "--dynamic-sampling-filter-path", path)
+    return fn
 
 
-async def apply_filter(fn: Callable[..., Any], samples: Sequence[Sample], cfg: Any) -> FilterOutput:
-    """Run the filter and read its answer; TypeError naming the value when it is unreadable."""
-    out = fn(list(samples), cfg)
+async def apply_filter(fn: Callable[..., Any], group: SampleGroup, args: Any) -> FilterOutput:
+    """Run the filter on the scored `group` (converted to Miles' Samples here) and read its
+    answer; TypeError naming the value when it is unreadable."""
+    samples = samples_from_pb(group.samples, group.prompt.prompt_text, scored=True)
+    for s in samples:
+        s.group_index = group.prompt.data_index
+    out = fn(args, samples)
     if inspect.isawaitable(out):
         out = await out
     if isinstance(out, FilterOutput):

@@ -12,9 +12,12 @@ Equivalence, `is_equiv(pred, label)`, in two tiers:
 1. Fast path, hand-written: both sides go through `normalize` (whitespace, `\\left`/`\\right`,
    `\\dfrac`/`\\tfrac` -> `\\frac`, `\\frac12` -> `\\frac{1}{2}`, `^\\circ`, `\\$`, `\\%`,
    `\\text{...}` and trailing units, thousands separators, `x = ` prefixes, trailing `.0`).
-   Equal strings, or equal exact rationals (`0.5` == `\\frac{1}{2}` == `1/2`, `2.0` == `2`),
-   answer at once: most answers in math data are integers or simple fractions, and this path
-   costs microseconds.
+   Two plain numbers (integer, decimal, `a/b`, `\\frac{a}{b}`) of equal exact value
+   (`0.5` == `\\frac{1}{2}` == `1/2`, `2.0` == `2`, `1,000` == `1000`) answer "equal" at once:
+   most answers in math data are integers or simple fractions, and this path costs
+   microseconds. Any other pair, even one the normaliser finds equal, goes to tier 2, so
+   `is_equiv` never says "equal" where math-verify says "not equal" (the normaliser alone
+   would equate `x=5` and `y=5`, or `3\\,000` and `3000`).
 2. Otherwise math-verify (Hugging Face's `math_verify.parse` + `verify`, sympy-backed) decides:
    it handles what a string normaliser cannot (`\\frac{\\sqrt{2}}{2}` vs `\\frac{1}{\\sqrt{2}}`,
    `(x+1)^2` vs `x^2+2x+1`, intervals, sets). Its own signal.alarm timeouts are switched off
@@ -205,9 +208,23 @@ def is_equiv(pred: str | None, label: str | None) -> bool:
     boxed_label = last_boxed(label)
     if boxed_label is not None:
         label = boxed_label
-    if fast_equiv(pred, label):
+    if fast_equiv(pred, label) and _plain_number(pred) and _plain_number(label):
         return True
+    # Anything else is math-verify's call, even when the normaliser found the two equal: it
+    # strips what math-verify reads (`x=5` vs `y=5`, `3\\,000` vs `3000`), and is_equiv must
+    # never say "equal" where math-verify says "not equal".
     return math_verify_equiv(pred, label)
+
+
+_PLAIN_NUMBER = re.compile(
+    r"^[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+|\d+/\d+|\\[dt]?frac\{\d+\}\{\d+\})$"
+)
+
+
+def _plain_number(text: str) -> bool:
+    """An integer, decimal (thousands commas allowed), `a/b` or `\\frac{a}{b}`, nothing else:
+    the answers whose fast-path verdict math-verify always shares."""
+    return bool(_PLAIN_NUMBER.match(text.replace(" ", "")))
 
 
 def warm_up() -> None:

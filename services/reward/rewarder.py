@@ -1,9 +1,11 @@
 """One attempt at a reward: which function runs for a sample, and how it runs.
 
-The reward of a sample comes from, in order: `--custom-rm-path` (your `fn(sample, cfg)`, or
-with `--group-rm` your `fn(samples, cfg) -> list`), the sample's metadata `rm_type`, then
-`--rm-type`. Functions may be sync or async and may return a number or a dict (`to_reward`
-reads `--reward-key`). The RunConfig is passed as `cfg`, like Miles passes `args`.
+The reward of a sample comes from, in order: `--custom-rm-path` (your `fn(args, sample)`, or
+with `--group-rm` your `fn(args, samples) -> list`, Miles' signatures: common/miles.py), the
+sample's metadata `rm_type`, then `--rm-type`. Functions may be sync or async and may return a
+number or a dict (`to_reward` reads `--reward-key`). `args` is Miles' read-only namespace of
+the run's flags, `sample` Miles' `Sample` (converted from the wire message here, with the
+group's prompt and `reward` None); an error raised by your function names its path.
 
 Sync code (your sync function, the math built-ins, which may sit in sympy for a long time) runs
 in a daemon thread per call, at most `max_threads` at once (`exact` and `f1`, plain string
@@ -27,12 +29,19 @@ from typing import Any, TypeVar
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
+from millstream.common.miles import (
+    check_not_old_signature,
+    is_async,
+    make_args,
+    named_error,
+    samples_from_pb,
+)
 from millstream.common.plugins import load_function
 from millstream.common.types import Sample
 
 from .math_utils import last_boxed
 from .remote_rm import RemoteRM
-from .rm_hub import INSTANT_RULES, REMOTE, rule_reward, split_rm_type, to_reward
+from .rm_hub import INSTANT_RULES, REMOTE, sample_rule_reward, split_rm_type, to_reward
 
 T = TypeVar("T")
 
@@ -100,16 +109,23 @@ class Rewarder:
         self.cfg = cfg
         self.reward_key = r.reward_key
         self.group_rm = r.group_rm
+        self.custom_path = r.custom_rm_path
         self.custom = (
             load_function(r.custom_rm_path, "--custom-rm-path") if r.custom_rm_path else None
         )
+        if self.custom is not None:
+            flag = "--custom-rm-path --group-rm" if r.group_rm else "--custom-rm-path"
+            check_not_old_signature(self.custom, flag, r.custom_rm_path)
+        self.args = make_args(cfg)
         self.remote = RemoteRM(r.rm_url, r.reward_timeout) if r.rm_url else None
         self.threads = ThreadRunner(max_threads)
 
     async def sample_reward(self, sample: Sample, prompt: str) -> float:
         """One attempt at one sample's reward."""
         if self.custom is not None:
-            return to_reward(await self._call(self.custom, sample, self.cfg), self.reward_key)
+            (miles_sample,) = samples_from_pb([sample], prompt)
+            value = await self._custom(miles_sample)
+            return to_reward(value, self.reward_key)
         rm_type = self._rm_type(sample)
         boxed, base = split_rm_type(rm_type)
         if base == REMOTE:
@@ -121,19 +137,20 @@ class Rewarder:
             value = await self.remote(sample, prompt, response)
             return to_reward(value, self.reward_key)
         if base in INSTANT_RULES:
-            value = rule_reward(rm_type, sample.response_text, sample.label)
+            value = sample_rule_reward(rm_type, sample, self.cfg)
         else:
-            value = await self.threads.run(rule_reward, rm_type, sample.response_text, sample.label)
+            value = await self.threads.run(sample_rule_reward, rm_type, sample, self.cfg)
         return to_reward(value, self.reward_key)
 
-    async def group_rewards(self, samples: Sequence[Sample]) -> list[float]:
+    async def group_rewards(self, samples: Sequence[Sample], prompt: str = "") -> list[float]:
         """One attempt at a whole group's rewards with the `--group-rm` function."""
         assert self.custom is not None
-        values = await self._call(self.custom, list(samples), self.cfg)
+        values = await self._custom(samples_from_pb(samples, prompt))
         if not isinstance(values, list | tuple) or len(values) != len(samples):
             got = f"{len(values)} values" if isinstance(values, list | tuple) else repr(values)
             raise ValueError(
-                f"group reward must return a list of {len(samples)} rewards (got {got})"
+                f"--custom-rm-path {self.custom_path} (--group-rm) must return a list of "
+                f"{len(samples)} rewards (got {got})"
             )
         return [to_reward(v, self.reward_key) for v in values]
 
@@ -152,10 +169,16 @@ class Rewarder:
             )
         return self.cfg.reward.rm_type
 
+    async def _custom(self, sample_or_samples: Any) -> Any:
+        """Your function's answer; an error it raises is re-raised naming its path."""
+        assert self.custom is not None
+        try:
+            return await self._call(self.custom, self.args, sample_or_samples)
+        except Exception as err:
+            raise named_error(err, "--custom-rm-path", self.custom_path) from err
+
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)  # noqa: B004 - async callable objects
-        ):
+        if is_async(fn):
             return await fn(*args)
         out = await self.threads.run(fn, *args)
         return await out if inspect.isawaitable(out) else out

@@ -1,26 +1,49 @@
-"""The built-in rewards (`--rm-type`), Miles/slime compatible in meaning.
+"""The built-in rewards (`--rm-type`): Miles' values, value for value (`--rm-compat miles`).
 
-    rm_type      reward   what is compared
-    math         1 / 0    `extract_answer(response)` (boxed, else last number) vs label
-    deepscaler   1 / 0    the boxed answer after `</think>` (whole response without a think block)
-    dapo         +1 / -1  the last "Answer: ..." line (else the boxed answer) vs label
-    f1           [0, 1]   token-level F1 (SQuAD normalisation: case, punctuation, articles)
-    exact        1 / 0    stripped response == stripped label
+With `--rm-compat miles` (the default) every Miles rm_type below follows Miles' rules, written
+out in miles_rm.py, so a (response, label) pair gets the reward Miles gives it, edge cases
+included (tests/unit/test_rm_miles_parity.py):
+
+    rm_type      reward   Miles function (miles/rollout/rm_hub/)
+    math         1 / 0    math_utils.grade_answer_verl: the last \\boxed{} only (no box: 0)
+    deepscaler   1 / 0    deepscaler.get_deepscaler_rule_based_reward: the box after the last
+                          `</think>` (or the first `###Response`); neither: 0
+    dapo         +1 / -1  math_dapo_utils.compute_score: the last "Answer: ..." in the last 300
+                          characters, string-compared after Minerva normalisation; the label
+                          must be an integer (Miles raises otherwise, and so do we)
+    f1           [0, 1]   f1.f1_score: token-level F1 (SQuAD normalisation)
+    exact        1 / 0    millstream's own (Miles has none): see below
     remote_rm    any      what the HTTP reward model says (see remote_rm.py)
     boxed_<t>             `<t>` on the last `\\boxed{...}` of the response ("" when none)
 
-Math equivalence (math, deepscaler, dapo) is `math_utils.is_equiv`: a hand-written
-normaliser as the fast path, math-verify for everything it cannot settle.
+`--rm-compat millstream` is millstream's own, more lenient reading, on purpose and only when
+asked: math falls back to the last number when there is no box, deepscaler scores the whole
+response when there is no `</think>`, dapo falls back to the box and compares with math
+equivalence; their equivalence is `math_utils.is_equiv` (a fast path that never says "equal"
+where math-verify says "not equal", then math-verify). f1 is the same in both.
+
+`exact` scores the response as the model produced it: the response tokens decoded without
+skipping special tokens (a BOS or pad inside the answer makes it wrong even when
+`--rollout-skip-special-tokens` hides it from the text), less the stop token that ended it. A
+response cut by the length limit (no EOS: "82" then padding) or aborted scores 0; one whose EOS
+is exactly the last token allowed (finish_reason "length", as SGLang reports it) is finished.
+Like Miles, the other built-ins score a truncated response by its text (Miles' rm_hub never
+looks at Sample.status; the text is what SGLang returned, with no_stop_trim and
+`--rollout-skip-special-tokens` as set).
 
 A sample's metadata may name its own built-in rm_type (`{"rm_type": "f1"}`), as in Miles, so
 one data set can mix tasks; `--custom-rm-path` wins over both. Only built-ins can be chosen
 that way: code is loaded from the run config alone (see plugins.py).
 
-`to_reward` turns what any reward returned into the float stored in `Sample.reward`.
+`to_reward` turns what any reward returned into the float stored in `Sample.reward` (Miles'
+dapo returns a dict: its "score" is taken unless `--reward-key` says otherwise).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import math
 import numbers
 import re
@@ -31,7 +54,10 @@ from typing import Any
 
 from millstream.common.errors import MillstreamError
 
+from . import miles_rm
 from .math_utils import after_think, extract_answer, is_equiv, last_boxed
+
+log = logging.getLogger(__name__)
 
 BOXED_PREFIX = "boxed_"
 REMOTE = "remote_rm"
@@ -77,7 +103,12 @@ def f1_reward(response: str, label: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def exact_reward(response: str, label: str) -> float:
+def exact_reward(response: str, label: str, finish_reason: str | None = None) -> float:
+    """1 when the stripped response is the stripped label and the response was finished: one
+    cut by the length limit (no EOS) or aborted is not an answer. No finish_reason (a bare
+    string) is taken as finished."""
+    if finish_reason in ("length", "abort"):
+        return 0.0
     return 1.0 if response.strip() == label.strip() else 0.0
 
 
@@ -89,6 +120,26 @@ RULES: dict[str, Callable[[str, str], float]] = {
     "exact": exact_reward,
 }
 RM_TYPES = (*RULES, REMOTE)
+COMPAT = ("miles", "millstream")
+
+
+def miles_rule(base: str, response: str, label: str) -> Any:
+    """Miles' value (miles/rollout/rm_hub/__init__.py async_rm) for a Miles rm_type."""
+    if base == "math":
+        return miles_rm.math_score(response, label)
+    if base == "deepscaler":
+        return miles_rm.deepscaler_score(response, label)
+    if base == "dapo":
+        try:
+            return miles_rm.dapo_score(response, label)
+        except ValueError as err:  # Miles: int(float(label)) on a label that is no integer
+            raise ValueError(
+                f"dapo (as in Miles) needs an integer label, got {label!r} ({err}); "
+                "--rm-compat millstream compares any answer by math equivalence"
+            ) from None
+    return f1_reward(response, label)  # Miles' f1.f1_score[0], value for value
+
+
 # Plain string work, linear in the response: run on the event loop. Starting a thread per
 # sample for these cost more than the rule itself (the reward worker's top cost, py-spy).
 INSTANT_RULES = frozenset({"exact", "f1"})
@@ -108,14 +159,105 @@ def split_rm_type(rm_type: str) -> tuple[bool, str]:
     return boxed, base
 
 
-def rule_reward(rm_type: str, response: str, label: str) -> float:
-    """A rule-based (not remote) built-in reward of one response."""
+def rule_reward(
+    rm_type: str,
+    response: str,
+    label: str,
+    *,
+    compat: str = "miles",
+    finish_reason: str | None = None,
+) -> Any:
+    """A rule-based (not remote) built-in reward of one response: a number, or Miles' dapo
+    dict (read it with `to_reward`). `finish_reason` is the engine's (stop, length, abort)."""
     boxed, base = split_rm_type(rm_type)
     if base == REMOTE:
         raise ValueError("remote_rm is not a rule-based reward")
+    if compat not in COMPAT:
+        raise MillstreamError(f"unknown --rm-compat {compat!r}: choose from {', '.join(COMPAT)}")
+    miles = compat == "miles"
     if boxed:
-        response = last_boxed(response) or ""
+        # Miles: math_utils.extract_answer, which needs `\boxed{` (an `\fbox` alone is "").
+        response = (miles_rm.boxed_answer(response) if miles else last_boxed(response)) or ""
+    if base == "exact":
+        return exact_reward(response, label, finish_reason)
+    if miles:
+        return miles_rule(base, response, label)
     return RULES[base](response, label)
+
+
+def sample_rule_reward(rm_type: str, sample: Any, cfg: Any) -> Any:
+    """`rule_reward` of a wire Sample under a RunConfig: the reward worker's entry point. Gives
+    `exact` the response as the model produced it (`produced_text`) and the finish reason."""
+    response, finish = sample.response_text, sample.finish_reason or None
+    if split_rm_type(rm_type)[1] == "exact":
+        response, finish = produced_text(sample, cfg)
+    return rule_reward(
+        rm_type, response, sample.label, compat=cfg.reward.rm_compat, finish_reason=finish
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str) -> tuple[Any, frozenset[int], frozenset[int]] | None:
+    """(tokenizer, the ids generation stops on: its EOS and generation_config.json's, its
+    special ids), read from tokenizer.json with the `tokenizers` library: transformers'
+    AutoTokenizer would import torch into every reward worker (+220 MB each, measured)."""
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+    except Exception as err:  # no tokenizers package, or not a model dir (a test's fake one)
+        log.warning("exact reward: no tokenizer at %s (%s): scoring response_text", path, err)
+        return None
+    special = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    eos: set[int] = set()
+    eos_token = _json_file(f"{path}/tokenizer_config.json").get("eos_token")
+    if isinstance(eos_token, dict):  # an AddedToken written out
+        eos_token = eos_token.get("content")
+    if isinstance(eos_token, str) and tok.token_to_id(eos_token) is not None:
+        eos.add(tok.token_to_id(eos_token))
+    gen = _json_file(f"{path}/generation_config.json").get("eos_token_id")
+    eos.update(gen if isinstance(gen, list) else [gen] if isinstance(gen, int) else [])
+    return tok, frozenset(eos), special
+
+
+def _json_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def produced_text(sample: Any, cfg: Any) -> tuple[str, str | None]:
+    """(the response as the model produced it, how it ended): its tokens decoded with special
+    tokens kept, less the stop that ended it (after a "stop": the last token when it is an EOS,
+    a --rollout-stop-token-ids or another special token; text from the first --rollout-stop
+    string on).
+
+    A response whose last token is a stop token ended by it even when the engine says
+    "length": like SGLang, the engine checks the length limit first, so an answer whose EOS is
+    exactly the last token allowed is reported as "length" (Miles marks it TRUNCATED), yet the
+    model did finish it. Without a tokenizer (no --hf-checkpoint) or tokens: (response_text,
+    finish_reason)."""
+    finish = sample.finish_reason or None
+    path = cfg.ckpt.hf_checkpoint
+    ids = list(sample.response_token_ids)
+    loaded = _tokenizer(str(path)) if path and ids else None
+    if loaded is None:
+        return sample.response_text, finish
+    tok, eos, special = loaded
+    stop_ids = eos | set(cfg.rollout.rollout_stop_token_ids or ())
+    if finish == "stop" and (ids[-1] in stop_ids or ids[-1] in special):
+        ids = ids[:-1]  # the token the engine stopped on
+    elif finish == "length" and ids[-1] in stop_ids:
+        ids, finish = ids[:-1], "stop"  # its EOS was the last token allowed: finished
+    text = tok.decode(ids, skip_special_tokens=False)
+    if finish == "stop" and cfg.rollout.rollout_stop:
+        hits = [text.find(s) for s in cfg.rollout.rollout_stop if s and s in text]
+        if hits:
+            text = text[: min(hits)]
+    return text, finish
 
 
 def to_reward(value: Any, reward_key: str | None) -> float:

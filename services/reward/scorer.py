@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from millstream.common.config import RunConfig
+from millstream.common.miles import make_args
 from millstream.common.types import Sample, SampleGroup, SampleStatus, ScoredGroup, Verdict
 
 from .filters import FilterOutput, apply_filter, resolve_filter
@@ -47,7 +48,7 @@ _BACKOFF_MAX_S = 2.0
 class Executor(Protocol):
     async def sample_reward(self, sample: Sample, prompt: str) -> float: ...
 
-    async def group_rewards(self, samples: Sequence[Sample]) -> list[float]: ...
+    async def group_rewards(self, samples: Sequence[Sample], prompt: str = "") -> list[float]: ...
 
     async def aclose(self) -> None: ...
 
@@ -65,6 +66,7 @@ class GroupScorer:
         path = cfg.rollout.dynamic_sampling_filter_path
         self.filter_path = path
         self.filter = resolve_filter(path) if path else None
+        self.args = make_args(cfg)
         self.stats: Counter[str] = Counter()
 
     async def score(self, group: SampleGroup) -> ScoredGroup:
@@ -97,7 +99,7 @@ class GroupScorer:
         if self.filter is None or group.prompt.is_eval:
             return Verdict.VERDICT_KEPT, ""
         try:
-            decision = await apply_filter(self.filter, group.samples, self.cfg)
+            decision = await apply_filter(self.filter, group, self.args)
         except Exception as err:
             return (
                 Verdict.VERDICT_FAILED,
@@ -112,7 +114,7 @@ class GroupScorer:
             return await self._attempts(
                 gid,
                 "group reward",
-                lambda: self.executor.group_rewards(group.samples),
+                lambda: self.executor.group_rewards(group.samples, prompt),
                 self.timeout_s * len(group.samples),
             )
         try:

@@ -13,9 +13,12 @@ renewing it because the job is still running) until the sync looks over:
     resumed request runs under the new weights; at worst it is aborted again, which the
     caller bounds.
 
-Groups released together are ordered by the buffer filter, `fn(groups) -> ordered groups`,
-where each group is a PromptGroup whose `partial_samples` show where its samples stand
-(default: first in, first out). The position becomes the resumed requests' priority for a
+Groups released together are ordered by the buffer filter, Miles' `fn(args, rollout_id,
+buffer, num_samples) -> list[list[Sample]]` (common/miles.py), called with `rollout_id=None`
+(as Miles calls it) and `num_samples=len(buffer)`, where `buffer` holds one list of Miles
+Samples per group: its `partial_samples`, where its samples stand (default: Miles'
+`pop_first`, first in, first out). The lists it returns (the buffer's own, or any whose
+samples carry the group's `group_id`) give the order. The position becomes the resumed requests' priority for a
 generation slot, ahead of every fresh request. A filter that leaves a group out does not drop
 it: every admitted group ends in one terminal state, so the left-out ones resume last, FIFO.
 """
@@ -27,24 +30,44 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from millstream.common.miles import Sample, groups_from_pb
 from millstream.common.types import PromptGroup
 
 from .client import RouterClient
 
 log = logging.getLogger("millstream.rollout")
 
-BufferFilter = Callable[[list[PromptGroup]], list[PromptGroup]]
+BufferFilter = Callable[[Any, int | None, list[list[Sample]], int], list[list[Sample]]]
 
 
-def fifo(groups: list[PromptGroup]) -> list[PromptGroup]:
-    """The default buffer filter: resume in the order the groups parked."""
-    return list(groups)
+def pop_first(
+    args: Any, rollout_id: int | None, buffer: list[list[Sample]], num_samples: int
+) -> list[list[Sample]]:
+    """Miles' default buffer filter: the first `num_samples` groups, in the order they parked."""
+    num_to_pop = min(len(buffer), num_samples)
+    samples = buffer[:num_to_pop]
+    del buffer[:num_to_pop]
+    return samples
 
 
-def resume_order(groups: list[PromptGroup], buffer_filter: BufferFilter) -> list[str]:
+fifo = pop_first  # the name this module used before Miles' own
+
+
+def resume_order(
+    groups: list[PromptGroup], buffer_filter: BufferFilter, args: Any = None
+) -> list[str]:
     """Group ids in resume order: the filter's choice, then any it left out (FIFO)."""
-    chosen = [g.group_id for g in buffer_filter(list(groups))]
+    buffer = groups_from_pb(groups)
+    by_list = {id(samples): g.group_id for samples, g in zip(buffer, groups, strict=True)}
+    chosen_lists = buffer_filter(args, None, list(buffer), len(buffer))
+    chosen = []
+    for samples in chosen_lists or []:
+        gid = by_list.get(id(samples))
+        if gid is None:
+            gid = samples[0].group_id if samples else "<an empty list not from the buffer>"
+        chosen.append(gid)
     known = {g.group_id for g in groups}
     unknown = [gid for gid in chosen if gid not in known]
     if unknown:
@@ -69,13 +92,15 @@ class PartialBuffer:
     def __init__(
         self,
         client: RouterClient,
-        buffer_filter: BufferFilter = fifo,
+        buffer_filter: BufferFilter = pop_first,
         *,
+        args: Any = None,
         poll_s: float = 0.5,
         max_wait_s: float = 5.0,
     ):
         self.client = client
         self.buffer_filter = buffer_filter
+        self.args = args  # Miles' args, handed to the buffer filter
         self.poll_s = poll_s
         self.max_wait_s = max_wait_s
         self.resumed = 0
@@ -132,7 +157,7 @@ class PartialBuffer:
         }
         if not ready:
             return []
-        order = resume_order([p.snapshot() for p in ready.values()], self.buffer_filter)
+        order = resume_order([p.snapshot() for p in ready.values()], self.buffer_filter, self.args)
         for gid in order:
             parked = self._parked.pop(gid)
             parked.priority = self.resumed

@@ -2,7 +2,9 @@
 
 Owns one consumer in group `rollout` and runs the common StreamWorker over it. Each entry's
 job decodes the PromptGroup, runs the rollout function (the default, or the user's
-`--rollout-function-path` fn(group, cfg, client) -> SampleGroup) under a `rollout.group`
+`--rollout-function-path` fn(group, cfg, client) -> SampleGroup: per group, millstream's own
+form; Miles' whole-batch `generate_rollout(args, rollout_id, data_source, evaluation=False)`
+is refused, see `check_rollout_function` and common/miles.py) under a `rollout.group`
 span continuing the entry's trace, and hands the SampleGroup off with `publish_and_ack`, which
 carries the span's context on. Timings: `rollout` (seconds in the rollout function) and,
 when the trainer stamped `admitted_unix`, `rollout_queue` (admission to the worker's start).
@@ -32,6 +34,13 @@ from millstream.common import telemetry
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import GROUP_ROLLOUT, RunKeys
+from millstream.common.miles import (
+    CUSTOM_GENERATE_REFUSED,
+    check_not_old_signature,
+    check_rollout_function,
+    make_args,
+    named_error,
+)
 from millstream.common.plugins import load_function
 from millstream.common.streams import Consumer, StreamEntry, decode
 from millstream.common.telemetry import context_from_fields, inject_fields, tracer
@@ -40,7 +49,7 @@ from millstream.common.worker import StreamWorker
 
 from .client import GenerationFailed, RouterClient
 from .group import DefaultRollout
-from .partial import BufferFilter, PartialBuffer, fifo
+from .partial import BufferFilter, PartialBuffer, pop_first
 from .prom import RolloutMetrics
 
 log = logging.getLogger("millstream.rollout")
@@ -61,6 +70,26 @@ def first_failure(err: BaseException) -> GenerationFailed | None:
     return None
 
 
+def load_rollout_function(path: str) -> RolloutFn:
+    fn = load_function(path, "--rollout-function-path")
+    check_rollout_function(fn, path)
+    return fn
+
+
+def load_buffer_filter(path: str) -> BufferFilter:
+    """Miles' buffer filter at `path`, its errors re-raised naming the flag and path."""
+    fn = load_function(path, "--buffer-filter-path")
+    check_not_old_signature(fn, "--buffer-filter-path", path)
+
+    def named(*args: object) -> list:
+        try:
+            return fn(*args)
+        except Exception as err:
+            raise named_error(err, "--buffer-filter-path", path) from err
+
+    return named
+
+
 def failed_group(group: PromptGroup, reason: str) -> SampleGroup:
     return SampleGroup(prompt=group, failure_reason=reason)
 
@@ -78,18 +107,19 @@ class RolloutWorker:
     ):
         r = cfg.rollout
         if r.custom_generate_function_path:
-            raise MillstreamError(
-                "--custom-generate-function-path is not supported by the rollout worker; "
-                "use --rollout-function-path (fn(group, cfg, client) -> SampleGroup) instead"
-            )
+            raise MillstreamError(CUSTOM_GENERATE_REFUSED)
         self.cfg = cfg
         self.client = client
         self.keys = RunKeys(cfg.run_id)
-        buffer_filter: BufferFilter = fifo
+        buffer_filter: BufferFilter = pop_first
         if r.buffer_filter_path:
-            buffer_filter = load_function(r.buffer_filter_path, "--buffer-filter-path")
+            buffer_filter = load_buffer_filter(r.buffer_filter_path)
         self.buffer = PartialBuffer(
-            client, buffer_filter, poll_s=partial_poll_s, max_wait_s=partial_max_wait_s
+            client,
+            buffer_filter,
+            args=make_args(cfg),
+            poll_s=partial_poll_s,
+            max_wait_s=partial_max_wait_s,
         )
         client.on_answer = self.buffer.engines_answered
         self.rollout_fn: RolloutFn = DefaultRollout(
@@ -98,7 +128,7 @@ class RolloutWorker:
             mask_offpolicy=r.mask_offpolicy_in_partial_rollout,
         )
         if r.rollout_function_path:
-            self.rollout_fn = load_function(r.rollout_function_path, "--rollout-function-path")
+            self.rollout_fn = load_rollout_function(r.rollout_function_path)
         self.consumer = Consumer.for_run(
             redis, cfg, self.keys.prompts, GROUP_ROLLOUT, consumer_name
         )

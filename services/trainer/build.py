@@ -84,6 +84,7 @@ def data_sources(
     train = PromptDataSource(
         r.prompt_data, tokenizer, input_key=r.input_key, label_key=r.label_key, metadata_key=r.metadata_key,
         tool_key=r.tool_key, apply_chat_template=r.apply_chat_template, max_prompt_len=r.rollout_max_prompt_len,
+        prompt_special_tokens=r.prompt_special_tokens,
         shuffle=r.rollout_shuffle, seed=r.rollout_seed, skip_bad_lines=r.skip_bad_lines,
         text_labels=labels_are_text(cfg),
     )  # fmt: skip
@@ -96,6 +97,7 @@ def data_sources(
             metadata_key=e.eval_metadata_key or r.metadata_key,
             tool_key=r.tool_key,
             apply_chat_template=r.apply_chat_template,
+            prompt_special_tokens=r.prompt_special_tokens,
             max_prompt_len=e.eval_max_prompt_len,
             skip_bad_lines=r.skip_bad_lines,
             text_labels=labels_are_text(cfg),

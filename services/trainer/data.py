@@ -115,6 +115,7 @@ class PromptDataSource:
         metadata_key: str = "metadata",
         tool_key: str | None = None,
         apply_chat_template: bool = False,
+        prompt_special_tokens: str = "tokenizer",
         max_prompt_len: int | None = None,
         shuffle: bool = False,
         seed: int = 42,
@@ -129,6 +130,9 @@ class PromptDataSource:
         self._tokenizer = tokenizer
         self._keys = (input_key, label_key, metadata_key, tool_key)
         self._chat = apply_chat_template
+        # --prompt-special-tokens: the tokenizer's own special tokens on plain text (HF's
+        # default), none on chat-templated text (the template wrote them); "miles": never.
+        self._add_special = prompt_special_tokens == "tokenizer" and not apply_chat_template
         self._text_labels = text_labels
         self.rows = self._load(max_prompt_len, skip_bad_lines)
         if not self.rows:
@@ -171,7 +175,7 @@ class PromptDataSource:
             )
         else:
             text = raw.prompt
-        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self._tokenizer(text, add_special_tokens=self._add_special)["input_ids"]
         return PromptRow(data_index, text, list(ids), raw.label, raw.metadata)
 
     def _epoch_order(self, epoch: int) -> list[int]:

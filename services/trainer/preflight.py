@@ -17,13 +17,15 @@ In order, cheapest first:
    --memory-snapshot-path (torch is imported for that check alone, and only with the flag);
 3. the user's code (--custom-rm-path, --rollout-function-path, --buffer-filter-path,
    --dynamic-sampling-filter-path), imported with the loader the workers use
-   (common/plugins.py), from the directory they run in, so the rules are theirs; and the
+   (common/plugins.py), from the directory they run in, so the rules are theirs (a
+   --rollout-function-path in Miles' whole-batch form is refused: common/miles.py); and the
    trainer's own (--custom-rollout-log-function-path,
    --custom-eval-rollout-log-function-path), loaded as the trainer loads them (log_hooks.py),
    whether or not the workers run here;
 4. files: the model dirs, the MODEL_ARGS given against the model's config.json
-   (refusals.check_model), a --load checkpoint that is there, and the prompt data and eval
-   sets, read up to their first usable row with the data source's own row parser.
+   (refusals.check_model), a --load checkpoint that is there (a Megatron checkpoint given
+   to --load, --ref-load or a model dir flag is named as one: megatron_ckpt.py), and the
+   prompt data and eval sets, read up to their first usable row with the data source's own row parser.
 
 Left to others: value checks of one group (the config's `__post_init__`); what needs a service
 (Redis answering, engines loading the model); the whole data set, which the trainer's build
@@ -45,9 +47,14 @@ from pathlib import Path
 from millstream.common.config import ConfigError, RunConfig
 from millstream.common.config.profiling import MEMORY_SNAPSHOT_NEEDS_CUDA
 from millstream.common.errors import MillstreamError
+from millstream.common.miles import (
+    CUSTOM_GENERATE_REFUSED,
+    check_not_old_signature,
+    check_rollout_function,
+)
 from millstream.common.plugins import load_function
 
-from . import log_hooks, refusals
+from . import log_hooks, megatron_ckpt, refusals
 from .data import ROW_ERRORS, labels_are_text, parse_row
 from .launcher import given_router_url
 from .metrics import TRACK_EXTRA, TRACKING_PACKAGES, tensorboard_dir
@@ -94,11 +101,10 @@ def check_flags(cfg: RunConfig) -> None:
         raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
     refusals.check(cfg)
     if cfg.rollout.custom_generate_function_path:
-        raise ConfigError(
-            "--custom-generate-function-path is not supported by the rollout worker; use "
-            "--rollout-function-path (fn(group, cfg, client) -> SampleGroup) instead"
-        )
+        raise ConfigError(CUSTOM_GENERATE_REFUSED)
     if given_router_url(cfg) is None and not cfg.ckpt.hf_checkpoint:
+        if cfg.ckpt.ref_load and (found := megatron_ckpt.describe(cfg.ckpt.ref_load)):
+            raise ConfigError(megatron_ckpt.message("--ref-load", cfg.ckpt.ref_load, found, None))
         raise ConfigError(
             "--hf-checkpoint is required to start local engines (--ref-load is not served); "
             "or pass --router-url to use running ones"
@@ -109,7 +115,7 @@ def check_flags(cfg: RunConfig) -> None:
     for name in ("critic_load", "opd_teacher_load"):
         path = getattr(cfg.algo, name)
         if path:
-            _model_dir("--" + name.replace("_", "-"), path)
+            _model_dir("--" + name.replace("_", "-"), path, cfg.ckpt.hf_checkpoint)
 
 
 def _check_group_size(cfg: RunConfig) -> None:
@@ -220,7 +226,12 @@ def check_plugins(cfg: RunConfig) -> None:
             if not path:
                 continue
             try:
-                load_function(path, flag)
+                fn = load_function(path, flag)
+                if flag == "--rollout-function-path":
+                    check_rollout_function(fn, path)  # Miles' whole-batch form: refused
+                else:  # written for millstream's old signatures: refused, saying Miles'
+                    group = flag == "--custom-rm-path" and cfg.reward.group_rm
+                    check_not_old_signature(fn, flag + (" --group-rm" if group else ""), path)
             except MillstreamError as err:  # the loader's message starts with the flag
                 raise ConfigError(str(err)) from None
             except Exception as err:  # the user's module raised while it was imported
@@ -265,10 +276,10 @@ def check_files(cfg: RunConfig) -> None:
     # --ref-load is read as the reference (a KL term) or as the actor without --hf-checkpoint;
     # a Miles script may pass a Megatron dir there that the torch backend never reads.
     if ckpt.ref_load and (a.use_kl_loss or a.use_kl_in_reward or not ckpt.hf_checkpoint):
-        _model_dir("--ref-load", ckpt.ref_load)
+        _model_dir("--ref-load", ckpt.ref_load, ckpt.hf_checkpoint)
     refusals.check_model(cfg)
     if ckpt.load:
-        _check_load(ckpt.load)
+        _check_load(ckpt.load, ckpt.hf_checkpoint)
     if ckpt.save and os.path.exists(ckpt.save) and not os.path.isdir(ckpt.save):
         raise ConfigError(f"--save {ckpt.save} is a file, not a directory")
     r, e = cfg.rollout, cfg.eval
@@ -284,19 +295,24 @@ def check_files(cfg: RunConfig) -> None:
         )  # fmt: skip
 
 
-def _model_dir(flag: str, path: str) -> None:
+def _model_dir(flag: str, path: str, hf_checkpoint: str | None = None) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
+        if found := megatron_ckpt.describe(path):  # a Miles script's Megatron dir
+            raise ConfigError(megatron_ckpt.message(flag, path, found, hf_checkpoint))
         what = "does not exist" if not os.path.exists(path) else "has no config.json"
         raise ConfigError(f"{flag} {path} is not a Hugging Face model dir ({what})")
 
 
-def _check_load(root: str) -> None:
+def _check_load(root: str, hf_checkpoint: str | None = None) -> None:
     """A missing --load dir, or one without the latest file, is a fresh start (as in
-    checkpoint.latest_iteration); one that names a checkpoint must hold it."""
+    checkpoint.latest_iteration); one that names a checkpoint must hold it, in our format
+    (a Megatron checkpoint, which a Miles script's --load is, is named as one)."""
     if not os.path.exists(root):
         return
     if not os.path.isdir(root):
         raise ConfigError(f"--load {root} is a file, not a checkpoint directory")
+    if found := megatron_ckpt.describe(root):
+        raise ConfigError(megatron_ckpt.message("--load", root, found, hf_checkpoint))
     latest = Path(root, LATEST)
     if not latest.is_file():
         return

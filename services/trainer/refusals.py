@@ -118,6 +118,24 @@ REFUSED: dict[str, str] = {
         "starts no SGLang server, its own engines have no such pool: drop it, and give "
         "--mem-fraction-static where you launch your SGLang servers (then pass --router-url)"
     ),
+    "eval_function_path": (
+        "is Miles' whole-batch eval rollout, generate_rollout(args, rollout_id, data_source, "
+        "evaluation=True); here the trainer admits eval groups (--eval-prompt-data) like "
+        "training ones and the rollout worker serves each with the rollout function: write a "
+        "per-group --rollout-function-path fn(group, cfg, client) -> SampleGroup (it sees "
+        "group.is_eval), or drop it"
+    ),
+    "data_source_path": (
+        "is Miles' DataSource class (get_samples/add_samples/save/load); here the trainer "
+        "admits prompts from --prompt-data and keeps its own position for resume: give your "
+        "data as a JSONL file (--input-key, --label-key, --metadata-key), or drop it"
+    ),
+    "rollout_sample_filter_path": (
+        "is Miles' per-sample loss filter (fn(args, data) setting sample.remove_sample); "
+        "samples here carry no remove_sample to the trainer: drop whole groups with "
+        "--dynamic-sampling-filter-path fn(args, samples, **kwargs) -> DynamicFilterOutput, "
+        "or drop it"
+    ),
     "sglang_server_concurrency": (
         "caps Miles' in-flight generation requests per engine; here the cap is per rollout "
         "worker: use --rollout-max-concurrency"

@@ -27,7 +27,8 @@ ANSWERS = ["\\boxed{\\frac{1}{2}}", "0.5", "so \\boxed{0.7}", "\\boxed{\\dfrac{2
 def make_cfg(run_id: str, *flags: str):
     return parse_run_config(
         ["--run-id", run_id, "--rollout-batch-size", "1", "--stream-block-ms", "100",
-         "--rm-type", "math", "--reward-executor", "celery", "--reward-retries", "0", *flags],
+         "--rm-type", "math", "--reward-executor", "celery", "--reward-retries", "0",
+         "--rm-compat", "millstream", *flags],  # ANSWERS has unboxed ones: millstream's math
         mode="async",
     )  # fmt: skip
 

@@ -181,10 +181,40 @@ def test_failures_become_failed_groups_and_the_worker_goes_on(redis_url, run_id,
 
 
 @pytest.mark.timeout(60)
+def test_miles_plugins_as_miles_docs_write_them_score_and_filter(redis_url, run_id, procs):
+    """A reward `async fn(args, sample)` and a filter `fn(args, samples, **kwargs) ->
+    DynamicFilterOutput` (tests/support/miles_plugins.py), through a reward worker process."""
+    cfg = make_cfg(
+        run_id,
+        "--custom-rm-path", "tests.support.miles_plugins.custom_rm",
+        "--dynamic-sampling-filter-path", "tests.support.miles_plugins.filter_function",
+        "--reward-retries", "0",
+    )  # fmt: skip
+    asyncio.run(publish_config(redis_url, cfg))
+    procs.reward("rw-m")
+    bonus = group("bonus", ["a", "b"], ["a", "a"])
+    bonus.samples[1].metadata_json = json.dumps({"bonus": 0.5})
+    groups = [group("mixed", ["a", "b"], ["a", "a"]), group("same", ["a", "a"], ["a", "a"]), bonus]
+
+    async def go(redis):
+        await publish_groups(redis, run_id, groups)
+        return await collect_scored(redis, run_id, len(groups), timeout_s=30)
+
+    by_id = {s.group.prompt.group_id: s for s, _ in arun(redis_url, go)}
+    assert by_id["mixed"].verdict == Verdict.VERDICT_KEPT, by_id["mixed"].reason
+    assert [x.reward for x in by_id["mixed"].group.samples] == [1.0, 0.0]
+    assert by_id["same"].verdict == Verdict.VERDICT_FILTERED
+    assert by_id["same"].reason == "zero_std_1.0"
+    assert [x.reward for x in by_id["bonus"].group.samples] == [1.0, 0.5]
+    assert procs.stop("rw-m") == 0
+
+
+@pytest.mark.timeout(60)
 def test_grpc_score_answers_what_the_stream_path_publishes(redis_url, run_id, procs, tmp_path):
     cfg = make_cfg(
-        run_id, "--rm-type", "math", "--dynamic-sampling-filter-path", "check_reward_nonzero_std"
-    )
+        run_id, "--rm-type", "math", "--dynamic-sampling-filter-path", "check_reward_nonzero_std",
+        "--rm-compat", "millstream",  # "so 4.0" is right only in millstream's lenient reading
+    )  # fmt: skip
     asyncio.run(publish_config(redis_url, cfg))
     port = free_port()
     procs.reward("rw-g", "--grpc-port", str(port))

@@ -1,6 +1,7 @@
 """Partial rollout through a real engine and router: the engine is paused with mode abort
 mid-generation, its weights are reloaded under a new version, the router serves that version,
-generation continues; the worker resumes the sample from its partial tokens, and the result
+generation continues; the worker resumes the sample from its partial tokens (in the order
+Miles' buffer filter, `--buffer-filter-path`, picks), and the result
 equals one uninterrupted greedy generation under the same weights, with per-token versions
 showing the split."""
 
@@ -74,6 +75,7 @@ def test_a_sample_aborted_by_a_sync_resumes_as_if_never_interrupted(
         ["--run-id", run_id, "--router-url", router.url, "--rollout-batch-size", "1",
          "--n-samples-per-prompt", "1", "--rollout-temperature", "0",
          "--rollout-max-response-len", str(MAX_NEW), "--partial-rollout",
+         "--buffer-filter-path", "tests.support.miles_plugins.buffer_filter",
          "--stream-block-ms", "50"],
         mode="async",
     )  # fmt: skip
@@ -121,3 +123,6 @@ def test_a_sample_aborted_by_a_sync_resumes_as_if_never_interrupted(
     assert sample.finish_reason == reference["meta_info"]["finish_reason"]["type"]
     assert pending_count(redis_url, keys.prompts, GROUP_ROLLOUT) == 0
     assert "resuming 1 partial group" in procs.log("r1")
+    # Miles' buffer filter, as its docs write it, chose the resume order (its own log line)
+    assert "miles buffer_filter: rollout_id=None popped 1 of 1" in procs.log("r1")
+    assert "partial_rollout=True" in procs.log("r1")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from millstream.common.config import RunConfig
+from millstream.common.miles import Sample as MilesSample
 from millstream.common.types import PromptGroup, Sample, SampleGroup
 from millstream.rollout.client import RouterClient
 from millstream.rollout.config import plan_for
@@ -41,17 +42,20 @@ async def two_turn(group: PromptGroup, cfg: RunConfig, client: RouterClient) -> 
     return SampleGroup(prompt=group, samples=samples)
 
 
-def longest_first(groups: list[PromptGroup]) -> list[PromptGroup]:
-    """Resume the groups with the most generated tokens first (they waste most if dropped)."""
-    return sorted(
-        groups,
-        key=lambda g: -sum(len(s.response_token_ids) for s in g.partial_samples),
-    )
+def longest_first(args, rollout_id, buffer: list[list[MilesSample]], num_samples: int):
+    """Miles' buffer filter signature: resume the groups with the most generated tokens first
+    (they waste most if dropped)."""
+    return sorted(buffer, key=lambda group: -sum(s.response_length for s in group))[:num_samples]
 
 
-def drops_all(groups: list[PromptGroup]) -> list[PromptGroup]:
+def drops_all(args, rollout_id, buffer: list[list[MilesSample]], num_samples: int):
     """A buffer filter that returns nothing: the buffer must still resume every group."""
     return []
+
+
+def miles_generate_rollout(args, rollout_id, data_source, evaluation=False):
+    """Miles' whole-batch rollout function: refused here."""
+    raise AssertionError("never called")
 
 
 def returns_the_prompt(group: PromptGroup, cfg: RunConfig, client: RouterClient) -> PromptGroup:

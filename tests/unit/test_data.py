@@ -101,3 +101,54 @@ def test_a_built_in_reward_refuses_labels_that_are_not_text():
     assert (
         parse_row(number, "prompt", "label", "metadata", None, False, text_label=True).label == "2"
     )
+
+
+def _bos_tokenizer(path):
+    """The tiny tokenizer, but one that adds a BOS to plain text (as Llama's and Gemma's do)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.support.tiny_model import build_tokenizer
+
+    base = build_tokenizer(path)
+    backend = base.backend_tokenizer
+    bos_id = base.convert_tokens_to_ids("<|im_start|>")
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos_id)]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    tok.chat_template = base.chat_template
+    return tok, bos_id
+
+
+def test_plain_prompt_follows_the_tokenizer_unless_miles(tmp_path):
+    tok, bos = _bos_tokenizer(tmp_path / "tok")
+    assert tok("1+1=")["input_ids"][0] == bos  # what HF generate / TRL would feed the model
+    path = _write(tmp_path / "p.jsonl", [{"input": "1+1="}])
+    ((row, _),) = PromptDataSource(path, tok).take(1)  # default: --prompt-special-tokens tokenizer
+    assert row.prompt_token_ids == tok("1+1=")["input_ids"] and row.prompt_token_ids[0] == bos
+    ((row, _),) = PromptDataSource(path, tok, prompt_special_tokens="miles").take(1)
+    assert row.prompt_token_ids == tok("1+1=", add_special_tokens=False)["input_ids"]
+    assert bos not in row.prompt_token_ids
+    # A chat template writes its own special tokens: none added on top, in either mode.
+    for mode in ("tokenizer", "miles"):
+        src = PromptDataSource(path, tok, apply_chat_template=True, prompt_special_tokens=mode)
+        ((row, _),) = src.take(1)
+        assert row.prompt_token_ids == tok(row.prompt_text, add_special_tokens=False)["input_ids"]
+
+
+def test_arith_tokenizer_adds_nothing_so_the_default_keeps_make_run(tmp_path):
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    model = Path(__file__).resolve().parents[2] / "examples" / "arith" / "model"
+    tok = AutoTokenizer.from_pretrained(model)
+    path = _write(tmp_path / "p.jsonl", [{"input": "12+34="}])
+    ids = [
+        PromptDataSource(path, tok, prompt_special_tokens=mode).take(1)[0][0].prompt_token_ids
+        for mode in ("tokenizer", "miles")
+    ]
+    assert ids[0] == ids[1] == tok("12+34=", add_special_tokens=False)["input_ids"]

@@ -24,7 +24,19 @@ ARITH = REPO / "examples" / "arith"
 
 # A user's plugin module, written next to the run (the workers import it from their cwd).
 PLUGIN = """
-def reward(sample, cfg):
+async def reward(args, sample):
+    return 1.0
+
+
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    raise AssertionError("never called")
+
+
+async def per_group(group, cfg, client):
+    raise AssertionError("never called")
+
+
+def old_reward(sample, cfg):
     return 1.0
 
 NOT_A_FUNCTION = 3
@@ -208,6 +220,20 @@ def test_user_code_is_imported_from_the_workers_directory(work, monkeypatch):
     monkeypatch.delitem(sys.modules, "my_plugins", raising=False)
     preflight.check(_cfg(*_base("--custom-rm-path", "my_plugins.reward")))
     assert str(work) not in sys.path
+
+
+def test_a_miles_whole_batch_rollout_function_is_refused_saying_what_to_write(work, monkeypatch):
+    monkeypatch.chdir(work)
+    monkeypatch.delitem(sys.modules, "my_plugins", raising=False)
+    with pytest.raises(ConfigError, match=r"^--rollout-function-path my_plugins.generate_rollout"):
+        preflight.check(_cfg(*_base("--rollout-function-path", "my_plugins.generate_rollout")))
+    try:
+        preflight.check(_cfg(*_base("--rollout-function-path", "my_plugins.generate_rollout")))
+    except ConfigError as err:
+        assert "fn(group: PromptGroup, cfg, client: RouterClient) -> SampleGroup" in str(err)
+    preflight.check(_cfg(*_base("--rollout-function-path", "my_plugins.per_group")))
+    with pytest.raises(ConfigError, match=r"^--custom-rm-path my_plugins.old_reward takes"):
+        preflight.check(_cfg(*_base("--custom-rm-path", "my_plugins.old_reward")))
 
 
 def test_workers_elsewhere_are_not_checked_here(work, monkeypatch):

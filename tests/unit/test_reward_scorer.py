@@ -11,6 +11,8 @@ import pytest
 
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
+from millstream.common.miles import Sample as MilesSample
+from millstream.common.miles import make_args
 from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus, Verdict
 from millstream.reward.filters import check_no_aborted, check_reward_nonzero_std, resolve_filter
 from millstream.reward.rewarder import Rewarder
@@ -52,7 +54,8 @@ def rewards(scored):
 
 def test_math_group_is_kept_with_rewards_and_timing():
     group = make_group(["\\boxed{4}", "it is 5", "4.0"])
-    [out], stats = score(make_cfg("--rm-type", "math"), group)
+    # millstream's math reads an unboxed last number; Miles' does not (test_rm_miles_parity.py)
+    [out], stats = score(make_cfg("--rm-type", "math", "--rm-compat", "millstream"), group)
     assert out.verdict == Verdict.VERDICT_KEPT and out.reason == ""
     assert rewards(out) == [1.0, 0.0, 1.0]
     assert out.group.timings["reward"] > 0
@@ -160,7 +163,12 @@ def test_failed_rollouts_pass_through_unscored():
 
 def test_nonzero_std_filter_drops_all_equal_groups():
     cfg = make_cfg(
-        "--rm-type", "math", "--dynamic-sampling-filter-path", "check_reward_nonzero_std"
+        "--rm-type",
+        "math",
+        "--dynamic-sampling-filter-path",
+        "check_reward_nonzero_std",
+        "--rm-compat",
+        "millstream",
     )
     all_right = make_group(["\\boxed{4}", "4"], gid="same")
     mixed = make_group(["\\boxed{4}", "5"], gid="mixed")
@@ -205,10 +213,13 @@ def test_custom_filter_and_a_filter_that_raises():
 
 
 def test_builtin_filters_directly():
-    same = [Sample(reward=0.0), Sample(reward=0.0)]
-    assert not check_reward_nonzero_std(same).keep
-    assert check_reward_nonzero_std([Sample(reward=0.0), Sample(reward=1.0)]).keep
-    assert check_no_aborted(same).keep
+    args = make_args(make_cfg())
+    same = [MilesSample(reward=0.0), MilesSample(reward=0.0)]
+    assert not check_reward_nonzero_std(args, same).keep
+    assert check_reward_nonzero_std(args, [MilesSample(reward=0.0), MilesSample(reward=1.0)]).keep
+    assert check_no_aborted(args, same).keep
+    aborted = [MilesSample(index=1, status=MilesSample.Status.ABORTED)]
+    assert check_no_aborted(args, aborted, extra="ignored").reason.startswith("group_has_aborted")
     assert resolve_filter("slime.rollout.filter_hub.dynamic_sampling_filters.check_no_aborted") is (
         check_no_aborted
     )

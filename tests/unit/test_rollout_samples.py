@@ -13,6 +13,7 @@ import pytest
 
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
+from millstream.common.miles import Sample as MilesSample
 from millstream.common.plugins import load_function
 from millstream.common.types import PromptGroup, SampleStatus
 from millstream.rollout.client import FRESH, Slots
@@ -212,9 +213,18 @@ def test_buffer_filter_order_fifo_custom_and_left_out():
     assert resume_order(groups, fifo) == ["g0", "g1", "g2"]
     assert resume_order(groups, longest_first) == ["g2", "g1", "g0"]
     assert resume_order(groups, drops_all) == ["g0", "g1", "g2"]
-    assert resume_order(groups, lambda gs: [gs[1]]) == ["g1", "g0", "g2"]
+    # Miles' signature: (args, rollout_id, buffer, num_samples), buffer a list[list[Sample]]
+    assert resume_order(groups, lambda args, rid, buf, n: [buf[1]]) == ["g1", "g0", "g2"]
+    # a copy of a group's list still names its group by the samples' group_id
+    assert resume_order(groups, lambda a, r, buf, n: [list(buf[2])]) == ["g2", "g0", "g1"]
+    seen = []
+    resume_order(groups, lambda *call: seen.append(call) or [], "ARGS")
+    [(args, rollout_id, buffer, num_samples)] = seen
+    assert (args, rollout_id, num_samples) == ("ARGS", None, 3)
+    assert [[s.response_length for s in g] for g in buffer] == [[1], [2], [3]]
+    assert buffer[0][0].group_id == "g0" and buffer[0][0].status.name == "ABORTED"
     with pytest.raises(ValueError, match="not in the buffer"):
-        resume_order(groups, lambda gs: [group(group_id="stranger")])
+        resume_order(groups, lambda *_: [[MilesSample(group_id="stranger")]])
 
 
 def test_slots_serve_by_priority_then_arrival():

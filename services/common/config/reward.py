@@ -11,10 +11,26 @@ from .schema import flag
 @dataclass(frozen=True)
 class RewardConfig:
     rm_type: str | None = flag(
-        None, "math, deepscaler, dapo, f1, exact, remote_rm; boxed_ prefix allowed"
+        None,
+        "math, deepscaler, dapo, f1 (Miles' values, see --rm-compat), exact (the response as "
+        "produced, special tokens kept, stop token dropped; cut by length: 0), remote_rm; "
+        "boxed_ prefix allowed",
     )
-    custom_rm_path: str | None = flag(None, "pkg.mod.fn: your reward (sync or async)")
-    group_rm: bool = flag(False, "the custom reward scores a whole group at once")
+    rm_compat: str = flag(
+        "miles",
+        "miles: the built-ins give Miles' values (its rm_hub code: math needs a \\boxed{}, "
+        "deepscaler a </think>, dapo an 'Answer:' line and an integer label); millstream: "
+        "millstream's own lenient reading (math falls back to the last number, deepscaler "
+        "reads a response without </think>, dapo falls back to \\boxed{}; equivalence by "
+        "math-verify). exact and f1 are the same in both",
+        choices=("miles", "millstream"),
+    )
+    custom_rm_path: str | None = flag(
+        None, "pkg.mod.fn(args, sample) -> float: your reward (sync or async)"
+    )
+    group_rm: bool = flag(
+        False, "the custom reward scores a whole group at once: fn(args, samples) -> list"
+    )
     reward_key: str | None = flag(None, "take this key when a reward returns a dict")
     rm_url: str | None = flag(None, "remote reward model URL (rm_type remote_rm)")
     reward_timeout: float = flag(30.0, "seconds per sample")

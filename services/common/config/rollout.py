@@ -22,6 +22,14 @@ class RolloutConfig:
     metadata_key: str = flag("metadata", "JSONL key of per-row metadata")
     tool_key: str | None = flag(None, "JSONL key of tools for the chat template")
     apply_chat_template: bool = flag(False, "format prompts with the tokenizer's chat template")
+    prompt_special_tokens: str = flag(
+        "tokenizer",
+        "tokenizer: a plain-text prompt gets the tokenizer's own special tokens (its BOS, if it "
+        "adds one), as HF generate and TRL tokenize it; a chat-templated prompt gets none (the "
+        "template writes them, as apply_chat_template(tokenize=True) does). miles: never add "
+        "any (Miles' tokenizer(prompt, add_special_tokens=False))",
+        choices=("tokenizer", "miles"),
+    )
     skip_bad_lines: bool = flag(False, "count and skip malformed JSONL lines instead of failing")
     rollout_shuffle: bool = flag(False, "shuffle prompts, reshuffled each epoch with seed + epoch")
     rollout_seed: int = flag(42, "seed for shuffling and sampling")
@@ -47,21 +55,35 @@ class RolloutConfig:
     rollout_skip_special_tokens: bool = flag(False, "")
     rollout_max_concurrency: int = flag(64, "in-flight generation requests per rollout worker")
     rollout_function_path: str | None = flag(
-        None, "pkg.mod.fn: your async generate(group, args, client)"
+        None,
+        "pkg.mod.fn: your per-group async fn(group, cfg, client) -> SampleGroup (Miles' "
+        "whole-batch generate_rollout(args, rollout_id, data_source) is refused)",
     )
     custom_generate_function_path: str | None = flag(
-        None, "pkg.mod.fn: per-sample generate override"
+        None, "refused: Miles' per-sample generate; write a per-group --rollout-function-path"
+    )
+    eval_function_path: str | None = flag(
+        None, "refused: Miles' whole-batch eval rollout; eval groups use the rollout function"
+    )
+    data_source_path: str | None = flag(
+        None, "refused: Miles' DataSource class; the trainer admits prompts from --prompt-data"
+    )
+    rollout_sample_filter_path: str | None = flag(
+        None, "refused: Miles' per-sample loss filter; drop whole groups with a dynamic filter"
     )
     partial_rollout: bool = flag(
         False, "resume samples aborted by a weight sync from their partial tokens"
     )
     mask_offpolicy_in_partial_rollout: bool = flag(False, "mask the resumed prefix out of the loss")
     buffer_filter_path: str | None = flag(
-        None, "pkg.mod.fn choosing which partial groups resume first"
+        None,
+        "pkg.mod.fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]: the order "
+        "partial groups resume in",
     )
     dynamic_sampling_filter_path: str | None = flag(
         None,
-        "pkg.mod.fn(samples, cfg) -> keep; built-ins: check_reward_nonzero_std, check_no_aborted",
+        "pkg.mod.fn(args, samples, **kwargs) -> DynamicFilterOutput; built-ins: "
+        "check_reward_nonzero_std, check_no_aborted",
     )
 
     @property

@@ -1,0 +1,482 @@
+"""Miles' rule-based rewards, as rules (`--rm-compat miles`, the default).
+
+What each Miles rm_type scores:
+
+* math (`math_score`, 1 / 0): the contents of the last `\\boxed{...}` in the response (no
+  box: 0), graded against the label (itself unboxed when it holds a `\\boxed{...}`; an empty
+  label: 0) by `answers_match`.
+* deepscaler (`deepscaler_score`, 1 / 0): the same grading, on the text after the last
+  `</think>`, or else on the text between the first and second `###Response`; a response with
+  neither marker scores 0.
+* dapo (`dapo_score`, +1 / -1 in a dict with "score", "acc" and "pred"): the last
+  `Answer: ...` line within the final 300 characters, and the label, both put through
+  `_minerva_form`; the label must then read as a number, whose integer part is what the
+  answer has to equal as a string (a label that is no number raises ValueError).
+* f1: token-level F1, which is rm_hub's `f1_reward` in both compat modes.
+* the `boxed_` prefix reads the response through `boxed_answer` ("" when it has no box).
+
+`answers_match(answer, label)` tries two tiers, either one is enough:
+
+1. Exact string tier (`_mathd_form`): both sides are rewritten into one canonical LaTeX
+   spelling (see the steps in `_MATHD_STEPS`) and compared as strings.
+2. sympy tier (`_sympy_form`, `_sympy_match`): both sides are rewritten into something sympy
+   can parse (units, currency and LaTeX dropped), split into tuple or interval elements when
+   the label is one, and compared element by element: unreduced fractions and integers only
+   as strings, anything else by `sympy.simplify(label - answer) == 0`.
+
+Behaviour matches Miles' rm_hub at commit 31f1ca96 (checked by
+tests/unit/test_rm_miles_parity.py). sympy and pylatexenc are imported only when the sympy tier
+first needs them. Without pylatexenc (the `reward` extra) LaTeX stays as written in the sympy
+tier, so e.g. `\\dfrac{3}{4}` against `0.75` scores 0 where Miles scores 1; a warning says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+# --- finding the answer -----------------------------------------------------------------------
+
+_BOX = "\\boxed"
+
+
+def boxed_answer(text: str) -> str | None:
+    """What the last `\\boxed` in `text` holds, when it opens a brace at once (`\\boxed{...}`)
+    and that brace is closed; None otherwise (`\\boxed 5`, `\\fbox{5}`, an unclosed box)."""
+    start = text.rfind(_BOX)
+    if start < 0 or not text.startswith("{", start + len(_BOX)):
+        return None
+    return _brace_group(text, start + len(_BOX))
+
+
+def _brace_group(text: str, open_at: int) -> str | None:
+    """The text inside the brace opened at `open_at` and its matching close, or None."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_at + 1 : i]
+    return None
+
+
+def _after_think(response: str) -> str | None:
+    """The part deepscaler grades: after the last `</think>`, else the first `###Response`
+    section (up to the next one), else None."""
+    if "</think>" in response:
+        return response.rpartition("</think>")[2]
+    if "###Response" in response:
+        return response.split("###Response")[1]
+    return None
+
+
+def math_score(response: str, label: str) -> int:
+    """Miles' `math` reward: 1 when the last boxed answer matches the label."""
+    if not label:
+        return 0
+    answer = boxed_answer(response)
+    return 1 if answer is not None and answers_match(answer, _label_answer(label)) else 0
+
+
+def deepscaler_score(response: str, label: str) -> int:
+    """Miles' `deepscaler` reward: `math_score` on the part after the thinking."""
+    section = _after_think(response)
+    return 0 if section is None else math_score(section, label)
+
+
+def _label_answer(label: str) -> str | None:
+    """A label written as a boxed answer is graded by what the box holds."""
+    return boxed_answer(label) if _BOX in label else label
+
+
+def answers_match(answer: str, label: str | None) -> bool:
+    """Either tier says equal (see the module docstring)."""
+    if label is None:
+        return False
+    return _mathd_form(answer) == _mathd_form(label) or _sympy_match(answer, label)
+
+
+# --- tier 1: one canonical LaTeX spelling, compared as strings --------------------------------
+
+
+class _Malformed(Exception):
+    """A step met LaTeX it cannot rewrite (`\\sqrt` or `\\frac` with no argument, two unit
+    texts): the answer is then compared as it was before any step."""
+
+
+def _text_body(s: str) -> str | None:
+    """The inside of an answer that is one `\\text{...}` from end to end, or None."""
+    found = re.fullmatch(r"\\text\{(.+)\}\n?", s)
+    return found.group(1) if found else None
+
+
+def _delete(*pieces: str) -> Callable[[str], str]:
+    def step(s: str) -> str:
+        for piece in pieces:
+            s = s.replace(piece, "")
+        return s
+
+    return step
+
+
+def _unify_fractions(s: str) -> str:
+    # Only the command's tail is matched, so `\tfrac`, `\dfrac` (and a bare `dfrac`) all
+    # become `frac`.
+    return s.replace("tfrac", "frac").replace("dfrac", "frac")
+
+
+def _drop_unit_text(s: str) -> str:
+    """`10\\text{ cm}`: a `\\text{` followed by a space names a unit; keep what precedes it.
+    More than one such text is malformed."""
+    parts = s.split("\\text{ ")
+    if len(parts) > 2:
+        raise _Malformed
+    return parts[0]
+
+
+def _lead_zero_on_decimals(s: str) -> str:
+    s = s.replace(" .", " 0.").replace("{.", "{0.")
+    return "0" + s if s.startswith(".") else s
+
+
+def _drop_short_lhs(s: str) -> str:
+    """`x = 5` -> ` 5`: one `=` whose left side is at most two characters is a name."""
+    sides = s.split("=")
+    return sides[1] if len(sides) == 2 and len(sides[0]) <= 2 else s
+
+
+def _brace_sqrt_argument(s: str) -> str:
+    """`\\sqrt3` -> `\\sqrt{3}`: an unbraced argument is the one character that follows."""
+    if s.endswith("\\sqrt") or "\\sqrt\\sqrt" in s:
+        raise _Malformed
+    return re.sub(r"\\sqrt([^{])", r"\\sqrt{\1}", s)
+
+
+def _brace_frac_arguments(s: str) -> str:
+    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{72}` -> `\\frac{1}{72}`: unbraced arguments are
+    single characters. A `\\frac` followed by one character leaves the whole answer as it is;
+    one followed by nothing is malformed."""
+    head, *tails = s.split("\\frac")
+    rewritten = [head]
+    for tail in tails:
+        if not tail:
+            raise _Malformed
+        if tail[0] != "{":
+            if len(tail) < 2:
+                return s
+            first, second, rest = tail[0], tail[1], tail[2:]
+            tail = "{" + first + "}" + (second if second == "{" else "{" + second + "}") + rest
+        rewritten.append(tail)
+    return "\\frac".join(rewritten)
+
+
+def _is_plain_int(s: str) -> bool:
+    """Written exactly as Python writes the integer (`-3`, not `03`, `+3` or `3.0`)."""
+    try:
+        return str(int(s)) == s
+    except ValueError:
+        return False
+
+
+def _slash_to_frac(s: str) -> str:
+    """`3/4` -> `\\frac{3}{4}` when both sides are plain integers."""
+    sides = s.split("/")
+    if len(sides) == 2 and all(_is_plain_int(side) for side in sides):
+        return "\\frac{" + sides[0] + "}{" + sides[1] + "}"
+    return s
+
+
+# In this order: markup first (line breaks, negative spaces, doubled backslashes, fraction and
+# delimiter commands, degrees, currency, units, percent), then numbers (leading zeros, `x =`,
+# unbraced `\sqrt` arguments), then spaces (removed before `\frac` arguments are braced, so
+# `\frac 1 2` reads as `\frac12`), and last the spellings of one half.
+_MATHD_STEPS: tuple[Callable[[str], str], ...] = (
+    _delete("\n", "\\!"),
+    lambda s: s.replace("\\\\", "\\"),
+    _unify_fractions,
+    _delete("\\left", "\\right", "^{\\circ}", "^\\circ", "\\$"),
+    _drop_unit_text,
+    _delete("\\%"),
+    _lead_zero_on_decimals,
+    _drop_short_lhs,
+    _brace_sqrt_argument,
+    _delete(" "),
+    _brace_frac_arguments,
+    lambda s: "\\frac{1}{2}" if s == "0.5" else s,
+    _slash_to_frac,
+)
+
+
+def _mathd_form(answer: str | None) -> str | None:
+    """Tier 1's canonical spelling: outer whitespace and a whole-answer `\\text{}` go first,
+    then `_MATHD_STEPS`. An empty answer stays empty."""
+    if answer is None:
+        return None
+    answer = answer.strip()
+    body = _text_body(answer)
+    if body is not None:
+        answer = body.strip()
+    s = answer
+    try:
+        for step in _MATHD_STEPS:
+            s = step(s)
+    except _Malformed:
+        return answer
+    return s
+
+
+# --- tier 2: sympy -----------------------------------------------------------------------------
+
+# Words read as units (with plural `s`/`es` and a power such as `^2`) and dropped.
+_UNIT_WORDS = (
+    "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week",
+    "month", "year", "foot", "feet", "inch", "yard",
+)  # fmt: skip
+_SCALE_WORDS = (("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12"))
+_TUPLE_BRACKETS = "()[]"
+
+
+def _float_or_none(s: str) -> float | None:
+    try:
+        return float(s)
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_whole(x: float) -> bool:
+    """Within 1e-7 of an integer (and finite)."""
+    return math.isfinite(x) and abs(x - round(x)) <= 1e-7
+
+
+def _drop_thousands_commas(s: str) -> str:
+    """`1,000,000` -> `1000000`; a comma not followed by exactly three digits (a tuple's)
+    stays."""
+    while True:
+        fewer = re.sub(r"(\d),(\d\d\d)($|\D)", r"\1\2\3", s)
+        if fewer == s:
+            return s
+        s = fewer
+
+
+def _int_text(s: str) -> str | None:
+    """The integer `s` spells (thousands commas allowed, `3.0`, `1e3`), truncated toward zero,
+    or None when it spells no whole number."""
+    x = _float_or_none(_drop_thousands_commas(s))
+    return str(int(x)) if x is not None and _is_whole(x) else None
+
+
+@functools.cache
+def _warn_no_pylatexenc() -> None:
+    log.warning(
+        "pylatexenc is not installed: the Miles sympy tier reads LaTeX as written, so e.g. "
+        "\\dfrac{3}{4} vs 0.75 scores 0 where Miles scores 1 (pip install 'millstream[reward]')"
+    )
+
+
+# Characters pylatexenc writes that sympy would not read.
+_LATEX_TEXT_TO_SYMPY = (
+    ("√", "sqrt"),
+    ("π", "pi"),
+    ("∞", "inf"),
+    ("∪", "U"),
+    ("·", "*"),
+    ("×", "*"),
+)
+
+
+def _latex_to_plain(s: str) -> str:
+    """LaTeX rendered as plain text by pylatexenc (`\\frac{1}{2}` -> `1/2`); a space is put
+    before every `\\frac` so that a mixed number `7\\frac{3}{4}` reads as `7 3/4`. Without
+    pylatexenc, or when it fails, the text is returned as it came."""
+    try:
+        from pylatexenc.latex2text import LatexNodes2Text
+    except ImportError:
+        _warn_no_pylatexenc()
+        return s
+    spaced = s.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac")
+    spaced = spaced.replace("\\frac", " \\frac")
+    try:
+        text = LatexNodes2Text().latex_to_text(spaced)
+    except Exception:  # pylatexenc is lenient; a parse it gives up on keeps the LaTeX
+        return s
+    for char, word in _LATEX_TEXT_TO_SYMPY:
+        text = text.replace(char, word)
+    return text.strip()
+
+
+def _sympy_form(answer: str | None) -> str | None:
+    """Tier 2's spelling, lower case and without spaces or braces, in this order: the
+    whole-answer `\\text{}` goes; `$` and `%` go; `or`/`and` become commas; scale words become
+    powers of ten; unit words and degrees go; one outer pair of braces and `,\\!` thousands
+    separators go; a whole float is written as an integer; remaining LaTeX goes through
+    pylatexenc; `- 3` closes up to `-3` and a mixed number `7 3/4` becomes `7+3/4`; finally an
+    answer that spells an integer is written as that integer."""
+    if answer is None:
+        return None
+    body = _text_body(answer)
+    s = answer if body is None else body
+    s = s.replace("\\%", "%").replace("\\$", "$").replace("$", "").replace("%", "")
+    s = s.replace(" or ", " , ").replace(" and ", " , ")
+    for word, power in _SCALE_WORDS:
+        s = s.replace(word, power)
+    for unit in _UNIT_WORDS:
+        s = re.sub(unit + r"(es)?(s)? *(\^[0-9]+)?", "", s)
+    s = re.sub(r"\^ *\\circ", "", s)
+    if s.startswith("{") and s.endswith("}"):
+        s = s[1:-1]
+    s = re.sub(r",\\! *", "", s)
+    x = _float_or_none(s)
+    if x is not None and _is_whole(x):
+        s = str(round(x))
+    if "\\" in s:
+        s = _latex_to_plain(s)
+    s = re.sub(r"- *", "-", s)
+    s = re.sub(r"([0-9]) +([0-9])", r"\1+\2", s)
+    s = s.replace(" ", "").replace("{", "").replace("}", "").lower()
+    return _int_text(s) or s
+
+
+def _tuple_elements(s: str) -> list[str]:
+    """The elements of `(a, b)` / `[a, b)` (brackets only at the two ends), else `[s]`."""
+    s = _drop_thousands_commas(s)
+    if not s:
+        return []
+    inner = s[1:-1]
+    if (
+        len(s) > 2
+        and s[0] in _TUPLE_BRACKETS
+        and s[-1] in _TUPLE_BRACKETS
+        and not any(b in inner for b in _TUPLE_BRACKETS)
+    ):
+        return [element.strip() for element in inner.split(",")]
+    return [s]
+
+
+def _is_plain_fraction(s: str) -> bool:
+    return re.search(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$", s) is not None
+
+
+def _sympy_match(answer: str, label: str) -> bool:
+    """Tier 2: equal spellings, or a same-shaped tuple whose elements all agree."""
+    want, got = _sympy_form(label), _sympy_form(answer)
+    if want is None:
+        return False
+    if want == got:
+        return True
+    if not got:
+        return False
+    want_parts, got_parts = _tuple_elements(want), _tuple_elements(got)
+    if len(want_parts) > 1 and (want[0] != got[0] or want[-1] != got[-1]):
+        return False  # an interval's brackets must agree: (1, 2) is not [1, 2)
+    if len(want_parts) != len(got_parts):
+        return False
+    return all(_elements_agree(w, g) for w, g in zip(want_parts, got_parts, strict=True))
+
+
+def _elements_agree(want: str, got: str) -> bool:
+    if _is_plain_fraction(want) and _is_plain_fraction(got):
+        return want == got  # 2/4 is not an answer of 1/2: fractions must be reduced alike
+    if (_int_text(want) is None) != (_int_text(got) is None):
+        return False  # an integer is only matched by the same integer
+    return _difference_is_zero(want, got)
+
+
+_TOO_MANY_LETTERS = 2
+# Powers sympy may take forever on: braced or parenthesised exponents, stacked or long ones.
+_RISKY_POWER = re.compile(r"\^\{|\^\(|\^[0-9]+\^|\^[0-9][0-9]+")
+
+
+def _worth_evaluating(expr: str) -> bool:
+    """Not text or a function of more than two unknowns, and no power sympy may hang on."""
+    letters = {ch for ch in expr.replace("sqrt", "").replace("frac", "") if ch.isalpha()}
+    return len(letters) <= _TOO_MANY_LETTERS and _RISKY_POWER.search(expr) is None
+
+
+def _difference_is_zero(want: str, got: str) -> bool:
+    expr = f"({want})-({got})"
+    if not _worth_evaluating(expr):
+        return False
+    try:
+        import sympy
+        from sympy.parsing import sympy_parser
+
+        rules = (
+            *sympy_parser.standard_transformations,
+            sympy_parser.implicit_multiplication_application,
+        )
+        parsed = sympy_parser.parse_expr(expr.replace("^", "**"), transformations=rules)
+        return bool(sympy.simplify(parsed) == 0)
+    except Exception:  # anything sympy cannot read or simplify is "not shown equal"
+        return False
+
+
+# --- dapo ----------------------------------------------------------------------------------------
+
+_DAPO_WINDOW = 300  # only the end of the response is read
+_DAPO_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_DAPO_NO_ANSWER = "[INVALID]"
+
+# Applied in order, as plain string replacements: articles and spaces go, `mbox` reads as
+# `text`, `and` in a text becomes a comma, a metre text empties.
+_MINERVA_REPLACE = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
+    ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)  # fmt: skip
+# Then deleted, in order: unit and counting words, ellipses, empty or unit texts, ordinal
+# and degree marks, thin spaces and `,\!` separators, quotes and chat end tokens.
+_MINERVA_DELETE = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds",
+    "meters", "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}",
+    "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",
+    "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+    "<|im_end|>", "<|endoftext|>",
+)  # fmt: skip
+# Then these rewrites, in order: keep only the first `$...$` span; unwrap `\text{}`,
+# `\textbf{}`, `\overline{}` (to the first `}`) and `\boxed{}` (to the last); brace one-character
+# `frac` and `sqrt` arguments.
+_MINERVA_REWRITE = (
+    (r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$"),
+    (r"(\\text\{)(.*?)(\})", r"\2"),
+    (r"(\\textbf\{)(.*?)(\})", r"\2"),
+    (r"(\\overline\{)(.*?)(\})", r"\2"),
+    (r"(\\boxed\{)(.*)(\})", r"\2"),
+    (r"(frac)([^{])(.)", r"frac{\2}{\3}"),
+    (r"(sqrt)([^{])", r"sqrt{\2}"),
+)
+
+
+def _minerva_form(answer: str) -> str:
+    """The Minerva-style normal form: only the right-hand side of the last `=`, then the
+    tables above, then `$` dropped; digits with commas lose the commas; outer space stripped."""
+    s = str(answer).split("=")[-1]
+    for old, new in _MINERVA_REPLACE:
+        s = s.replace(old, new)
+    for piece in _MINERVA_DELETE:
+        s = s.replace(piece, "")
+    for pattern, replacement in _MINERVA_REWRITE:
+        s = re.sub(pattern, replacement, s)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def dapo_score(response: str, label: str) -> dict[str, Any]:
+    """Miles' `dapo` reward: {"score": 1.0 / -1.0, "acc": bool, "pred": the normal form read}.
+    The label's normal form must read as a number (ValueError otherwise); its integer part, as
+    a string, is the only right answer."""
+    found = _DAPO_ANSWER_LINE.findall(response[-_DAPO_WINDOW:])
+    pred = _minerva_form(found[-1] if found else _DAPO_NO_ANSWER)
+    want = str(int(float(_minerva_form(label))))
+    right = pred == want
+    return {"score": 1.0 if right else -1.0, "acc": right, "pred": pred}
