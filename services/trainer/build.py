@@ -3,6 +3,7 @@ checkpoint (else the actor starts from --hf-checkpoint / --ref-load)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -224,13 +225,20 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
     return trainer, closers
 
 
-async def close_all(closers: list[Closer]) -> None:
-    """Run the closers, last started first; every one runs even when one fails."""
+CLOSE_TIMEOUT_S = 60.0
+
+
+async def close_all(closers: list[Closer], timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    """Run the closers, last started first; every one runs even when one fails or hangs
+    (each gets `timeout_s`: a stop must end)."""
     for close in reversed(closers):
+        name = getattr(close, "__qualname__", close)
         try:
-            await close()
+            await asyncio.wait_for(close(), timeout_s)
+        except TimeoutError:
+            log.error("closing %s took more than %.0f s: left behind", name, timeout_s)
         except Exception as err:
-            log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), err)
+            log.warning("closing %s failed: %s", name, err)
 
 
 def _async(fn: Callable[[], None]) -> Closer:

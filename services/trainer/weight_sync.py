@@ -42,9 +42,11 @@ nobody is removed: the group is rebuilt once, and a second such failure points a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +86,31 @@ class SyncReport:
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+
+def _in_daemon_thread(fn: Callable[[], None]) -> asyncio.Future[None]:
+    """`fn()` in a daemon thread of its own; the future settles on the calling loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not future.done():
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn()
+        except BaseException as err:
+            error = err
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="weight-sync-rendezvous", daemon=True).start()
+    return future
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -505,7 +532,10 @@ class WeightSync:
         never join, and rank 0 would wait out the whole timeout for it. Stop waiting at once
         instead; the abandoned rendezvous ends on its own timeout in its thread, and the group
         is rebuilt without the engine (a broadcast is never abandoned: its group is in use)."""
-        rank0_task = asyncio.ensure_future(asyncio.to_thread(rank0))
+        # A rendezvous may be abandoned: it runs in a daemon thread of its own, since
+        # asyncio.run waits at exit for every thread of the loop's executor.
+        rank0_task = _in_daemon_thread(rank0) if early_out else asyncio.to_thread(rank0)
+        rank0_task = asyncio.ensure_future(rank0_task)
         try:
             failed = await calls.each(engines, path, body)
         except BaseException:

@@ -1,7 +1,7 @@
 """The estimators that need more than the policy, for two iterations through the real
 services (engines, router, rollout and reward workers, the trainer and its weight syncs): a
-reference model (reinforce++ with a KL loss), a critic (PPO), a teacher (on-policy
-distillation, from a teacher engine over HTTP and from a model the trainer loads). GRPO runs
+reference model (reinforce++ with a KL loss), a critic (PPO), a teacher engine over HTTP
+(on-policy distillation; from a model the trainer loads: test_estimators_backend). GRPO runs
 through every other e2e test; GSPO and reinforce++ differ from these only in the objective,
 which tests/unit (test_loss, test_advantages, test_estimators_backend) checks on the real
 backend."""
@@ -30,7 +30,6 @@ RUNS = {
     "ppo": (["--advantage-estimator", "ppo", "--gamma", "0.99", "--lambd", "0.95",
              "--num-steps-per-rollout", "2", "--use-dynamic-batch-size",
              "--max-tokens-per-gpu", "40"], "value_loss"),
-    "on_policy_distillation-local": (["--advantage-estimator", "on_policy_distillation"], None),
     "on_policy_distillation-engine": (["--advantage-estimator", "on_policy_distillation"], None),
 }  # fmt: skip
 
@@ -55,9 +54,7 @@ def test_two_iterations_per_estimator(name, tiny_model_dir, teacher_dir, prompts
     run_dir = tmp_path / f"run-{name.replace('_', '-')}"
     extra = [*extra, "--num-rollout", "2", "--save", str(run_dir / "ckpt")]
     teacher = None
-    if name.endswith("-local"):
-        extra += ["--opd-teacher-load", str(teacher_dir)]
-    elif name.endswith("-engine"):
+    if name.endswith("-engine"):
         teacher = EngineProcess(teacher_dir, tmp_path)
         extra += ["--opd-teacher-url", teacher.url]
     try:

@@ -193,40 +193,6 @@ def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, t
         engine.stop()
 
 
-def test_resume_after_sigkill_continues_without_training_a_group_twice(
-    tiny_model_dir, prompts, tmp_path
-):
-    run_dir = tmp_path / "run-resume"
-    ckpt = run_dir / "ckpt"
-    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "4", "--save", str(ckpt), "--load", str(ckpt),
-                   "--save-interval", "1", "--rollout-shuffle")  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    first = subprocess.Popen(
-        [sys.executable, "-m", "millstream.cli", "train", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
-    seen = []
-    deadline = time.monotonic() + 300
-    for line in first.stdout:  # type: ignore[union-attr]
-        seen.append(line)
-        if "saved checkpoint" in line and "iter_0000002" in line:
-            first.send_signal(signal.SIGKILL)
-            break
-        assert time.monotonic() < deadline, "".join(seen[-30:])
-    first.wait(timeout=30)
-    first.stdout.close()  # type: ignore[union-attr]
-    state = json.loads((ckpt / "iter_0000002" / "trainer_state.json").read_text())
-    second = _train("train", flags)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resumed at iteration 2 (version 2)" in second.stdout
-    rows = [line for line in second.stdout.splitlines() if line.startswith("[trainer] iter ")]
-    assert [r.split()[2] for r in rows] == ["3/4", "4/4"]
-    trained = [gid for r in _records(run_dir) for gid in r["group_ids"]]
-    assert len(trained) == len(set(trained)) == 8, trained
-    final = json.loads((ckpt / "iter_0000004" / "trainer_state.json").read_text())
-    assert final["data"]["offset"] >= state["data"]["offset"] + 4 - len(state["in_flight"])
-
-
 def _children_from(lines: list[str]) -> dict[str, int]:
     """name -> pid of every service the launcher said it started."""
     found = {}

@@ -107,3 +107,23 @@ def test_the_janitor_trims_every_stream_of_the_run(redis_url):
     tidied, lengths = asyncio.run(go())
     assert all(n < 300 for n in lengths), lengths  # approximate: whole nodes of 100 go
     assert tidied.entries == 4 * 300 - sum(lengths) and tidied.consumers == 4
+
+
+def test_closing_goes_on_past_a_closer_that_hangs(caplog):
+    """A stop must end: a closer that never returns is left behind after its time, named,
+    and the ones after it still run."""
+    from millstream.trainer.build import close_all
+
+    ran: list[str] = []
+
+    async def hangs() -> None:
+        await asyncio.Event().wait()
+
+    async def first() -> None:
+        ran.append("first")
+
+    asyncio.run(close_all([first, hangs], timeout_s=0.2))  # run last started first
+    assert ran == ["first"]
+    assert "closing test_closing_goes_on_past_a_closer_that_hangs.<locals>.hangs took more" in (
+        caplog.text
+    )
