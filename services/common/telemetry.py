@@ -195,6 +195,11 @@ def process_attributes(stream: str, entry_id: str, consumer_group: str) -> dict[
     )
 
 
+def rpc_attributes(service: str, method: str) -> dict[str, str]:
+    """OpenTelemetry RPC attributes of a call to `millstream.v1.{service}/{method}`."""
+    return {"rpc.system": "grpc", "rpc.service": f"millstream.v1.{service}", "rpc.method": method}
+
+
 def rpc_server_span(tr: trace.Tracer, service: str, method: str, metadata: Any, **kw: Any) -> Any:
     """A gRPC server span named and attributed as OpenTelemetry's RPC conventions say
     (`millstream.v1.Service/Method`), continuing the caller's trace from the metadata."""
@@ -202,12 +207,7 @@ def rpc_server_span(tr: trace.Tracer, service: str, method: str, metadata: Any, 
         f"millstream.v1.{service}/{method}",
         context=context_from_grpc_metadata(metadata),
         kind=trace.SpanKind.SERVER,
-        attributes={
-            "rpc.system": "grpc",
-            "rpc.service": f"millstream.v1.{service}",
-            "rpc.method": method,
-            **kw.pop("attributes", {}),
-        },
+        attributes={**rpc_attributes(service, method), **kw.pop("attributes", {})},
         **kw,
     )
 

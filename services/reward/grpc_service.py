@@ -33,7 +33,7 @@ class RewardService(services_pb2_grpc.RewardServicer):
         if not request.HasField("group"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ScoreRequest.group is missing")
         parent = telemetry.context_from_grpc_metadata(context.invocation_metadata())
-        rpc = {"rpc.system": "grpc", "rpc.service": "millstream.v1.Reward", "rpc.method": "Score"}
+        rpc = telemetry.rpc_attributes("Reward", "Score")
         scored, _fields = await score_traced(
             self.scorer, request.group, parent, SpanKind.SERVER, "millstream.v1.Reward/Score", rpc
         )

@@ -154,9 +154,7 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
             context=parent,
             kind=SpanKind.SERVER,
             attributes={
-                "rpc.system": "grpc",
-                "rpc.service": "millstream.v1.Coordinator",
-                "rpc.method": "WatchVersion",
+                **telemetry.rpc_attributes("Coordinator", "WatchVersion"),
                 "millstream.after_version": request.after_version,
             },
         )
