@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Fully async, the shape of Miles' examples/fully_async/run-qwen3-4b-fully_async.sh: rollout
 # never waits for training. Miles asks for it with train_async.py and --fully-async (a
-# background rollout worker, --max-weight-staleness for staleness control); here it is
-# `millstream train-async` itself, whose rollout workers keep generating while the trainer
-# trains, between weight syncs: --max-staleness 2 lets work run two policy versions ahead,
+# background rollout worker, --max-weight-staleness for staleness control); here that is
+# `millstream train-async`, whose rollout workers keep generating while the trainer trains,
+# between weight syncs (--fully-async is accepted and says so; with `millstream train` it runs
+# train-async): --max-staleness 2 lets work run two policy versions ahead,
 # --max-weight-staleness 2 drops (and counts) samples older than that, and --pause-mode
 # in_place pauses the engines for a weight sync with their batches and KV cache kept, to go on
-# after it, instead of aborting them. --fully-async is not a flag here (it would exit 2 as
-# unknown): leave it out. TIS corrects the off-policy samples (--use-tis).
+# after it, instead of aborting them. TIS corrects the off-policy samples (--use-tis).
 # On CPU it trains examples/arith's tiny Qwen2 as it stands; for your own model and data change
 # only the paths: MODEL_DIR, PROMPT_DATA, RUN_DIR (and NUM_ROLLOUT). MODEL_ARGS are
 # left out: the torch backend builds the model from MODEL_DIR's config.json. The sizes are the
@@ -84,6 +84,7 @@ MISC_ARGS=(
 
 SERVICE_ARGS=(
    --run-dir "$RUN_DIR"
+   --fully-async
    --num-rollout-workers 1
    --num-reward-workers 1
    --max-staleness 2

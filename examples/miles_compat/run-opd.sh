@@ -2,9 +2,9 @@
 # On-policy distillation (OPD), the shape of Miles'
 # examples/on_policy_distillation/run-qwen3-8B-opd-megatron.sh: GRPO plus the distillation term
 # (--use-opd: advantage -= --opd-kl-coef x (student logprob - teacher logprob) per token) with
-# the teacher loaded by the trainer (--opd-teacher-load; Miles' --opd-type megatron). Miles'
-# --opd-type is not a flag here: a teacher dir means the trainer loads it, --opd-teacher-url a
-# running engine scores instead (Miles' --opd-type sglang). The teacher must be a Hugging Face
+# the teacher loaded by the trainer (--opd-type megatron --opd-teacher-load, as in Miles;
+# --opd-type sglang takes --opd-teacher-url, a running engine that scores the samples,
+# instead; a teacher flag that does not match the type exits 2). The teacher must be a Hugging Face
 # model dir: a Megatron torch_dist one exits 2 naming --opd-teacher-load and the converter.
 # `millstream train`: strictly on-policy. TEACHER_DIR is the teacher (on CPU, by default, the
 # tiny model itself: the term is then 0 at the first step, which is enough to show it runs).
@@ -54,6 +54,7 @@ PERF_ARGS=(
 GRPO_ARGS=(
    --advantage-estimator grpo
    --use-opd
+   --opd-type megatron
    --opd-kl-coef 1.0
    --opd-teacher-load "$TEACHER_DIR"
    --use-kl-loss

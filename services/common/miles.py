@@ -24,10 +24,19 @@ Hooks (flag -> what is called -> where; the call sites name the flag and path on
   admits groups and each rollout worker serves one group at a time, so that form is refused
   (preflight, exit 2). What to write instead: the per-group millstream form
   `fn(group: PromptGroup, cfg, client) -> SampleGroup` (rollout/worker.py).
+* `--data-source-path`: Miles' `DataSource` class, `cls(args)` with `get_samples(n) ->
+  list[list[Sample]]`, `save(rollout_id)`, `load(rollout_id)`. Trainer, in admission: each
+  group's first Sample gives the prompt, label and metadata (trainer/data.py
+  PluginDataSource); `add_samples` is not called (see `DataSource`).
+* `--rollout-sample-filter-path`: Miles' per-sample loss filter `fn(args, data) -> None`,
+  setting `sample.remove_sample`. Miles calls it once per rollout batch; here the reward
+  worker calls it per kept training group, `fn(args, [group])`, and a removed sample goes to
+  the trainer with an all-zero loss mask (reward/filters.py).
+* `--custom-rollout-log-function-path` / `--custom-eval-rollout-log-function-path`: Miles'
+  log functions, with this `args` and these Samples (trainer/log_hooks.py).
 * `--custom-generate-function-path` (Miles' per-sample `generate(args, sample,
-  sampling_params)`), `--eval-function-path`, `--data-source-path` and
-  `--rollout-sample-filter-path` are refused in preflight (trainer/refusals.py), each with
-  what to use instead.
+  sampling_params)`) and `--eval-function-path` are refused in preflight
+  (trainer/refusals.py), each with what to use instead.
 
 `Sample` follows miles/utils/types.py: `tokens` is prompt + response token ids,
 `response_length` the response's share of them, `loss_mask` and `rollout_log_probs` one per
@@ -38,14 +47,24 @@ one entry per response token (Miles: one per generate call), `reward` is None be
 and millstream adds `group_id`, `finish_reason` and `failure_reason`. Fields with no wire
 counterpart (multimodal inputs, `remove_sample`, teacher logprobs, ...) are not carried back.
 
+A plugin keeps Miles' imports: `load_function` (common/plugins.py) first puts stand-ins for
+Miles' modules in `sys.modules` when Miles itself is not installed (`install_miles_modules`), so
+`from miles.utils.types import Sample`, `from miles.rollout.filter_hub.base_types import
+DynamicFilterOutput` and `from miles.rollout.data_source import DataSource` import the types of
+this module. Any other Miles module stays missing, and the loader's error says so.
+
 Loads without torch.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import importlib.util
 import inspect
 import json
+import sys
+import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -53,20 +72,24 @@ from typing import Any
 
 from .config import GROUPS, RunConfig
 from .errors import MillstreamError
-from .types import PromptGroup, SampleStatus
+from .types import PromptGroup, SampleGroup, SampleStatus
 from .types import Sample as PbSample
 
 __all__ = [
     "CUSTOM_GENERATE_REFUSED",
+    "MILES_MODULES",
     "Args",
+    "DataSource",
     "DynamicFilterOutput",
     "PluginSignatureError",
     "Sample",
     "check_not_old_signature",
     "check_rollout_function",
     "groups_from_pb",
+    "install_miles_modules",
     "is_async",
     "make_args",
+    "miles_samples",
     "named_error",
     "sample_from_pb",
     "sample_to_pb",
@@ -206,6 +229,64 @@ class Sample:
         return Sample(**{k: v for k, v in data.items() if k in names})
 
 
+class DataSource(abc.ABC):
+    """Miles' DataSource (miles/rollout/data_source.py), what --data-source-path names: a
+    class built with `args` whose `get_samples(n)` returns n groups, each a list of
+    n_samples_per_prompt `Sample`s of one prompt (trainer/data.py PluginDataSource says how
+    the trainer reads them). `save(rollout_id)` runs with every checkpoint and
+    `load(rollout_id)` on resume, with the checkpoint's rollout id (None: a fresh start).
+    `add_samples`, Miles' way back for aborted groups, is never called here: those groups stay
+    in the rollout workers' partial buffer (--buffer-filter-path orders it)."""
+
+    @abc.abstractmethod
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        """The next num_samples groups."""
+
+    @abc.abstractmethod
+    def save(self, rollout_id: int) -> None:
+        """Keep the position in the data, for a resume at rollout_id."""
+
+    @abc.abstractmethod
+    def load(self, rollout_id: int | None = None) -> None:
+        """Go back to the position saved at rollout_id."""
+
+    def get_buffer_length(self) -> int | None:
+        return None
+
+
+# Miles' module -> the names this module stands in for there (install_miles_modules).
+MILES_MODULES: dict[str, dict[str, Any]] = {
+    "miles": {},
+    "miles.utils": {},
+    "miles.utils.types": {"Sample": Sample},
+    "miles.rollout": {},
+    "miles.rollout.filter_hub": {},
+    "miles.rollout.filter_hub.base_types": {"DynamicFilterOutput": DynamicFilterOutput},
+    "miles.rollout.data_source": {"DataSource": DataSource},
+}
+
+
+def install_miles_modules() -> bool:
+    """Stand-ins for MILES_MODULES in sys.modules, unless Miles itself is installed; True when
+    `import miles.utils.types` now gives this module's Sample. Idempotent."""
+    present = sys.modules.get("miles")
+    if present is not None:
+        return bool(getattr(present, "__millstream__", False))
+    if importlib.util.find_spec("miles") is not None:
+        return False  # the real Miles: its imports are its own
+    for name, attrs in MILES_MODULES.items():
+        module = types.ModuleType(name, f"millstream's stand-in for Miles' {name}")
+        module.__millstream__ = True  # type: ignore[attr-defined]
+        if not attrs:
+            module.__path__ = []  # a package: its other submodules are "No module named"
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    return True
+
+
 _STATUS_FROM_PB = {
     SampleStatus.SAMPLE_STATUS_UNSPECIFIED: Sample.Status.PENDING,
     SampleStatus.SAMPLE_STATUS_COMPLETED: Sample.Status.COMPLETED,
@@ -287,6 +368,16 @@ def samples_from_pb(
     pbs: Iterable[PbSample], prompt: str = "", *, scored: bool = False
 ) -> list[Sample]:
     return [sample_from_pb(s, prompt=prompt, scored=scored) for s in pbs]
+
+
+def miles_samples(group: SampleGroup) -> list[Sample]:
+    """Miles' Samples of a scored wire group: its prompt text, data index and rewards."""
+    return [
+        sample_from_pb(
+            s, prompt=group.prompt.prompt_text, group_index=group.prompt.data_index, scored=True
+        )
+        for s in group.samples
+    ]
 
 
 def groups_from_pb(groups: Sequence[PromptGroup]) -> list[list[Sample]]:

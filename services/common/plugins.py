@@ -1,5 +1,8 @@
 """Load a user's function from `pkg.mod.fn` (or `pkg.mod:fn`), with an error naming the path.
 
+A plugin written for Miles keeps its imports of Miles' types: see common/miles.py
+`install_miles_modules`.
+
 Security rule: paths come only from the run config the trainer published (flags), never from
 a stream entry or a gRPC request, so a message on the wire cannot make a worker import code.
 """
@@ -18,9 +21,22 @@ def load_function(path: str, what: str) -> Callable[..., Any]:
     module_name, sep, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not sep or not module_name or not attr:
         raise MillstreamError(f"{what} {path!r} must look like pkg.module.function")
+    from .miles import MILES_MODULES, install_miles_modules
+
+    stand_ins = install_miles_modules()
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
+        missing = getattr(err, "name", None) or ""
+        if stand_ins and missing.split(".")[0] == "miles":
+            provided = ", ".join(
+                f"{m}.{name}" for m, names in MILES_MODULES.items() for name in names
+            )
+            raise MillstreamError(
+                f"{what} {path!r} imports {missing!r}, which is Miles' and not installed; "
+                f"millstream stands in for {provided} only: import the rest from Miles, or "
+                "write it in your module"
+            ) from err
         raise MillstreamError(
             f"{what} {path!r}: cannot import module {module_name!r} ({err}); is it on the "
             "PYTHONPATH of every worker that runs it (rollout, reward, Celery)?"

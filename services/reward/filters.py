@@ -15,6 +15,12 @@ resolve to ours, so a Miles launch line works unchanged):
 * `check_reward_nonzero_std`: drop a group whose rewards are all equal (population std
   <= 1e-8): it has no learning signal under group-normalised advantages.
 * `check_no_aborted`: drop a group with any aborted sample (engine paused, env crash).
+
+`--rollout-sample-filter-path` is Miles' per-sample loss filter, `fn(args, data) -> None` with
+`data: list[list[Sample]]`, setting `sample.remove_sample = True` on the samples the loss must
+leave out (they still count in the group's advantage normalisation). Miles calls it once per
+rollout batch; here it runs per kept training group, as `fn(args, [group])`, and a removed
+sample's loss mask goes to the trainer all zeros (Miles' train-data conversion does the same).
 """
 
 from __future__ import annotations
@@ -75,6 +81,27 @@ def resolve_filter(path: str) -> Callable[..., Any]:
     fn = load_function(path, "--dynamic-sampling-filter-path")
     check_not_old_signature(fn, "--dynamic-sampling-filter-path", path)
     return fn
+
+
+def resolve_sample_filter(path: str) -> Callable[..., Any]:
+    return load_function(path, "--rollout-sample-filter-path")
+
+
+async def apply_sample_filter(fn: Callable[..., Any], group: SampleGroup, args: Any) -> list[int]:
+    """Run Miles' per-sample loss filter on the kept `group` and zero the loss mask of every
+    sample it removes; returns their indices."""
+    samples = samples_from_pb(group.samples, group.prompt.prompt_text, scored=True)
+    for s in samples:
+        s.group_index = group.prompt.data_index
+    out = fn(args, [samples])
+    if inspect.isawaitable(out):
+        await out
+    removed = []
+    for pb, sample in zip(group.samples, samples, strict=True):
+        if sample.remove_sample:
+            pb.loss_mask[:] = [0] * len(pb.response_token_ids)
+            removed.append(pb.index)
+    return removed
 
 
 async def apply_filter(fn: Callable[..., Any], group: SampleGroup, args: Any) -> FilterOutput:

@@ -11,7 +11,9 @@ Owns the verdict of a group. The invariant: an infrastructure failure is never a
   cancelled and the WHOLE group is FAILED with a reason naming the sample and the error.
   No sample of a failed group carries a made-up reward.
 * Otherwise rewards are filled in and, for training groups, the dynamic-sampling filter
-  decides: KEPT, or FILTERED with the filter's reason. A filter that raises fails the group.
+  decides: KEPT, or FILTERED with the filter's reason. A kept training group then goes
+  through the per-sample loss filter (--rollout-sample-filter-path), which can zero the loss
+  masks of some of its samples. A filter that raises fails the group.
 * `timings["reward"]` holds the seconds this took.
 
 The executor runs one attempt (inline: the Rewarder in this process; celery: a task on a
@@ -32,7 +34,13 @@ from millstream.common.config import RunConfig
 from millstream.common.miles import make_args
 from millstream.common.types import Sample, SampleGroup, SampleStatus, ScoredGroup, Verdict
 
-from .filters import FilterOutput, apply_filter, resolve_filter
+from .filters import (
+    FilterOutput,
+    apply_filter,
+    apply_sample_filter,
+    resolve_filter,
+    resolve_sample_filter,
+)
 
 log = logging.getLogger("millstream.reward")
 
@@ -66,6 +74,10 @@ class GroupScorer:
         path = cfg.rollout.dynamic_sampling_filter_path
         self.filter_path = path
         self.filter = resolve_filter(path) if path else None
+        self.sample_filter_path = cfg.rollout.rollout_sample_filter_path
+        self.sample_filter = (
+            resolve_sample_filter(self.sample_filter_path) if self.sample_filter_path else None
+        )
         self.args = make_args(cfg)
         self.stats: Counter[str] = Counter()
 
@@ -96,16 +108,29 @@ class GroupScorer:
             return Verdict.VERDICT_FAILED, str(err)
         for sample, reward in zip(group.samples, rewards, strict=True):
             sample.reward = reward
-        if self.filter is None or group.prompt.is_eval:
+        if group.prompt.is_eval:
             return Verdict.VERDICT_KEPT, ""
-        try:
-            decision = await apply_filter(self.filter, group, self.args)
-        except Exception as err:
-            return (
-                Verdict.VERDICT_FAILED,
-                f"dynamic-sampling filter {self.filter_path} raised {type(err).__name__}: {err}",
-            )
-        return _filter_verdict(decision)
+        if self.filter is not None:
+            try:
+                decision = await apply_filter(self.filter, group, self.args)
+            except Exception as err:
+                return (
+                    Verdict.VERDICT_FAILED,
+                    f"dynamic-sampling filter {self.filter_path} raised {type(err).__name__}: {err}",
+                )
+            if not decision.keep:
+                return _filter_verdict(decision)
+        if self.sample_filter is not None:
+            try:
+                removed = await apply_sample_filter(self.sample_filter, group, self.args)
+            except Exception as err:
+                return (
+                    Verdict.VERDICT_FAILED,
+                    f"rollout sample filter {self.sample_filter_path} raised "
+                    f"{type(err).__name__}: {err}",
+                )
+            self.stats["samples_removed"] += len(removed)
+        return Verdict.VERDICT_KEPT, ""
 
     async def _rewards(self, group: SampleGroup) -> list[float]:
         prompt = group.prompt.prompt_text

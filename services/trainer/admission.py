@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind
 from millstream.common import streams, telemetry
 from millstream.common.types import PromptGroup
 
-from .data import PromptDataSource, PromptRow
+from .data import PluginDataSource, PromptDataSource, PromptRow
 
 
 def group_id(epoch: int, data_index: int) -> str:
@@ -62,7 +62,7 @@ class TerminalCounts:
 class Admission:
     redis: Any
     stream: str
-    source: PromptDataSource
+    source: PromptDataSource | PluginDataSource
     rollout_batch_size: int
     n_samples: int
     max_staleness: int
@@ -88,7 +88,7 @@ class Admission:
 
     async def readmit(self, version: int) -> int:
         """Publish again the groups in flight at the checkpoint (they count once: dedup by id)."""
-        rows = [(self.source.rows[i], e) for e, i in self.in_flight.values()]
+        rows = [(self.source.row(i), e) for e, i in self.in_flight.values()]
         await self._publish(rows, version)
         return len(rows)
 
@@ -130,5 +130,7 @@ class Admission:
 
     def terminal(self, gid: str, state: str) -> None:
         """Record a group's one terminal state: trained, filtered, failed, dropped_stale or dropped_at_end."""
-        self.in_flight.pop(gid, None)
+        position = self.in_flight.pop(gid, None)
+        if position is not None:
+            self.source.release(position[1])
         setattr(self.counts, state, getattr(self.counts, state) + 1)

@@ -22,7 +22,7 @@ from .admission import Admission, TerminalCounts
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
 from .coordinator import Coordinator, host_address
-from .data import PromptDataSource, labels_are_text
+from .data import PluginDataSource, PromptDataSource, is_default_source, labels_are_text
 from .distributed import DataParallel
 from .evaluate import Evaluator
 from .janitor import Tidied, run_janitor
@@ -80,15 +80,22 @@ def preload(cfg: RunConfig) -> None:
 
 def data_sources(
     cfg: RunConfig, tokenizer: Any
-) -> tuple[PromptDataSource, dict[str, PromptDataSource]]:
+) -> tuple[PromptDataSource | PluginDataSource, dict[str, PromptDataSource]]:
     r, e = cfg.rollout, cfg.eval
-    train = PromptDataSource(
-        r.prompt_data, tokenizer, input_key=r.input_key, label_key=r.label_key, metadata_key=r.metadata_key,
-        tool_key=r.tool_key, apply_chat_template=r.apply_chat_template, max_prompt_len=r.rollout_max_prompt_len,
-        prompt_special_tokens=r.prompt_special_tokens,
-        shuffle=r.rollout_shuffle, seed=r.rollout_seed, skip_bad_lines=r.skip_bad_lines,
-        text_labels=labels_are_text(cfg),
-    )  # fmt: skip
+    train: PromptDataSource | PluginDataSource
+    if not is_default_source(r.data_source_path):
+        train = PluginDataSource(
+            r.data_source_path, cfg, tokenizer, apply_chat_template=r.apply_chat_template,
+            prompt_special_tokens=r.prompt_special_tokens,
+        )  # fmt: skip
+    else:
+        train = PromptDataSource(
+            r.prompt_data, tokenizer, input_key=r.input_key, label_key=r.label_key,
+            metadata_key=r.metadata_key, tool_key=r.tool_key, apply_chat_template=r.apply_chat_template,
+            max_prompt_len=r.rollout_max_prompt_len, prompt_special_tokens=r.prompt_special_tokens,
+            shuffle=r.rollout_shuffle, seed=r.rollout_seed, skip_bad_lines=r.skip_bad_lines,
+            text_labels=labels_are_text(cfg),
+        )  # fmt: skip
     evals = {
         name: PromptDataSource(
             path,
@@ -108,9 +115,11 @@ def data_sources(
     return train, evals
 
 
-def num_rollouts(cfg: RunConfig, source: PromptDataSource) -> int:
+def num_rollouts(cfg: RunConfig, source: PromptDataSource | PluginDataSource) -> int:
     if cfg.rollout.num_rollout:
         return cfg.rollout.num_rollout
+    if isinstance(source, PluginDataSource):  # preflight asks for --num-rollout first
+        raise MillstreamError("--data-source-path has no length: give --num-rollout")
     n = cfg.rollout.num_epoch * len(source.rows) // cfg.rollout.rollout_batch_size  # type: ignore[operator]
     if n == 0:
         raise MillstreamError(
@@ -280,7 +289,7 @@ def build_follower(cfg: RunConfig) -> DataParallel:
 
 
 def restore(
-    cfg: RunConfig, state: dict[str, Any], backend: TorchBackend | DataParallel, source: PromptDataSource,
+    cfg: RunConfig, state: dict[str, Any], backend: TorchBackend | DataParallel, source: PromptDataSource | PluginDataSource,
     admission: Admission, iteration: int,
 ) -> tuple[int, int]:  # fmt: skip
     checkpoint.set_rng_state(state["rng"])

@@ -7,6 +7,8 @@ resumed run continues with exactly the prompt it would have admitted next. With
 Rows are read and tokenized once at start: a malformed line is an error naming file and line
 (--skip-bad-lines counts and skips it instead); prompts longer than --rollout-max-prompt-len
 tokens are skipped and counted.
+
+`PluginDataSource` is the same interface around Miles' DataSource class (--data-source-path).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from millstream.common.errors import MillstreamError
+from millstream.common.miles import Sample, make_args
+from millstream.common.plugins import load_function
 
 
 @dataclass(frozen=True)
@@ -195,14 +199,25 @@ class PromptDataSource:
             self.position.offset += 1
         return out
 
-    def state_dict(self) -> dict[str, int]:
+    def row(self, data_index: int) -> PromptRow:
+        return self.rows[data_index]
+
+    def release(self, data_index: int) -> None:
+        """The group is terminal (every row stays: they are the data set)."""
+
+    def state_dict(self, rollout_id: int | None = None) -> dict[str, int]:
         return {
             "epoch": self.position.epoch,
             "offset": self.position.offset,
             "rows": len(self.rows),
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "plugin" in state:
+            raise MillstreamError(
+                f"the checkpoint's prompts came from --data-source-path {state['plugin']}, not "
+                f"--prompt-data {self.path}: resume with the same data source"
+            )
         if state["rows"] != len(self.rows):
             raise MillstreamError(
                 f"checkpoint was taken with {state['rows']} prompts but {self.path} now has {len(self.rows)}: "
@@ -210,3 +225,136 @@ class PromptDataSource:
             )
         self.position = DataPosition(state["epoch"], state["offset"])
         self._order = self._epoch_order(self.position.epoch)
+
+
+# Miles' default data source, by any of its paths: the JSONL source above does its job.
+MILES_DEFAULT_SOURCES = ("RolloutDataSourceWithBuffer", "RolloutDataSource")
+_DEFAULT_PREFIXES = ("miles.rollout.data_source.", "slime.rollout.data_source.")
+
+
+def is_default_source(path: str | None) -> bool:
+    """No --data-source-path, or Miles' own default named by its module path."""
+    return not path or (
+        path.startswith(_DEFAULT_PREFIXES) and path.rsplit(".", 1)[-1] in MILES_DEFAULT_SOURCES
+    )
+
+
+class PluginDataSource:
+    """Miles' DataSource class (--data-source-path), with PromptDataSource's interface.
+
+    The class is built once as `cls(args)` (Miles' read-only args). `take(k)` asks it for k
+    groups, `get_samples(k)`; of each group the first Sample gives the prompt (text, or chat
+    messages, which get the chat template), its label and metadata, and its `tokens` when it
+    already has them. Every group gets the next data index (0, 1, 2, ...; epoch 0), which
+    makes its group id, whatever `group_index` the class set (that one is kept in the
+    metadata as `group_index`). `state_dict(rollout_id)` calls the class's `save(rollout_id)`
+    and keeps the rows still in flight; `load_state_dict` calls `load(rollout_id)`, so a
+    resumed run re-admits exactly those groups and then asks the class for new ones.
+    """
+
+    FLAG = "--data-source-path"
+
+    def __init__(
+        self,
+        path: str,
+        cfg: Any,
+        tokenizer: Any,
+        *,
+        apply_chat_template: bool = False,
+        prompt_special_tokens: str = "tokenizer",
+    ):
+        self.path = path
+        self.position = DataPosition()
+        self._tokenizer = tokenizer
+        self._chat = apply_chat_template
+        self._add_special = prompt_special_tokens == "tokenizer" and not apply_chat_template
+        self.rows: dict[int, PromptRow] = {}  # data index -> row, until the group is terminal
+        cls = load_function(path, self.FLAG)
+        try:
+            self.plugin = cls(make_args(cfg))
+        except Exception as err:
+            raise MillstreamError(
+                f"{self.FLAG} {path}: {getattr(cls, '__name__', cls)}(args) raised "
+                f"{type(err).__name__}: {err}"
+            ) from err
+
+    def take(self, k: int) -> list[tuple[PromptRow, int]]:
+        groups = self._call("get_samples", k)
+        if not isinstance(groups, list) or len(groups) != k:
+            got = len(groups) if isinstance(groups, list) else type(groups).__name__
+            raise MillstreamError(
+                f"{self.FLAG} {self.path}: get_samples({k}) returned {got} groups; it must "
+                "return a list of exactly as many groups as asked (each a list of Samples)"
+            )
+        out = []
+        for group in groups:
+            first = group[0] if isinstance(group, list) and group else group
+            if not isinstance(first, Sample):
+                raise MillstreamError(
+                    f"{self.FLAG} {self.path}: get_samples returned {type(first).__name__} "
+                    "where a group (a list of millstream.common.miles / miles.utils.types "
+                    "Sample) belongs"
+                )
+            row = self._row(first, self.position.offset)
+            self.rows[row.data_index] = row
+            self.position.offset += 1
+            out.append((row, 0))
+        return out
+
+    def _row(self, sample: Sample, data_index: int) -> PromptRow:
+        prompt = sample.prompt
+        if self._chat or not isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            text = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = prompt
+        ids = (
+            list(sample.tokens)
+            if sample.tokens and not sample.response_length
+            else list(self._tokenizer(text, add_special_tokens=self._add_special)["input_ids"])
+        )
+        metadata = dict(sample.metadata or {})
+        if sample.group_index is not None:
+            metadata.setdefault("group_index", sample.group_index)
+        return PromptRow(data_index, text, ids, _label_text(sample.label), metadata)
+
+    def row(self, data_index: int) -> PromptRow:
+        return self.rows[data_index]
+
+    def release(self, data_index: int) -> None:
+        """The group is terminal: its row is no longer needed for a resume."""
+        self.rows.pop(data_index, None)
+
+    def state_dict(self, rollout_id: int | None = None) -> dict[str, Any]:
+        if rollout_id is not None:
+            self._call("save", rollout_id)
+        return {
+            "plugin": self.path,
+            "offset": self.position.offset,
+            "rollout_id": rollout_id,
+            "rows": [
+                [r.data_index, r.prompt_text, r.prompt_token_ids, r.label, r.metadata]
+                for r in self.rows.values()
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("plugin") != self.path:
+            raise MillstreamError(
+                f"the checkpoint's prompts came from {state.get('plugin') or '--prompt-data'}, "
+                f"not {self.FLAG} {self.path}: resume with the same data source"
+            )
+        self.position = DataPosition(0, state["offset"])
+        self.rows = {r[0]: PromptRow(*r) for r in state["rows"]}
+        self._call("load", state["rollout_id"])
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.plugin, method)(*args)
+        except Exception as err:
+            raise MillstreamError(
+                f"{self.FLAG} {self.path}: {method}({', '.join(map(repr, args))}) raised "
+                f"{type(err).__name__}: {err}"
+            ) from err

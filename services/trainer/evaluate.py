@@ -17,7 +17,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from millstream.common import streams, telemetry
-from millstream.common.types import PromptGroup, SampleStatus, Verdict
+from millstream.common.miles import Sample, miles_samples
+from millstream.common.types import PromptGroup, Verdict
 
 from .buffer import Buffer
 from .data import PromptDataSource
@@ -97,8 +98,8 @@ class Evaluator:
                     rewards += [0.0] * self.n_samples
                 else:
                     rewards += [s.reward for s in scored.group.samples]
-                    samples += scored.group.samples
-            truncated = [s.status == SampleStatus.SAMPLE_STATUS_TRUNCATED for s in samples]
+                    samples += miles_samples(scored.group)
+            truncated = [s.status == Sample.Status.TRUNCATED for s in samples]
             self.last_data[name] = {"rewards": rewards, "truncated": truncated, "samples": samples}
             metrics[f"eval/{name}"] = sum(r > 0 for r in rewards) / len(rewards)
             metrics[f"eval/{name}_reward"] = statistics.fmean(rewards)

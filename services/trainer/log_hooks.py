@@ -14,20 +14,20 @@ What the arguments are here, against Miles':
 
 - rollout_id: the 0-based rollout index, as Miles' (stdout's `iter N/M` is rollout N-1; an
   eval after iteration N is rollout N-1's, the eval before training rollout 0's).
-- args: the RunConfig as the workers and their plugins (--custom-rm-path, ...) get it: the
-  published config, without secrets (config/store.py `without_secrets`). Miles passes its
-  flat argparse Namespace; here the fields are grouped (`args.rollout.n_samples_per_prompt`).
-- samples: the iteration's samples, group after group, as `millstream.common.types.Sample`
-  (protobuf; the reward functions get the same): the raw `reward`, `response_text`,
-  `response_token_ids`, `status`, `weight_versions`, `label`, `metadata_json`. Miles passes
-  its rollout's list of `Sample` dataclasses (`response`, `reward`, `status`, `group_index`,
-  ...). Not the TrainSamples that trainer/batch.py `build_samples` builds from them for the
-  backend, whose `reward` is the estimator's (group-normalised for GRPO).
+- args: Miles' read-only namespace of the run's flags (common/miles.py `make_args`), built
+  from the published config, without secrets (config/store.py `without_secrets`), the same
+  `args` the workers' plugins get.
+- samples: the iteration's samples, group after group, as Miles' `Sample`
+  (common/miles.py; `from miles.utils.types import Sample` imports it): `prompt`,
+  `response`, `tokens`, `response_length`, the raw `reward` (the reward worker's, not the
+  estimator's group-normalised advantage), `status`, `label`, `metadata`, `group_index`
+  (the prompt's data index), `weight_versions`.
 - rollout_extra_metrics: the rollout/ metrics the default would log, by tag
   ({"rollout/raw_reward": ...}); Miles passes its rollout function's extra metrics.
 - rollout_time: the seconds the trainer waited for the iteration's batch (perf/rollout_time).
-- data: {eval set: {"rewards": [...], "truncated": [...], "samples": [...]}}, Miles' shape;
-  a failed eval group adds n rewards of 0.0 (as the accuracy counts it) and no samples.
+- data: {eval set: {"rewards": [...], "truncated": [...], "samples": [...]}}, Miles' shape
+  (Miles' `Sample`s again); a failed eval group adds n rewards of 0.0 (as the accuracy counts
+  it) and no samples.
 - extra_metrics: the eval/ metrics the default would log ({"eval/aime": ...}).
 
 They run in the trainer process, on the event loop's thread, once per iteration or eval: keep

@@ -21,7 +21,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
@@ -41,6 +41,9 @@ log = logging.getLogger("millstream.trainer")
 
 def _run(argv: Sequence[str], mode: str, prog: str) -> int:
     cfg = parse_run_config(argv, mode=mode, prog=prog)
+    if cfg.rollout.fully_async and mode == "sync":  # Miles' flag for what train-async is
+        print("[trainer] --fully-async: running as millstream train-async", flush=True)
+        return _run(argv, "async", "millstream train-async")
     from . import preflight  # after parsing: `--help` stays quick
 
     try:
@@ -115,7 +118,7 @@ def _run_trainer(cfg: RunConfig) -> int:
         shutdown_tracing(provider)
 
 
-def _run_data_parallel(cfg: RunConfig) -> int:
+def _run_data_parallel(cfg: RunConfig) -> NoReturn:
     from . import distributed
 
     rank = distributed.init()
@@ -124,13 +127,29 @@ def _run_data_parallel(cfg: RunConfig) -> int:
             from .build import build_follower
 
             build_follower(cfg).follow()
-            return 0
-        try:
-            return _run_trainer(cfg)
-        finally:
-            distributed.send_stop()
+            code = 0
+        else:
+            try:
+                code = _run_trainer(cfg)
+            finally:
+                distributed.send_stop()
     finally:
         distributed.shutdown()
+    _exit_without_finalizing(code)
+
+
+def _exit_without_finalizing(code: int) -> NoReturn:
+    """End a torchrun rank that finished cleanly without the interpreter's finalization.
+    Everything of ours is closed by now (services, tracing, trackers, the process group), but
+    gloo's C++ worker threads may still let go of tensors and take the GIL while the
+    interpreter is torn down, and a thread that takes the GIL then is ended in a way that
+    aborts the process ("terminate called without an active exception", SIGABRT: rank 1 of
+    tests/e2e/test_train_ddp.py, once in ~50 CI runs; pytorch/pytorch#179291 describes it).
+    An error still propagates, for torchrun to report."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def train(argv: Sequence[str]) -> int:

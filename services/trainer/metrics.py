@@ -60,6 +60,7 @@ from millstream.common.config import ConfigError, RunConfig
 from millstream.common.config.schema import to_dict
 from millstream.common.config.store import without_secrets
 from millstream.common.errors import MillstreamError
+from millstream.common.miles import make_args, miles_samples
 
 from . import log_hooks
 
@@ -249,7 +250,7 @@ class TensorboardWriter:
 class MetricsLogger:
     def __init__(self, cfg: RunConfig, run_dir: Path):
         self.cfg = cfg
-        self.args = without_secrets(cfg)  # what the custom log functions get as `args`
+        self.args = make_args(without_secrets(cfg))  # the custom log functions' Miles `args`
         hooks = log_hooks.hooks(cfg)
         self._rollout_hook = hooks.get(log_hooks.ROLLOUT)
         self._eval_hook = hooks.get(log_hooks.EVAL)
@@ -287,7 +288,7 @@ class MetricsLogger:
         train = {t: v for t, v in tags.items() if step_key(t) == "train/step"}
         rest = {t: v for t, v in tags.items() if step_key(t) == "rollout/step"}
         if self._rollout_hook is not None:
-            samples = [s for g in groups or () for s in g.group.samples]
+            samples = [s for g in groups or () for s in miles_samples(g.group)]
             extra = {t: v for t, v in rest.items() if t.startswith("rollout/")}
             rollout_time = metrics.get("rollout_time", 0.0)
             if self._rollout_hook(rollout_id, self.args, samples, extra, rollout_time):

@@ -16,11 +16,11 @@ In order, cheapest first:
    extra) and where --use-tensorboard writes; a CUDA GPU for
    --memory-snapshot-path (torch is imported for that check alone, and only with the flag);
 3. the user's code (--custom-rm-path, --rollout-function-path, --buffer-filter-path,
-   --dynamic-sampling-filter-path), imported with the loader the workers use
+   --dynamic-sampling-filter-path, --rollout-sample-filter-path), imported with the loader the workers use
    (common/plugins.py), from the directory they run in, so the rules are theirs (a
    --rollout-function-path in Miles' whole-batch form is refused: common/miles.py); and the
    trainer's own (--custom-rollout-log-function-path,
-   --custom-eval-rollout-log-function-path), loaded as the trainer loads them (log_hooks.py),
+   --custom-eval-rollout-log-function-path, --data-source-path), loaded as the trainer loads them (log_hooks.py),
    whether or not the workers run here;
 4. files: the model dirs, the MODEL_ARGS given against the model's config.json
    (refusals.check_model), a --load checkpoint that is there (a Megatron checkpoint given
@@ -49,13 +49,14 @@ from millstream.common.config.profiling import MEMORY_SNAPSHOT_NEEDS_CUDA
 from millstream.common.errors import MillstreamError
 from millstream.common.miles import (
     CUSTOM_GENERATE_REFUSED,
+    OLD_SIGNATURES,
     check_not_old_signature,
     check_rollout_function,
 )
 from millstream.common.plugins import load_function
 
 from . import log_hooks, megatron_ckpt, refusals
-from .data import ROW_ERRORS, labels_are_text, parse_row
+from .data import ROW_ERRORS, is_default_source, labels_are_text, parse_row
 from .launcher import given_router_url
 from .metrics import TRACK_EXTRA, TRACKING_PACKAGES, tensorboard_dir
 
@@ -93,8 +94,15 @@ def check_flags(cfg: RunConfig) -> None:
     """What the trainer needs beyond the generic validation, from the flags alone."""
     if not (cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load):
         raise ConfigError("--hf-checkpoint (or --ref-load) is required: the starting model")
-    if not cfg.rollout.prompt_data:
-        raise ConfigError("--prompt-data is required: a JSONL file of prompts")
+    r = cfg.rollout
+    if is_default_source(r.data_source_path):
+        if not r.prompt_data:
+            raise ConfigError("--prompt-data is required: a JSONL file of prompts")
+    elif not r.num_rollout:
+        raise ConfigError(
+            f"--data-source-path {r.data_source_path} needs --num-rollout: a data source has "
+            "no length to count epochs in"
+        )
     if not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
         raise ConfigError("--rm-type or --custom-rm-path is required: how samples are scored")
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
@@ -215,6 +223,7 @@ def check_plugins(cfg: RunConfig) -> None:
         "--rollout-function-path": r.rollout_function_path,
         "--buffer-filter-path": r.buffer_filter_path,
         "--dynamic-sampling-filter-path": r.dynamic_sampling_filter_path,
+        "--rollout-sample-filter-path": r.rollout_sample_filter_path,
     }
     # A built-in filter's name, bare or in Miles' or slime's module path, is the reward
     # worker's to resolve (reward/filters.py resolve_filter): no module to import here.
@@ -229,8 +238,8 @@ def check_plugins(cfg: RunConfig) -> None:
                 fn = load_function(path, flag)
                 if flag == "--rollout-function-path":
                     check_rollout_function(fn, path)  # Miles' whole-batch form: refused
-                else:  # written for millstream's old signatures: refused, saying Miles'
-                    group = flag == "--custom-rm-path" and cfg.reward.group_rm
+                elif flag in OLD_SIGNATURES:  # written for millstream's old signatures:
+                    group = flag == "--custom-rm-path" and cfg.reward.group_rm  # refused
                     check_not_old_signature(fn, flag + (" --group-rm" if group else ""), path)
             except MillstreamError as err:  # the loader's message starts with the flag
                 raise ConfigError(str(err)) from None
@@ -241,10 +250,17 @@ def check_plugins(cfg: RunConfig) -> None:
 
 
 def check_log_functions(cfg: RunConfig) -> None:
-    """The custom log functions load, as the trainer (this process) will load them."""
-    for flag, path in log_hooks.paths(cfg).items():
+    """The custom log functions and a --data-source-path class load, as the trainer (this
+    process) will load them."""
+    trainer_plugins = dict(log_hooks.paths(cfg))
+    if not is_default_source(cfg.rollout.data_source_path):
+        trainer_plugins["--data-source-path"] = cfg.rollout.data_source_path  # type: ignore[assignment]
+    for flag, path in trainer_plugins.items():
         try:
-            log_hooks.load(flag, path)
+            if flag == "--data-source-path":
+                load_function(path, flag)
+            else:
+                log_hooks.load(flag, path)
         except MillstreamError as err:  # the loader's message starts with the flag
             raise ConfigError(str(err)) from None
         except Exception as err:  # the user's module raised while it was imported
@@ -283,10 +299,11 @@ def check_files(cfg: RunConfig) -> None:
     if ckpt.save and os.path.exists(ckpt.save) and not os.path.isdir(ckpt.save):
         raise ConfigError(f"--save {ckpt.save} is a file, not a directory")
     r, e = cfg.rollout, cfg.eval
-    _check_prompts(
-        "--prompt-data", r.prompt_data, r.input_key, r.label_key, r.metadata_key, r.tool_key,
-        r.apply_chat_template, r.skip_bad_lines, labels_are_text(cfg),
-    )  # fmt: skip
+    if is_default_source(r.data_source_path):
+        _check_prompts(
+            "--prompt-data", r.prompt_data, r.input_key, r.label_key, r.metadata_key,
+            r.tool_key, r.apply_chat_template, r.skip_bad_lines, labels_are_text(cfg),
+        )  # fmt: skip
     for name, path in e.datasets().items():
         _check_prompts(
             f"--eval-prompt-data {name}", path, e.eval_input_key or r.input_key,

@@ -103,6 +103,18 @@ REFUSED: dict[str, str] = {
         "runs; millstream runs the engines as separate services, never on the trainer's "
         "devices: drop it"
     ),
+    "offload": (
+        "offloads the trainer and the engines in turn while they share GPUs (--colocate); "
+        "millstream never puts them on the same devices, so there is nothing to offload: drop it"
+    ),
+    "offload_train": (
+        "offloads the trainer's GPU memory while engines on the same GPUs generate "
+        "(--colocate); millstream never puts them on the same devices: drop it"
+    ),
+    "offload_rollout": (
+        "offloads the engines' GPU memory while a trainer on the same GPUs trains "
+        "(--colocate); millstream never puts them on the same devices: drop it"
+    ),
     "rollout_num_gpus": (
         "gives the engines GPUs (Miles starts one engine per --rollout-num-gpus-per-engine "
         "of them); the engines millstream starts are CPU processes: say how many with "
@@ -124,17 +136,6 @@ REFUSED: dict[str, str] = {
         "training ones and the rollout worker serves each with the rollout function: write a "
         "per-group --rollout-function-path fn(group, cfg, client) -> SampleGroup (it sees "
         "group.is_eval), or drop it"
-    ),
-    "data_source_path": (
-        "is Miles' DataSource class (get_samples/add_samples/save/load); here the trainer "
-        "admits prompts from --prompt-data and keeps its own position for resume: give your "
-        "data as a JSONL file (--input-key, --label-key, --metadata-key), or drop it"
-    ),
-    "rollout_sample_filter_path": (
-        "is Miles' per-sample loss filter (fn(args, data) setting sample.remove_sample); "
-        "samples here carry no remove_sample to the trainer: drop whole groups with "
-        "--dynamic-sampling-filter-path fn(args, samples, **kwargs) -> DynamicFilterOutput, "
-        "or drop it"
     ),
     "sglang_server_concurrency": (
         "caps Miles' in-flight generation requests per engine; here the cap is per rollout "
@@ -228,6 +229,11 @@ ACCEPTED: dict[str, str] = {
     "qk_layernorm": _FROM_THE_MODEL_CODE,
     "add_qkv_bias": _FROM_THE_MODEL_CODE,
     "disable_bias_linear": _FROM_THE_MODEL_CODE,
+    "opd_type": (
+        "says where the teacher's logprobs come from, which the teacher flag given already "
+        "says: megatron needs --opd-teacher-load (the trainer runs the teacher), sglang "
+        "--opd-teacher-url (an engine scores the samples); a mismatch exits 2"
+    ),
     "seq_length": (
         "a placeholder in Miles too (its Megatron runs take variable lengths); the lengths "
         "here are --rollout-max-prompt-len and --rollout-max-response-len"
@@ -252,8 +258,13 @@ def _shown(field: str, value: Any) -> str:
 
 
 def _given(cfg: RunConfig, fields: dict[str, Any]) -> dict[str, Any]:
-    """The fields of `fields` this run gives a value other than the default."""
-    return {f: v for f in fields if (v := _value(cfg, f)) != _DEFAULT[f]}
+    """The fields of `fields` this run gives a value other than the default (`--no-x` of a
+    `bool | None` flag asks for nothing, as its default does)."""
+    return {
+        f: v
+        for f in fields
+        if (v := _value(cfg, f)) != _DEFAULT[f] and not (v is False and _DEFAULT[f] is None)
+    }
 
 
 def refused(cfg: RunConfig) -> dict[str, str]:

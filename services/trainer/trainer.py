@@ -280,7 +280,7 @@ class Trainer:
         a = self.p.admission
         state = {
             "version": self.version,
-            "data": a.source.state_dict(),
+            "data": a.source.state_dict(self.iteration - 1),  # Miles' rollout id: 0-based
             "counts": vars(a.counts),
             "in_flight": {gid: list(pos) for gid, pos in a.in_flight.items()},
         }

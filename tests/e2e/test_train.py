@@ -123,8 +123,13 @@ def _check_curves_tensorboard_and_profile(run_dir: Path) -> None:
 def test_three_iterations_through_every_service(command, tiny_model_dir, prompts, tmp_path):
     run_dir = tmp_path / f"run-{command}"
     extra = ["--num-rollout", "3", "--save", str(run_dir / "ckpt"), "--save-interval", "3"]
-    if command == "train-async":
-        extra += ["--max-staleness", "2", "--metrics-port", "0"]
+    if command == "train-async":  # and with plugins written for Miles, Miles' imports and all
+        extra += ["--max-staleness", "2", "--metrics-port", "0",
+                  "--data-source-path", f"{MILES}.JsonlDataSource",
+                  "--custom-rm-path", f"{MILES}.length_rm",
+                  "--dynamic-sampling-filter-path", f"{MILES}.drop_marked",
+                  "--rollout-sample-filter-path", f"{MILES}.sample_filter",
+                  "--custom-rollout-log-function-path", f"{MILES}.log_rollout_data"]  # fmt: skip
     else:  # eval through the same services: before training and after iteration 3
         extra += ["--eval-prompt-data", "dev_set", str(prompts), "--eval-interval", "3",
                   "--eval-temperature", "0", "--eval-max-prompt-len", "4",
@@ -149,6 +154,31 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
     if command == "train-async":
         assert max(r["staleness_max"] for r in _records(run_dir)) <= 2
         assert "[trainer] Prometheus /metrics on port " in proc.stdout  # served, then closed
+        _check_miles_plugins(run_dir, summary)
+
+
+MILES = "tests.support.miles_plugins"
+
+
+def _check_miles_plugins(run_dir: Path, summary: dict) -> None:
+    """The Miles plugins' run: prompts came from the data source (every third marked and
+    filtered, then replaced), rewards from the custom rm, sample 0 of each group out of the
+    loss, and the log function saw Miles' Samples; the data source saved with the checkpoint."""
+    assert summary["counts"]["filtered"] >= 1  # the marked groups, replaced by admission
+    logged = [json.loads(line) for line in (run_dir / "miles_log.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in logged] == [0, 1, 2]
+    samples = [s for r in logged for s in r["samples"]]
+    assert len(samples) == 3 * 2 * 2 and all(r["n_samples_per_prompt"] == 2 for r in logged)
+    for s in samples:
+        row = s["metadata"]["row"]
+        assert s["prompt"] == f"{row}+{row}=" and not s["metadata"]["drop"]
+        assert s["group_index"] == s["metadata"]["group_index"]
+        assert s["reward"] == float(len(s["response"]))
+        if s["index"] == 0:  # the sample filter's: out of the loss
+            assert s["loss_mask"] == ([0] * s["response_length"] or None)
+        else:
+            assert s["loss_mask"] is None or all(s["loss_mask"])
+    assert json.loads((run_dir / "data_source_2.json").read_text())["offset"] >= 6
 
 
 def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, tmp_path):

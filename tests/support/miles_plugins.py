@@ -1,22 +1,35 @@
-"""Plugins written exactly as Miles' docs show them (docs/user-guide/customization.md), with
-only the imports changed to millstream's (`miles.utils.types.Sample` ->
-`millstream.common.miles.Sample`, likewise DynamicFilterOutput):
+"""Plugins written exactly as Miles' docs show them (docs/user-guide/customization.md), Miles'
+imports and all (millstream stands in for those modules: common/miles.py):
 
 --custom-rm-path tests.support.miles_plugins.custom_rm
 --custom-rm-path tests.support.miles_plugins.batched_custom_rm   (with --group-rm)
 --dynamic-sampling-filter-path tests.support.miles_plugins.filter_function
 --buffer-filter-path tests.support.miles_plugins.buffer_filter
+--data-source-path tests.support.miles_plugins.JsonlDataSource
+--rollout-sample-filter-path tests.support.miles_plugins.sample_filter
+--custom-rollout-log-function-path tests.support.miles_plugins.log_rollout_data
 
 Each reads what Miles gives it (args' flags, the Sample's fields) so a test sees that the
-values arrived; the buffer filter prints a line the test finds in the worker's log.
+values arrived; the buffer filter prints a line the test finds in the worker's log, and the
+data source and log function write files under --run-dir.
+
+The e2e set (`JsonlDataSource`, `length_rm`, `drop_marked`, `sample_filter`,
+`log_rollout_data`) is deterministic on any model: the data source marks every third prompt
+`drop` and the dynamic filter drops those; the sample filter leaves sample 0 of every group
+out of the loss.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
+import os
 import sys
 
-from millstream.common.miles import DynamicFilterOutput, Sample
+from miles.rollout.data_source import DataSource
+from miles.rollout.filter_hub.base_types import DynamicFilterOutput
+from miles.utils.types import Sample
 
 
 async def custom_rm(args, sample: Sample) -> float:
@@ -66,3 +79,97 @@ def buffer_filter(
         flush=True,
     )
     return samples
+
+
+class JsonlDataSource(DataSource):
+    """Miles' DataSource over --prompt-data (the --input-key / --label-key rows), in order, with
+    Miles' group and sample numbering; every third prompt's metadata says `drop`."""
+
+    def __init__(self, args):
+        self.args = args
+        with open(args.prompt_data, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        self.samples = [
+            Sample(
+                prompt=row[args.input_key],
+                label=row[args.label_key],
+                metadata={"drop": i % 3 == 2, "row": i},
+            )
+            for i, row in enumerate(rows)
+        ]
+        self.offset = 0
+        self.sample_group_index = 0
+        self.sample_index = 0
+
+    def get_samples(self, num_samples):
+        groups = []
+        for _ in range(num_samples):
+            prompt_sample = self.samples[self.offset % len(self.samples)]
+            self.offset += 1
+            group = []
+            for _ in range(self.args.n_samples_per_prompt):
+                sample = copy.deepcopy(prompt_sample)
+                sample.group_index = self.sample_group_index
+                sample.index = self.sample_index
+                self.sample_index += 1
+                group.append(sample)
+            self.sample_group_index += 1
+            groups.append(group)
+        return groups
+
+    def _path(self, rollout_id):
+        return os.path.join(self.args.run_dir, f"data_source_{rollout_id}.json")
+
+    def save(self, rollout_id):
+        with open(self._path(rollout_id), "w", encoding="utf-8") as f:
+            json.dump({"offset": self.offset, "sample_group_index": self.sample_group_index,
+                       "sample_index": self.sample_index}, f)  # fmt: skip
+
+    def load(self, rollout_id=None):
+        if rollout_id is None or not os.path.exists(self._path(rollout_id)):
+            return
+        with open(self._path(rollout_id), encoding="utf-8") as f:
+            state = json.load(f)
+        self.offset = state["offset"]
+        self.sample_group_index = state["sample_group_index"]
+        self.sample_index = state["sample_index"]
+
+
+async def length_rm(args, sample: Sample) -> float:
+    """A reward any model earns: the response's length in characters, so rewards differ."""
+    return float(len(sample.response))
+
+
+def drop_marked(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
+    """Drop the groups whose prompt the data source marked (Miles' reason naming)."""
+    if samples[0].metadata.get("drop"):
+        return DynamicFilterOutput(keep=False, reason="marked_drop")
+    return DynamicFilterOutput(keep=True)
+
+
+def sample_filter(args, data: list[list[Sample]]) -> None:
+    """Miles' per-sample loss filter: sample 0 of every group leaves the loss."""
+    for group in data:
+        for s in group:
+            if s.index == 0:
+                s.remove_sample = True
+
+
+def log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:
+    """One JSON line per rollout under --run-dir: what Miles' log function would see."""
+    record = {
+        "rollout_id": rollout_id,
+        "n_samples_per_prompt": args.n_samples_per_prompt,
+        "samples": [_fields(s) for s in samples],
+        "raw_reward": rollout_extra_metrics.get("rollout/raw_reward"),
+        "rollout_time": rollout_time,
+    }
+    with open(os.path.join(args.run_dir, "miles_log.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    return False
+
+
+def _fields(s: Sample) -> dict:
+    names = ("prompt", "response", "label", "group_index", "index", "reward", "loss_mask",
+             "response_length", "metadata")  # fmt: skip
+    return {name: getattr(s, name) for name in names}

@@ -219,7 +219,8 @@ def test_the_defaults_miles_scripts_spell_out_pass():
         "--attention-dropout", "0.0", "--hidden-dropout", "0", "--log-probs-chunk-size", "-1",
         "--rollout-num-gpus-per-engine", "1", "--sglang-server-concurrency", "512",
         "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--qk-layernorm",
-        "--seq-length", "4096", "--group-query-attention",
+        "--seq-length", "4096", "--group-query-attention", "--no-offload-train",
+        "--no-offload-rollout",
     ]  # fmt: skip
     cfg = parse_run_config(_base(*spelled))
     assert refusals.refused(cfg) == {}
@@ -367,3 +368,57 @@ def test_a_disagreeing_model_flag_exits_2_through_preflight(monkeypatch, capsys,
     err = capsys.readouterr().err
     assert "millstream train: error: --num-layers 36 disagrees with the model" in err
     assert "num_hidden_layers 2" in err
+
+
+def test_miles_fully_async_with_train_runs_train_async(monkeypatch, capsys):
+    modes = []
+    monkeypatch.setattr(main, "_run_trainer", lambda cfg: modes.append(cfg.mode) or 0)
+    monkeypatch.setattr(main, "_apply_cpu_budget", lambda cfg: None)
+    assert main.train(_base("--fully-async")) == 0
+    assert modes == ["async"]
+    assert "--fully-async: running as millstream train-async" in capsys.readouterr().out
+
+
+OPD_MISMATCHES = [
+    (["--opd-type", "megatron", "--opd-teacher-url", "http://t"], "give --opd-teacher-load"),
+    (["--opd-type", "sglang", "--opd-teacher-load", "t"], "give --opd-teacher-url, not --opd-"),
+]
+
+
+@pytest.mark.parametrize(("flags", "error"), OPD_MISMATCHES)
+def test_miles_opd_type_is_checked_against_the_teacher_given(capsys, flags, error):
+    with pytest.raises(SystemExit):
+        parse_run_config(_base("--use-opd", *flags))
+    assert error in capsys.readouterr().err
+    parse_run_config(_base("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "t"))
+    parse_run_config(_base("--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://t"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--lora-rank", "8"], "--lora-rank is LoRA training, which is not built"),
+        (["--sglang-cuda-graph-bs", "1", "2"], "--sglang-cuda-graph-bs is an SGLang server"),
+        (["--moe-router-topk", "2"], "--moe-router-topk is Megatron's; it needs --train-backend"),
+        (["--custom-loss-function-path", "m.f"], "the torch backend has no such seam"),
+        (["--loss-type", "sft_loss"], "millstream has the policy loss only"),
+        (["--opd-teacher-urls", "a,b"], "give one, --opd-teacher-url URL"),
+        (["--use-mlflow"], "use --use-wandb or --tensorboard-dir"),
+        (["--made-up-flag=3"], "--made-up-flag is not a flag millstream knows"),
+    ],
+)
+def test_a_miles_flag_millstream_lacks_exits_2_saying_whose_it_is_and_why(capsys, flags, said):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run_config(_base(*flags))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"millstream train: error: {flags[0].split('=')[0]}" in err and said in err, err
+
+
+def test_every_unknown_flag_is_named_in_one_message(capsys):
+    with pytest.raises(SystemExit):
+        parse_run_config(_base("--lora-rank", "8", "--debug-train-only", "--zzz"))
+    err = capsys.readouterr().err
+    assert "error: --lora-rank is LoRA" in err
+    assert "also: --debug-train-only is Miles' own test and debug tooling" in err
+    assert "also: --zzz is not a flag millstream knows" in err

@@ -275,3 +275,118 @@ def test_a_plugin_written_for_the_old_signatures_is_refused_saying_what_to_write
     # Miles' own signatures pass
     check_not_old_signature(lambda args, sample: 1.0, "--custom-rm-path", "m.f")
     check_not_old_signature(lambda args, samples, **kw: True, "--dynamic-sampling-filter-path", "f")
+
+
+# -- Miles' imports, the data source, the per-sample loss filter ------------------------------
+
+
+def test_a_plugin_keeps_miles_imports_and_gets_millstreams_types():
+    import millstream.common.miles as ours
+    from millstream.common.plugins import load_function
+
+    cls = load_function(f"{MILES}.JsonlDataSource", "--data-source-path")
+    import miles.rollout.data_source
+    import miles.utils.types
+
+    assert miles.utils.types.Sample is ours.Sample and issubclass(cls, ours.DataSource)
+    assert miles.rollout.data_source.DataSource is ours.DataSource
+
+
+def test_a_miles_module_not_stood_in_for_is_named(tmp_path, monkeypatch):
+    (tmp_path / "uses_miles_misc.py").write_text(
+        "from miles.utils.misc import load_function\n\ndef reward(args, sample):\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from millstream.common.plugins import load_function
+
+    with pytest.raises(MillstreamError) as info:
+        load_function("uses_miles_misc.reward", "--custom-rm-path")
+    message = str(info.value)
+    assert "imports 'miles.utils.misc', which is Miles' and not installed" in message
+    assert "miles.utils.types.Sample" in message
+
+
+def _tokens_group(gid="g", eval_=False) -> SampleGroup:
+    return SampleGroup(
+        prompt=PromptGroup(group_id=gid, prompt_text="1+1=", n_samples=3, is_eval=eval_),
+        samples=[
+            PbSample(group_id=gid, index=i, response_text="2" * (i + 1),
+                     response_token_ids=[7] * (i + 1), loss_mask=[1] * (i + 1))
+            for i in range(3)
+        ],
+    )  # fmt: skip
+
+
+def test_the_rollout_sample_filter_takes_samples_out_of_the_loss_only():
+    cfg = make_cfg(
+        "--custom-rm-path", f"{MILES}.length_rm",
+        "--rollout-sample-filter-path", f"{MILES}.sample_filter",
+    )  # fmt: skip
+    train, evaluation = score(cfg, _tokens_group("t"), _tokens_group("e", eval_=True))
+    assert train.verdict == Verdict.VERDICT_KEPT and rewards(train) == [1.0, 2.0, 3.0]
+    assert [list(s.loss_mask) for s in train.group.samples] == [[0], [1, 1], [1, 1, 1]]
+    assert [list(s.loss_mask) for s in evaluation.group.samples] == [[1], [1, 1], [1, 1, 1]]
+
+
+def test_a_raising_sample_filter_fails_the_group_naming_it():
+    cfg = make_cfg(
+        "--custom-rm-path", f"{MILES}.length_rm",
+        "--rollout-sample-filter-path", f"{MILES}.custom_rm",  # wrong arguments: it raises
+    )  # fmt: skip
+    [out] = score(cfg, _tokens_group())
+    assert out.verdict == Verdict.VERDICT_FAILED
+    assert out.reason.startswith(f"rollout sample filter {MILES}.custom_rm raised")
+
+
+class CharTokenizer:
+    """What PluginDataSource asks of a tokenizer: one id per character."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def _data_source_cfg(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{i}+{i}=", "a": str(2 * i)}) + "\n"
+                            for i in range(5)))  # fmt: skip
+    return make_cfg("--prompt-data", str(data), "--input-key", "q", "--label-key", "a",
+                    "--n-samples-per-prompt", "2", "--run-dir", str(tmp_path),
+                    "--data-source-path", f"{MILES}.JsonlDataSource")  # fmt: skip
+
+
+def test_a_miles_data_source_feeds_admission_and_resumes_where_it_saved(tmp_path):
+    from millstream.trainer.data import PluginDataSource
+
+    cfg = _data_source_cfg(tmp_path)
+    source = PluginDataSource(cfg.rollout.data_source_path, cfg, CharTokenizer())
+    taken = source.take(3)
+    assert [(row.data_index, epoch) for row, epoch in taken] == [(0, 0), (1, 0), (2, 0)]
+    row = taken[1][0]
+    assert (row.prompt_text, row.label, row.prompt_token_ids[:3]) == ("1+1=", "2", [1, 49, 43])
+    assert row.metadata == {"drop": False, "row": 1, "group_index": 1}
+    assert taken[2][0].metadata["drop"] is True
+    source.release(0)  # terminal: only groups 1 and 2 stay for a resume
+    state = json.loads(json.dumps(source.state_dict(rollout_id=4)))  # as trainer_state.json
+    assert json.loads((tmp_path / "data_source_4.json").read_text())["offset"] == 3
+
+    resumed = PluginDataSource(cfg.rollout.data_source_path, cfg, CharTokenizer())
+    resumed.load_state_dict(state)
+    assert resumed.row(2) == taken[2][0] and sorted(resumed.rows) == [1, 2]
+    [(next_row, _)] = resumed.take(1)
+    assert (next_row.data_index, next_row.prompt_text) == (3, "3+3=")  # the plugin's offset too
+
+
+def test_a_data_source_that_returns_too_few_groups_is_named(tmp_path):
+    from millstream.trainer.data import PluginDataSource
+
+    cfg = _data_source_cfg(tmp_path)
+    source = PluginDataSource(cfg.rollout.data_source_path, cfg, CharTokenizer())
+    source.plugin.get_samples = lambda n: []
+    with pytest.raises(MillstreamError, match=r"get_samples\(2\) returned 0 groups"):
+        source.take(2)
+    source.plugin.get_samples = lambda n: 1 / 0
+    with pytest.raises(MillstreamError, match=r"get_samples\(1\) raised ZeroDivisionError"):
+        source.take(1)

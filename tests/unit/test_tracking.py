@@ -23,6 +23,7 @@ from millstream.common.config import ConfigError, parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.config.logs import LoggingConfig
 from millstream.common.errors import MillstreamError
+from millstream.common.miles import Sample as MilesSample
 from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus, ScoredGroup
 from millstream.trainer import log_hooks, metrics, preflight
 from millstream.trainer.metrics import MetricsLogger
@@ -64,7 +65,7 @@ def _groups() -> list[ScoredGroup]:
     return [
         ScoredGroup(
             group=SampleGroup(
-                prompt=PromptGroup(group_id=f"g{g}"),
+                prompt=PromptGroup(group_id=f"g{g}", prompt_text=f"p{g}", data_index=10 + g),
                 samples=[
                     Sample(group_id=f"g{g}", index=i, reward=float(i), response_text=f"r{g}{i}",
                            status=SampleStatus.SAMPLE_STATUS_COMPLETED)
@@ -359,11 +360,14 @@ def test_the_custom_rollout_log_function_gets_miles_arguments(tmp_path):
     assert [c[0] for c in log_plugins.CALLS] == ["rollout", "rollout"]
     rollout_id, args, samples, extra, rollout_time = log_plugins.CALLS[0][1]
     assert rollout_id == 0 and log_plugins.CALLS[1][1][0] == 1
-    assert args.rollout.n_samples_per_prompt == 2 and args.logging.wandb_key is None
-    assert [(s.group_id, s.reward, s.response_text) for s in samples] == [
-        ("g0", 0.0, "r00"), ("g0", 1.0, "r01"), ("g1", 0.0, "r10"), ("g1", 1.0, "r11")
+    # Miles' args (flat, read-only, no secrets) and Miles' Samples, as Miles' docs show them
+    assert args.n_samples_per_prompt == 2 and args.wandb_key is None
+    assert [(s.group_id, s.group_index, s.prompt, s.reward, s.response) for s in samples] == [
+        ("g0", 10, "p0", 0.0, "r00"), ("g0", 10, "p0", 1.0, "r01"),
+        ("g1", 11, "p1", 0.0, "r10"), ("g1", 11, "p1", 1.0, "r11"),
     ]  # fmt: skip
-    assert all(isinstance(s, Sample) for s in samples)
+    assert all(isinstance(s, MilesSample) and s.status == MilesSample.Status.COMPLETED
+               for s in samples)  # fmt: skip
     assert extra == {
         "rollout/raw_reward": 0.625, "rollout/response_len/mean": 12.0,
         "rollout/truncated_ratio": 0.5, "rollout/admitted": 4,
@@ -390,7 +394,7 @@ def test_the_custom_eval_log_function_gets_miles_arguments_and_may_skip(tmp_path
     logger.log_eval(3, {"eval/arith": 0.75, "eval/arith_seconds": 2.0}, data)
     logger.close()
     (_, first), (_, second) = log_plugins.CALLS
-    assert first[0] == 0 and first[1].logging.wandb_key is None
+    assert first[0] == 0 and first[1].wandb_key is None
     assert first[2] is data and first[3] == {"eval/arith": 0.5}
     assert second[0] == 2 and second[3] == {"eval/arith": 0.75, "eval/arith_seconds": 2.0}
     assert _scalars(tmp_path / "tb")["eval/arith"] == [(0, 0.5), (2, 0.75)]

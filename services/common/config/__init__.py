@@ -20,6 +20,7 @@ from ..auth import ADMIN_TOKEN_ENV
 from .algo import AlgoConfig
 from .errors import ConfigError
 from .eval import EvalConfig
+from .foreign import unknown_flags_error
 from .logs import LoggingConfig
 from .model import CkptConfig, MegatronConfig
 from .optimizer import OptimizerConfig
@@ -150,7 +151,9 @@ def parse_run_config(
     """Parse a Miles-style command line; on any error print it and exit with status 2.
     Without --admin-token, the token is MILLSTREAM_ADMIN_TOKEN's, as for router and engines."""
     parser = build_parser(prog)
-    ns = parser.parse_args(list(argv))
+    ns, extras = parser.parse_known_args(list(argv))
+    if message := unknown_flags_error(extras):  # a Miles, Megatron or SGLang flag: say why
+        parser.error(message)
     env = os.environ if environ is None else environ
     if not hasattr(ns, "admin_token") and env.get(ADMIN_TOKEN_ENV):
         ns.admin_token = env[ADMIN_TOKEN_ENV]

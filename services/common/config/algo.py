@@ -57,6 +57,12 @@ class AlgoConfig:
     )
     opd_teacher_url: str | None = flag(None, "on-policy distillation teacher engine (SGLang API)")
     opd_teacher_load: str | None = flag(None, "on-policy distillation teacher model dir")
+    opd_type: str | None = flag(
+        None,
+        "accepted, and checked against the teacher flag given: megatron (the trainer runs "
+        "the teacher, --opd-teacher-load) or sglang (an engine, --opd-teacher-url)",
+        choices=("sglang", "megatron"),
+    )
     critic_load: str | None = flag(
         None, "PPO critic: a model dir to start from (default: the actor's), or a critic checkpoint"
     )
@@ -102,6 +108,16 @@ class AlgoConfig:
             )
         if self.opd_teacher_url and self.opd_teacher_load:
             raise ConfigError("give one teacher: --opd-teacher-url or --opd-teacher-load, not both")
+        if self.opd_type == "megatron" and self.opd_teacher_url:
+            raise ConfigError(
+                "--opd-type megatron runs the teacher in the trainer: give --opd-teacher-load "
+                "(a model dir), not --opd-teacher-url"
+            )
+        if self.opd_type == "sglang" and self.opd_teacher_load:
+            raise ConfigError(
+                "--opd-type sglang takes the teacher's logprobs from an engine: give "
+                "--opd-teacher-url, not --opd-teacher-load (as Miles refuses it)"
+            )
 
     @property
     def distills(self) -> bool:

@@ -108,3 +108,10 @@ class MegatronConfig:
         "Miles: trainer and engines share GPUs; refused: millstream runs the engines as "
         "separate services",
     )
+    offload: bool = flag(False, "Miles: --offload-train and --offload-rollout; refused")
+    offload_train: bool | None = flag(
+        None, "Miles: the trainer's GPU memory freed while colocated engines generate; refused"
+    )
+    offload_rollout: bool | None = flag(
+        None, "Miles: the engines' GPU memory freed while a colocated trainer trains; refused"
+    )

@@ -66,10 +66,19 @@ class RolloutConfig:
         None, "refused: Miles' whole-batch eval rollout; eval groups use the rollout function"
     )
     data_source_path: str | None = flag(
-        None, "refused: Miles' DataSource class; the trainer admits prompts from --prompt-data"
+        None,
+        "pkg.mod.Class: Miles' DataSource, Class(args) with get_samples(n) -> list[list[Sample]], "
+        "save(rollout_id), load(rollout_id); replaces --prompt-data (needs --num-rollout)",
     )
     rollout_sample_filter_path: str | None = flag(
-        None, "refused: Miles' per-sample loss filter; drop whole groups with a dynamic filter"
+        None,
+        "pkg.mod.fn(args, data: list[list[Sample]]) -> None: set sample.remove_sample to leave "
+        "a sample out of the loss (Miles'); run per kept training group by the reward worker",
+    )
+    fully_async: bool = flag(
+        False,
+        "Miles' fully async rollout: workers keep generating while the trainer drains "
+        "groups; that is `millstream train-async`, which `millstream train --fully-async` runs",
     )
     partial_rollout: bool = flag(
         False, "resume samples aborted by a weight sync from their partial tokens"

@@ -3,7 +3,9 @@
 Each argument group is a frozen dataclass whose fields use `flag(...)`. The flag name is the
 field name with dashes (`rollout_batch_size` -> `--rollout-batch-size`), exactly as Miles
 spells it, so a Miles launch script's bash arrays parse unchanged. Types come from the
-annotations: `int`, `float`, `str`, `bool` (store_true), `X | None`, `list[str]`, `list[int]`.
+annotations: `int`, `float`, `str`, `bool` (store_true), `bool | None` (`--x` / `--no-x`, None
+when neither is given, as Miles' BooleanOptionalAction flags), `X | None`, `list[str]`,
+`list[int]`.
 
 Nothing here imports torch: router and reward workers load config without it.
 """
@@ -47,13 +49,13 @@ def _unwrap(tp: Any) -> tuple[Any, bool]:
 def add_group(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
-        tp, _ = _unwrap(typing.get_type_hints(cls)[f.name])
+        tp, optional = _unwrap(typing.get_type_hints(cls)[f.name])
         option = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help") or None}
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
         if tp is bool:
-            kwargs["action"] = "store_true"
+            kwargs["action"] = argparse.BooleanOptionalAction if optional else "store_true"
         elif typing.get_origin(tp) is list:
             kwargs["nargs"] = "+"
             kwargs["type"] = typing.get_args(tp)[0]
