@@ -34,9 +34,12 @@ Hooks (flag -> what is called -> where; the call sites name the flag and path on
   the trainer with an all-zero loss mask (reward/filters.py).
 * `--custom-rollout-log-function-path` / `--custom-eval-rollout-log-function-path`: Miles'
   log functions, with this `args` and these Samples (trainer/log_hooks.py).
-* `--custom-generate-function-path` (Miles' per-sample `generate(args, sample,
-  sampling_params)`) and `--eval-function-path` are refused in preflight
-  (trainer/refusals.py), each with what to use instead.
+* `--custom-generate-function-path`: Miles' per-sample `async generate(args, sample,
+  sampling_params) -> Sample`, reaching the engines through the router at
+  `args.sglang_router_ip`/`args.sglang_router_port`. Rollout worker, for each sample of a
+  group at once (rollout/miles_generate.py).
+* `--eval-function-path` is refused in preflight (trainer/refusals.py), saying what to use
+  instead.
 
 `Sample` follows miles/utils/types.py: `tokens` is prompt + response token ids,
 `response_length` the response's share of them, `loss_mask` and `rollout_log_probs` one per
@@ -51,7 +54,7 @@ A plugin keeps Miles' imports: `load_function` (common/plugins.py) first puts st
 Miles' modules in `sys.modules` when Miles itself is not installed (`install_miles_modules`), so
 `from miles.utils.types import Sample`, `from miles.rollout.filter_hub.base_types import
 DynamicFilterOutput` and `from miles.rollout.data_source import DataSource` import the types of
-this module. Any other Miles module stays missing, and the loader's error says so.
+this module, and `from miles.utils.http_utils import post` its `http_post`. Any other Miles module stays missing, and the loader's error says so.
 
 Loads without torch.
 """
@@ -76,7 +79,6 @@ from .types import PromptGroup, SampleGroup, SampleStatus
 from .types import Sample as PbSample
 
 __all__ = [
-    "CUSTOM_GENERATE_REFUSED",
     "MILES_MODULES",
     "Args",
     "DataSource",
@@ -86,6 +88,7 @@ __all__ = [
     "check_not_old_signature",
     "check_rollout_function",
     "groups_from_pb",
+    "http_post",
     "install_miles_modules",
     "is_async",
     "make_args",
@@ -254,11 +257,39 @@ class DataSource(abc.ABC):
         return None
 
 
+_HTTP: Any = None  # http_post's client: one per process, keep-alive
+
+
+async def http_post(
+    url: str, payload: dict[str, Any], max_retries: int = 60, headers: Any = None
+) -> Any:
+    """Miles' `miles.utils.http_utils.post`: POST JSON and return the JSON answer; a
+    connection error is retried (once a second, max_retries times), an HTTP error raises."""
+    import asyncio
+
+    import httpx
+
+    global _HTTP
+    if _HTTP is None:
+        _HTTP = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_keepalive_connections=64))
+    for attempt in range(max_retries):
+        try:
+            response = await _HTTP.post(url, json=payload, headers=headers)
+            response.raise_for_status()
+            return response.json()
+        except httpx.TransportError:
+            if attempt == max_retries - 1:
+                raise
+            await asyncio.sleep(1)
+    raise ValueError(f"max_retries {max_retries}: must be >= 1")
+
+
 # Miles' module -> the names this module stands in for there (install_miles_modules).
 MILES_MODULES: dict[str, dict[str, Any]] = {
     "miles": {},
     "miles.utils": {},
     "miles.utils.types": {"Sample": Sample},
+    "miles.utils.http_utils": {"post": http_post},
     "miles.rollout": {},
     "miles.rollout.filter_hub": {},
     "miles.rollout.filter_hub.base_types": {"DynamicFilterOutput": DynamicFilterOutput},
@@ -392,12 +423,6 @@ def groups_from_pb(groups: Sequence[PromptGroup]) -> list[list[Sample]]:
     ]
 
 
-CUSTOM_GENERATE_REFUSED = (
-    "--custom-generate-function-path (Miles' per-sample generate(args, sample, "
-    "sampling_params)) is not supported by the rollout worker: write a per-group "
-    "--rollout-function-path fn(group: PromptGroup, cfg, client) -> SampleGroup instead "
-    "(tests/support/rollout_plugins.py two_turn is a multi-turn example)"
-)
 _MILES_ROLLOUT_PARAMS = {"rollout_id", "data_source", "evaluation"}
 
 

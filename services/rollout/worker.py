@@ -4,7 +4,8 @@ Owns one consumer in group `rollout` and runs the common StreamWorker over it. E
 job decodes the PromptGroup, runs the rollout function (the default, or the user's
 `--rollout-function-path` fn(group, cfg, client) -> SampleGroup: per group, millstream's own
 form; Miles' whole-batch `generate_rollout(args, rollout_id, data_source, evaluation=False)`
-is refused, see `check_rollout_function` and common/miles.py) under a `rollout.group`
+is refused, see `check_rollout_function` and common/miles.py; or Miles' per-sample
+`--custom-generate-function-path`, miles_generate.py) under a `rollout.group`
 span continuing the entry's trace, and hands the SampleGroup off with `publish_and_ack`, which
 carries the span's context on. Timings: `rollout` (seconds in the rollout function) and,
 when the trainer stamped `admitted_unix`, `rollout_queue` (admission to the worker's start).
@@ -32,10 +33,8 @@ from opentelemetry.trace import SpanKind
 
 from millstream.common import telemetry
 from millstream.common.config import RunConfig
-from millstream.common.errors import MillstreamError
 from millstream.common.keys import GROUP_ROLLOUT, RunKeys
 from millstream.common.miles import (
-    CUSTOM_GENERATE_REFUSED,
     check_not_old_signature,
     check_rollout_function,
     make_args,
@@ -49,6 +48,7 @@ from millstream.common.worker import StreamWorker
 
 from .client import GenerationFailed, RouterClient
 from .group import DefaultRollout
+from .miles_generate import MilesGenerate
 from .partial import BufferFilter, PartialBuffer, pop_first
 from .prom import RolloutMetrics
 
@@ -106,8 +106,6 @@ class RolloutWorker:
         partial_max_wait_s: float = 5.0,
     ):
         r = cfg.rollout
-        if r.custom_generate_function_path:
-            raise MillstreamError(CUSTOM_GENERATE_REFUSED)
         self.cfg = cfg
         self.client = client
         self.keys = RunKeys(cfg.run_id)
@@ -129,6 +127,8 @@ class RolloutWorker:
         )
         if r.rollout_function_path:
             self.rollout_fn = load_rollout_function(r.rollout_function_path)
+        elif r.custom_generate_function_path:  # Miles' per-sample generate
+            self.rollout_fn = MilesGenerate(r.custom_generate_function_path, cfg, client.url)
         self.consumer = Consumer.for_run(
             redis, cfg, self.keys.prompts, GROUP_ROLLOUT, consumer_name
         )

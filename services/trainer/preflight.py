@@ -6,7 +6,7 @@ prints it and exits 2, within a second or two and with nothing to stop.
 In order, cheapest first:
 
 1. flags alone: what the trainer needs (--hf-checkpoint, --prompt-data, a reward, a length),
-   what this build cannot honour (refusals.py's REFUSED, --custom-generate-function-path),
+   what this build cannot honour (refusals.py's REFUSED),
    --rm-type among the reward hub's built-ins, and the rest of the reward worker's own check;
    a profiler window that the run reaches (--profile-step-start under --num-rollout);
 2. this machine: redis-server on PATH when none is given, the packages of the extras the
@@ -16,7 +16,8 @@ In order, cheapest first:
    extra) and where --use-tensorboard writes; a CUDA GPU for
    --memory-snapshot-path (torch is imported for that check alone, and only with the flag);
 3. the user's code (--custom-rm-path, --rollout-function-path, --buffer-filter-path,
-   --dynamic-sampling-filter-path, --rollout-sample-filter-path), imported with the loader the workers use
+   --dynamic-sampling-filter-path, --rollout-sample-filter-path,
+   --custom-generate-function-path), imported with the loader the workers use
    (common/plugins.py), from the directory they run in, so the rules are theirs (a
    --rollout-function-path in Miles' whole-batch form is refused: common/miles.py); and the
    trainer's own (--custom-rollout-log-function-path,
@@ -48,7 +49,6 @@ from millstream.common.config import ConfigError, RunConfig
 from millstream.common.config.profiling import MEMORY_SNAPSHOT_NEEDS_CUDA
 from millstream.common.errors import MillstreamError
 from millstream.common.miles import (
-    CUSTOM_GENERATE_REFUSED,
     OLD_SIGNATURES,
     check_not_old_signature,
     check_rollout_function,
@@ -108,8 +108,11 @@ def check_flags(cfg: RunConfig) -> None:
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
         raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
     refusals.check(cfg)
-    if cfg.rollout.custom_generate_function_path:
-        raise ConfigError(CUSTOM_GENERATE_REFUSED)
+    if r.custom_generate_function_path and r.rollout_function_path:
+        raise ConfigError(
+            "--custom-generate-function-path and --rollout-function-path both replace how a "
+            "group is generated: give one"
+        )
     if given_router_url(cfg) is None and not cfg.ckpt.hf_checkpoint:
         if cfg.ckpt.ref_load and (found := megatron_ckpt.describe(cfg.ckpt.ref_load)):
             raise ConfigError(megatron_ckpt.message("--ref-load", cfg.ckpt.ref_load, found, None))
@@ -224,6 +227,7 @@ def check_plugins(cfg: RunConfig) -> None:
         "--buffer-filter-path": r.buffer_filter_path,
         "--dynamic-sampling-filter-path": r.dynamic_sampling_filter_path,
         "--rollout-sample-filter-path": r.rollout_sample_filter_path,
+        "--custom-generate-function-path": r.custom_generate_function_path,
     }
     # A built-in filter's name, bare or in Miles' or slime's module path, is the reward
     # worker's to resolve (reward/filters.py resolve_filter): no module to import here.

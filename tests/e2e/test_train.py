@@ -126,6 +126,7 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
     if command == "train-async":  # and with plugins written for Miles, Miles' imports and all
         extra += ["--max-staleness", "2", "--metrics-port", "0",
                   "--data-source-path", f"{MILES}.JsonlDataSource",
+                  "--custom-generate-function-path", f"{MILES}.generate",
                   "--custom-rm-path", f"{MILES}.length_rm",
                   "--dynamic-sampling-filter-path", f"{MILES}.drop_marked",
                   "--rollout-sample-filter-path", f"{MILES}.sample_filter",
@@ -162,8 +163,9 @@ MILES = "tests.support.miles_plugins"
 
 def _check_miles_plugins(run_dir: Path, summary: dict) -> None:
     """The Miles plugins' run: prompts came from the data source (every third marked and
-    filtered, then replaced), rewards from the custom rm, sample 0 of each group out of the
-    loss, and the log function saw Miles' Samples; the data source saved with the checkpoint."""
+    filtered, then replaced), samples from Miles' per-sample generate, rewards from the custom
+    rm, sample 0 of each group out of the loss, and the log function saw Miles' Samples; the
+    data source saved with the checkpoint."""
     assert summary["counts"]["filtered"] >= 1  # the marked groups, replaced by admission
     logged = [json.loads(line) for line in (run_dir / "miles_log.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in logged] == [0, 1, 2]
@@ -173,7 +175,8 @@ def _check_miles_plugins(run_dir: Path, summary: dict) -> None:
         row = s["metadata"]["row"]
         assert s["prompt"] == f"{row}+{row}=" and not s["metadata"]["drop"]
         assert s["group_index"] == s["metadata"]["group_index"]
-        assert s["reward"] == float(len(s["response"]))
+        assert s["reward"] == float(len(s["response"])) and s["response_length"] > 0
+        assert s["metadata"]["generated_by"] == "miles generate"
         if s["index"] == 0:  # the sample filter's: out of the loss
             assert s["loss_mask"] == ([0] * s["response_length"] or None)
         else:

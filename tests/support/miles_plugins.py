@@ -8,12 +8,13 @@ imports and all (millstream stands in for those modules: common/miles.py):
 --data-source-path tests.support.miles_plugins.JsonlDataSource
 --rollout-sample-filter-path tests.support.miles_plugins.sample_filter
 --custom-rollout-log-function-path tests.support.miles_plugins.log_rollout_data
+--custom-generate-function-path tests.support.miles_plugins.generate
 
 Each reads what Miles gives it (args' flags, the Sample's fields) so a test sees that the
 values arrived; the buffer filter prints a line the test finds in the worker's log, and the
 data source and log function write files under --run-dir.
 
-The e2e set (`JsonlDataSource`, `length_rm`, `drop_marked`, `sample_filter`,
+The e2e set (`JsonlDataSource`, `generate`, `length_rm`, `drop_marked`, `sample_filter`,
 `log_rollout_data`) is deterministic on any model: the data source marks every third prompt
 `drop` and the dynamic filter drops those; the sample filter leaves sample 0 of every group
 out of the loss.
@@ -29,6 +30,7 @@ import sys
 
 from miles.rollout.data_source import DataSource
 from miles.rollout.filter_hub.base_types import DynamicFilterOutput
+from miles.utils.http_utils import post
 from miles.utils.types import Sample
 
 
@@ -133,6 +135,33 @@ class JsonlDataSource(DataSource):
         self.offset = state["offset"]
         self.sample_group_index = state["sample_group_index"]
         self.sample_index = state["sample_index"]
+
+
+async def generate(args, sample: Sample, sampling_params) -> Sample:
+    """Miles' single-turn generate (the shape of miles/rollout/sglang_rollout.py `generate`):
+    one /generate through the router, the sample filled in from SGLang's answer."""
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    payload = {"input_ids": sample.tokens, "sampling_params": sampling_params,
+               "return_logprob": True}  # fmt: skip
+    output = await post(url, payload)
+    meta = output["meta_info"]
+    new_tokens = [item[1] for item in meta["output_token_logprobs"]]
+    sample.tokens = sample.tokens + new_tokens
+    sample.response_length += len(new_tokens)
+    sample.response += output["text"]
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + [
+        item[0] for item in meta["output_token_logprobs"]
+    ]
+    sample.weight_versions.append(meta["weight_version"])
+    match meta["finish_reason"]["type"]:
+        case "length":
+            sample.status = Sample.Status.TRUNCATED
+        case "abort":
+            sample.status = Sample.Status.ABORTED
+        case "stop":
+            sample.status = Sample.Status.COMPLETED
+    sample.metadata["generated_by"] = "miles generate"
+    return sample
 
 
 async def length_rm(args, sample: Sample) -> float:

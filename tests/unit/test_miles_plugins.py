@@ -390,3 +390,19 @@ def test_a_data_source_that_returns_too_few_groups_is_named(tmp_path):
     source.plugin.get_samples = lambda n: 1 / 0
     with pytest.raises(MillstreamError, match=r"get_samples\(1\) raised ZeroDivisionError"):
         source.take(1)
+
+
+def test_a_per_sample_generate_gets_the_workers_router_in_miles_args():
+    from millstream.rollout.miles_generate import MilesGenerate
+
+    cfg = make_cfg("--custom-generate-function-path", f"{MILES}.generate")
+    rollout = MilesGenerate(
+        cfg.rollout.custom_generate_function_path, cfg, "http://10.0.0.5:31000/"
+    )
+    assert (rollout.args.sglang_router_ip, rollout.args.sglang_router_port) == ("10.0.0.5", 31000)
+    assert rollout.args.custom_generate_function_path.endswith(".generate")
+    import miles.utils.http_utils
+
+    from millstream.common.miles import http_post
+
+    assert miles.utils.http_utils.post is http_post

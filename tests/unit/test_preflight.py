@@ -107,7 +107,7 @@ BAD = [
     ("--rollout-function-path", [("--rollout-function-path", "my_plugins.generate")], "has no"),
     ("--buffer-filter-path", [("--buffer-filter-path", "no_such_module.fifo")], "cannot import"),
     ("--dynamic-sampling-filter-path", [("--dynamic-sampling-filter-path", "check_typo")], ""),
-    ("--custom-generate-function-path", [("--custom-generate-function-path", "m.f")], ""),
+    ("--custom-generate-function-path", [("--custom-generate-function-path", "m.f")], "import"),
     ("--train-backend", [("--train-backend", "megatron")], "not built yet"),
     ("--hf-checkpoint", [("--hf-checkpoint", "nowhere")], "does not exist"),
     ("--hf-checkpoint", [("--hf-checkpoint", "not_a_model")], "no config.json"),

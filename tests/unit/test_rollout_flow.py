@@ -298,8 +298,8 @@ def test_a_group_without_prompt_tokens_fails_with_the_reason():
     assert "no prompt_token_ids" in result.failure_reason and not engine.requests
 
 
-def test_an_unsupported_per_sample_generate_function_is_refused_at_start():
-    with pytest.raises(MillstreamError, match="--custom-generate-function-path"):
+def test_a_per_sample_generate_function_that_is_not_there_is_named_at_start():
+    with pytest.raises(MillstreamError, match=r"--custom-generate-function-path 'x\.y\.z'"):
         run_worker(FakeEngine(), [], "--custom-generate-function-path", "x.y.z")
 
 

@@ -60,7 +60,9 @@ class RolloutConfig:
         "whole-batch generate_rollout(args, rollout_id, data_source) is refused)",
     )
     custom_generate_function_path: str | None = flag(
-        None, "refused: Miles' per-sample generate; write a per-group --rollout-function-path"
+        None,
+        "pkg.mod.fn: Miles' async generate(args, sample, sampling_params) -> Sample, called "
+        "for each sample of a group; it reaches the router at args.sglang_router_ip/port",
     )
     eval_function_path: str | None = flag(
         None, "refused: Miles' whole-batch eval rollout; eval groups use the rollout function"

@@ -1,0 +1,93 @@
+"""`--custom-generate-function-path`: Miles' per-sample generate, run as the group's rollout.
+
+Miles calls `await custom_generate(args, sample, sampling_params) -> Sample` once per sample
+inside its default rollout; the function talks to the engines itself, through the router at
+`http://{args.sglang_router_ip}:{args.sglang_router_port}` (SGLang's /generate, as millstream's
+engines and router speak it), and fills in the sample: `tokens` (prompt + response),
+`response`, `response_length`, `rollout_log_probs`, `loss_mask`, `status`. Here
+`MilesGenerate` is the group's rollout function: it makes the group's n samples as Miles'
+data source does (the prompt, its tokens, label and metadata; `index` 0..n-1), calls the
+function for all of them at once, and sends what comes back on as the SampleGroup. A sync
+function runs in a thread. `sampling_params` is the group's (rollout_temperature, top_p,
+top_k, max_new_tokens, stop, ...; the eval ones for an eval group) without `n`, as Miles
+passes them. A function may return a list of Samples (Miles' multi-sample form): all of them
+are kept.
+
+`args` is Miles' (common/miles.py) with `sglang_router_ip` and `sglang_router_port` set to the
+router this worker uses. Miles' `miles.utils.http_utils.post(url, payload)` is stood in for
+(common/miles.py `http_post`), so a function that imports it runs as it is. An exception in the function is a plugin's bug: the entry stays pending for redelivery
+(rollout/worker.py), its message naming the flag and path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+from millstream.common.config import RunConfig
+from millstream.common.miles import Args, Sample, is_async, make_args, named_error, sample_to_pb
+from millstream.common.plugins import load_function
+from millstream.common.types import PromptGroup, SampleGroup
+
+from .client import RouterClient
+from .config import plan_for
+
+FLAG = "--custom-generate-function-path"
+
+
+def router_args(cfg: RunConfig, router_url: str) -> Args:
+    """Miles' args, with the router this worker uses as sglang_router_ip/port."""
+    parts = urlsplit(router_url)
+    values = make_args(cfg).to_dict()
+    values["sglang_router_ip"] = parts.hostname
+    values["sglang_router_port"] = parts.port or (443 if parts.scheme == "https" else 80)
+    return Args(values)
+
+
+class MilesGenerate:
+    """The rollout function for a --custom-generate-function-path (see the module docstring)."""
+
+    def __init__(self, path: str, cfg: RunConfig, router_url: str):
+        self.path = path
+        self.fn = load_function(path, FLAG)
+        self.args = router_args(cfg, router_url)
+
+    async def __call__(
+        self, group: PromptGroup, cfg: RunConfig, client: RouterClient
+    ) -> SampleGroup:
+        plan = plan_for(group, cfg)
+        params = {k: v for k, v in plan.sampling_params.items() if k != "n"}
+        metadata = json.loads(group.metadata_json) if group.metadata_json else {}
+        samples = [
+            Sample(
+                group_index=group.data_index,
+                index=i,
+                prompt=group.prompt_text,
+                tokens=list(group.prompt_token_ids),
+                label=group.label,
+                metadata=dict(metadata),
+                group_id=group.group_id,
+            )
+            for i in range(plan.n_samples)
+        ]
+        results = await asyncio.gather(*(self._one(s, dict(params)) for s in samples))
+        out = SampleGroup(prompt=group)
+        for result in results:
+            for sample in result if isinstance(result, list) else [result]:
+                if not isinstance(sample, Sample):
+                    raise TypeError(
+                        f"{FLAG} {self.path} returned {type(sample).__name__}, not a Sample"
+                    )
+                sample.group_id = group.group_id
+                out.samples.append(sample_to_pb(sample))
+        return out
+
+    async def _one(self, sample: Sample, params: dict[str, Any]) -> Sample | list[Sample]:
+        try:
+            if is_async(self.fn):
+                return await self.fn(self.args, sample, params)
+            return await asyncio.to_thread(self.fn, self.args, sample, params)
+        except Exception as err:
+            raise named_error(err, FLAG, self.path) from err
