@@ -16,6 +16,7 @@ makes a re-admitted group count once).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -82,8 +83,11 @@ class Admission:
         if k == 0:
             return 0
         rows = self.source.take(k)
-        await self._publish([(row, epoch) for row, epoch in rows], version)
+        # Counted before the publish, which is shielded: when the run ends and the pump that
+        # calls this is cancelled mid-XADD, the groups are still published and counted, and
+        # the trainer's drain sees them come back (admitted == terminal states, always).
         self.counts.admitted += len(rows)
+        await asyncio.shield(self._publish([(row, epoch) for row, epoch in rows], version))
         return len(rows)
 
     async def readmit(self, version: int) -> int:

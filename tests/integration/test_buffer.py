@@ -121,3 +121,48 @@ def test_dead_letters_end_their_groups_failed(redis_url):
     assert sorted(ended) == [("g1", "failed"), ("p1", "failed"), ("s1", "failed")]
     assert (buffer.dead_letters, buffer.dead_foreign) == (3, 4)
     assert evals[0].verdict == Verdict.VERDICT_FAILED and evals[0].reason == "boom"
+
+
+class Rows:
+    """A prompt source of numbered rows (Admission's interface of trainer/data.py)."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def take(self, k: int) -> list:
+        from millstream.trainer.data import PromptRow
+
+        rows = [PromptRow(self.taken + i, "1+1=", [1, 2], "2", {}) for i in range(k)]
+        self.taken += k
+        return [(row, 0) for row in rows]
+
+    def release(self, data_index: int) -> None:
+        pass
+
+
+def test_a_fill_cancelled_mid_publish_still_publishes_and_counts_its_groups(redis_url):
+    """The run's end cancels the admission pump wherever it is: a group it was publishing
+    must land and be counted, or admitted != terminal states (seen in an e2e run)."""
+    from millstream.trainer.admission import Admission
+
+    stream = RunKeys("adm").prompts
+
+    async def go() -> tuple[int, int, int]:
+        redis = await connect(redis_url)
+        try:
+            admission = Admission(redis, stream, Rows(), rollout_batch_size=2, n_samples=2,
+                                  max_staleness=0)  # type: ignore[arg-type]  # fmt: skip
+            pump = asyncio.create_task(admission.fill(version=0))
+            await asyncio.sleep(0)  # the pump is inside its publish now
+            pump.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pump
+            for _ in range(200):
+                if await redis.xlen(stream) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            return admission.counts.admitted, len(admission.in_flight), await redis.xlen(stream)
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(go()) == (2, 2, 2)
