@@ -3,10 +3,15 @@
 Rank 0 alone talks to the services (admits, reads the buffer, syncs weights, logs, saves).
 Per rollout it broadcasts a command and the samples to every rank; each rank trains on its
 contiguous shard of every step slice with the Denominator of the whole slice, so the SUM of
-the ranks' gradients (all_reduce, not averaged) is the one-rank gradient of that slice.
+the ranks' gradients is the one-rank gradient of that slice. The gradients cross as torch's
+DistributedDataParallel moves them (model and critic wrapped, buckets all-reduced while the
+backward still runs), with a communication hook that sums instead of averaging; the earlier
+micro-batches of a step accumulate under `no_sync()`, so every rank syncs exactly once per
+step whatever its micro-batch count (TorchBackend `_last_synced`). Buffers are not synced in
+forwards (nothing in a forward is a collective, so the no-grad forwards need no lockstep).
 Every rank then clips and steps alike; starting from the same weights (same checkpoint, same
 seed) with the same optimizer state, the weights stay identical on all ranks. Metrics that
-are per-shard sums are summed the same way; grad_norm and lr are then equal on every rank.
+are per-shard sums are all-reduced too; grad_norm and lr are then equal on every rank.
 
 Samples cross as tensors, never pickles: a header [command, num_steps, n_samples, the lengths
 of the flat payloads, rollout_id], then per-sample ints (len(tokens), prompt_len,
@@ -108,6 +113,25 @@ def _broadcast_header(header: list[int]) -> list[int]:
     return t.tolist()
 
 
+def _sum_hook(group, bucket):  # type: ignore[no-untyped-def]
+    """DDP's all-reduce of a gradient bucket, summed (DDP's default divides by the world).
+    Takes (group: ProcessGroup | None, bucket: GradBucket), returns a Future[Tensor]; left
+    unannotated because DDP checks annotations against its classes, and ours are strings."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _summing_ddp(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` under DistributedDataParallel whose backward sums gradients across ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else None
+    ddp = DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
+    ddp.register_comm_hook(None, _sum_hook)
+    return ddp
+
+
 def send_stop(timeout: timedelta = timedelta(seconds=60)) -> None:
     """Rank 0: tell the followers to return from `follow`. Bounded: after an error in the
     middle of a rollout the followers wait in another collective and never take it; rank 0
@@ -126,6 +150,9 @@ class DataParallel:
         self.backend = backend
         self.device = _device()
         backend.rank, backend.world_size = dist.get_rank(), dist.get_world_size()
+        backend.train_model = _summing_ddp(backend.model)
+        if backend.critic is not None:
+            backend.train_critic = _summing_ddp(backend.critic)
         backend.reduce_across_ranks = self._sum_across_ranks
         backend.sum_across_ranks = self._sum_tensor
 
@@ -157,15 +184,7 @@ class DataParallel:
             self.backend.train_rollout(decode(payload), num_steps, rollout_id)
 
     def _sum_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        params = self.backend.trainable_parameters()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.device)
-        dist.all_reduce(flat)
-        flat = flat.to(grads[0].device)
-        offset = 0
-        for p, g in zip(params, grads, strict=True):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
+        """The per-shard metric sums of a step, summed (the gradients are DDP's)."""
         names = sorted(metrics)
         values = torch.tensor([metrics[k] for k in names], dtype=torch.float64, device=self.device)
         dist.all_reduce(values)

@@ -19,11 +19,13 @@ more, the logprobs recomputed before the first step stay fixed for all steps.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.utils import clip_grad_norm_
@@ -125,6 +127,19 @@ def unpad(x_BT: torch.Tensor, samples: list[TrainSample]) -> list[torch.Tensor]:
     return [x_BT[i, : s.response_len].clone() for i, s in enumerate(samples)]
 
 
+def _last_synced(
+    model: torch.nn.Module, micro_batches: list[list[int]]
+) -> Iterator[tuple[list[int], contextlib.AbstractContextManager[Any]]]:
+    """Each micro-batch with the context its forward and backward run in: under torch's
+    DistributedDataParallel, `no_sync()` for all but the last, whose backward sums the
+    accumulated gradients across ranks (once per step on every rank, however many
+    micro-batches each has); nothing to do for a plain module."""
+    last = len(micro_batches) - 1
+    for k, rows in enumerate(micro_batches):
+        no_sync = getattr(model, "no_sync", None)
+        yield rows, (no_sync() if no_sync is not None and k < last else contextlib.nullcontext())
+
+
 class TorchBackend:
     def __init__(
         self,
@@ -155,9 +170,13 @@ class TorchBackend:
                 list(self.critic.parameters()), cfg, cfg.algo.critic_lr or cfg.optimizer.lr,
                 total_steps,
             )  # fmt: skip
-        # Set by DataParallel: this rank's place; the sum across ranks of the gradients and of
-        # the per-shard metric sums it is given; the sum of a tensor (whitening statistics).
+        # Set by DataParallel: this rank's place; the models the gradient forwards run through
+        # (torch's DistributedDataParallel around model and critic, which sums the gradients
+        # across ranks in the backward of each step's last micro-batch); the sum across ranks
+        # of the per-shard metric sums; the sum of a tensor (whitening statistics).
         self.rank, self.world_size = 0, 1
+        self.train_model: torch.nn.Module = self.model
+        self.train_critic: torch.nn.Module | None = self.critic
         self.reduce_across_ranks: Callable[[dict[str, float]], dict[str, float]] | None = None
         self.sum_across_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.step_metrics: list[dict[str, float]] = []  # the last rollout's, one per step
@@ -218,10 +237,13 @@ class TorchBackend:
         entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1) * valid_BT if with_entropy else None
         return logp_BT, entropy_BT, valid_BT
 
-    def _values(self, samples: list[TrainSample]) -> torch.Tensor:
-        assert self.critic is not None
+    def _values(
+        self, samples: list[TrainSample], critic: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        critic = critic or self.critic
+        assert critic is not None
         inputs, (row_BT, col_BT), _, valid_BT = self._inputs(samples)
-        return self.critic(**inputs)[row_BT, col_BT] * valid_BT
+        return critic(**inputs)[row_BT, col_BT] * valid_BT
 
     @torch.no_grad()
     def _per_sample(
@@ -398,23 +420,24 @@ class TorchBackend:
             n_samples=len(samples), n_tokens=max(1, sum(sum(s.loss_mask) for s in samples))
         )
         metrics: dict[str, float] = defaultdict(float)
-        for rows in self._micro_batches(samples):
+        for rows, synced in _last_synced(self.train_model, self._micro_batches(samples)):
             mb, p = [samples[i] for i in rows], prepared.select(rows)
-            logp_BT, entropy_BT, valid_BT = self._logprobs(self.model, mb, with_entropy=True)
-            T = logp_BT.shape[1]
-            mask_BT = pad([s.loss_mask for s in mb], T) * valid_BT
-            loss, mb_metrics = policy_loss(
-                logp_BT,
-                logp_BT.detach() if p.old is None else pad(p.old, T),
-                pad(p.advantages, T),
-                mask_BT,
-                self.cfg.algo,
-                denom,
-                rollout_logp_BT=pad([s.rollout_logprobs for s in mb], T),
-                ref_logp_BT=None if p.ref is None else pad(p.ref, T),
-                entropy_BT=entropy_BT,
-            )
-            loss.backward()
+            with synced:
+                logp_BT, entropy_BT, valid_BT = self._logprobs(self.train_model, mb, True)
+                T = logp_BT.shape[1]
+                mask_BT = pad([s.loss_mask for s in mb], T) * valid_BT
+                loss, mb_metrics = policy_loss(
+                    logp_BT,
+                    logp_BT.detach() if p.old is None else pad(p.old, T),
+                    pad(p.advantages, T),
+                    mask_BT,
+                    self.cfg.algo,
+                    denom,
+                    rollout_logp_BT=pad([s.rollout_logprobs for s in mb], T),
+                    ref_logp_BT=None if p.ref is None else pad(p.ref, T),
+                    entropy_BT=entropy_BT,
+                )
+                loss.backward()
             metrics["loss"] += loss.item()
             for name, value in mb_metrics.items():
                 metrics[name] += value
@@ -425,15 +448,18 @@ class TorchBackend:
     ) -> dict[str, float]:
         assert prepared.returns is not None and prepared.values is not None
         metrics: dict[str, float] = defaultdict(float)
-        for rows in self._micro_batches(samples):
+        critic = self.train_critic or self.critic
+        assert critic is not None
+        for rows, synced in _last_synced(critic, self._micro_batches(samples)):
             mb, p = [samples[i] for i in rows], prepared.select(rows)
-            values_BT = self._values(mb)
-            T = values_BT.shape[1]
-            mask_BT = pad([s.loss_mask for s in mb], T)
-            loss, mb_metrics = value_loss(
-                values_BT, pad(p.values, T), pad(p.returns, T), mask_BT, self.cfg.algo, denom
-            )
-            loss.backward()
+            with synced:
+                values_BT = self._values(mb, critic)
+                T = values_BT.shape[1]
+                mask_BT = pad([s.loss_mask for s in mb], T)
+                loss, mb_metrics = value_loss(
+                    values_BT, pad(p.values, T), pad(p.returns, T), mask_BT, self.cfg.algo, denom
+                )
+                loss.backward()
             for name, value in mb_metrics.items():
                 metrics[name] += value
         return dict(metrics)

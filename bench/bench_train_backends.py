@@ -1,0 +1,150 @@
+"""Trainer backends side by side: one GRPO rollout of the same batch on each, in one run.
+
+    .venv/bin/python bench/bench_train_backends.py [--samples 64] [--hidden 256] [--layers 4]
+
+Builds a random Qwen2 model in a temp dir and a rollout of samples with a long-tailed response
+length (bench_train_step.py's), then times `train_rollout` (forward, backward, optimizer
+step; the no-grad forwards the estimator needs) on:
+
+- torch, 1 rank: TorchBackend in this process, with every core (--threads, default 2);
+- torch DDP, 2 ranks: two gloo processes under DataParallel (trainer/distributed.py: rank 0
+  broadcasts the samples, each rank trains its share, torch's DistributedDataParallel sums
+  the gradients), the cores split between them (--threads / 2 each), as `torchrun
+  --nproc-per-node 2` of `millstream train` would run them.
+
+Prints tokens/s of the best of --repeats rollouts (real tokens, padding not counted), each
+rank's peak RSS (the process's high-water mark: the model, its gradients and Adam state,
+activations), and the ratio to the first row. FSDP2 and the Megatron backend (TP, PP) are
+rows of this table once they exist (issue 15); today they print as not built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+FLAGS = ["--n-samples-per-prompt", "1", "--disable-grpo-std-normalization", "--lr", "1e-6",
+         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"]  # fmt: skip
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _config(samples: int):
+    from millstream.common.config import parse_run_config
+
+    return parse_run_config(["--rollout-batch-size", str(samples), *FLAGS])
+
+
+def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
+    import torch
+
+    from millstream.trainer.backends.torch_backend import TorchBackend
+
+    torch.set_num_threads(threads)
+    backend = TorchBackend(_config(len(samples)), model_dir, ref_dir=None, total_steps=repeats + 2)
+    backend.train_rollout(samples[:8], 1)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.train_rollout(samples, 1)
+        best = min(best, time.perf_counter() - start)
+    return best, [_peak_rss_mb()]
+
+
+def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, repeats: int,
+              threads: int, out: dict) -> None:  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    from millstream.trainer.backends.torch_backend import TorchBackend
+    from millstream.trainer.distributed import DataParallel, init, send_stop, shutdown
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))  # fmt: skip
+    init()
+    try:
+        backend = TorchBackend(
+            _config(len(samples)), model_dir, ref_dir=None, total_steps=repeats + 2
+        )
+        dp = DataParallel(backend)
+        if rank == 0:
+            dp.train_rollout(samples[:8], 1)  # warm-up
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                dp.train_rollout(samples, 1)
+                best = min(best, time.perf_counter() - start)
+            send_stop()
+            out["seconds"] = best
+        else:
+            dp.follow()
+        rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64)
+        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(gathered, rss)
+        if rank == 0:
+            out["rss"] = [float(t) for t in gathered]
+    finally:
+        shutdown()
+
+
+def ddp(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_ddp_rank, args=(2, port, str(model_dir), samples, repeats,
+                                  max(1, threads // 2), out), nprocs=2)  # fmt: skip
+        return out["seconds"], list(out["rss"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = parser.parse_args()
+
+    from bench_train_step import make_samples
+
+    from tests.support.tiny_model import build_tiny_model
+
+    samples = make_samples(args.samples)
+    real = sum(len(s.tokens) for s in samples)
+    print(f"{args.samples} samples, {real} tokens; model hidden {args.hidden}, {args.layers} "
+          f"layers; {args.threads} threads in all")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp), hidden_size=args.hidden, num_layers=args.layers)
+        rows = [
+            ("torch, 1 rank", *one_rank(model_dir, samples, args.repeats, args.threads)),
+            ("torch DDP, 2 ranks (gloo)", *ddp(model_dir, samples, args.repeats, args.threads)),
+        ]
+    base = real / rows[0][1]
+    print(f"{'backend':<28} {'tokens/s':>10} {'ratio':>7}  peak RSS per rank (MB)")
+    for name, seconds, rss in rows:
+        rate = real / seconds
+        print(f"{name:<28} {rate:>10.0f} {rate / base:>6.2f}x  "
+              f"{', '.join(f'{r:.0f}' for r in rss)}")  # fmt: skip
+    for name in ("torch FSDP2, 2 ranks", "megatron TP=1", "megatron TP=2", "megatron PP=2"):
+        print(f"{name:<28} {'not built yet (issue 15)':>30}")
+
+
+if __name__ == "__main__":
+    main()
