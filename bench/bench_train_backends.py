@@ -10,12 +10,14 @@ step; the no-grad forwards the estimator needs) on:
 - torch DDP, 2 ranks: two gloo processes under DataParallel (trainer/distributed.py: rank 0
   broadcasts the samples, each rank trains its share, torch's DistributedDataParallel sums
   the gradients), the cores split between them (--threads / 2 each), as `torchrun
-  --nproc-per-node 2` of `millstream train` would run them.
+  --nproc-per-node 2` of `millstream train` would run them;
+- torch FSDP2, 2 ranks: the same with `--train-backend fsdp` (the actor sharded with
+  fully_shard, its full weights gathered to rank 0 after the rollout, as for a weight sync).
 
 Prints tokens/s of the best of --repeats rollouts (real tokens, padding not counted), each
 rank's peak RSS (the process's high-water mark: the model, its gradients and Adam state,
-activations), and the ratio to the first row. FSDP2 and the Megatron backend (TP, PP) are
-rows of this table once they exist (issue 15); today they print as not built.
+activations), and the ratio to the first row. The Megatron backend (TP, PP) is rows of this
+table once it exists (issue 15); today they print as not built.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _config(samples: int):
+def _config(samples: int, backend: str = "torch"):
     from millstream.common.config import parse_run_config
 
-    return parse_run_config(["--rollout-batch-size", str(samples), *FLAGS])
+    return parse_run_config(["--rollout-batch-size", str(samples), "--train-backend", backend,
+                             *FLAGS])  # fmt: skip
 
 
 def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
@@ -64,7 +67,7 @@ def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tupl
 
 
 def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, repeats: int,
-              threads: int, out: dict) -> None:  # fmt: skip
+              threads: int, backend_name: str, out: dict) -> None:  # fmt: skip
     import torch
     import torch.distributed as dist
 
@@ -77,7 +80,7 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
     init()
     try:
         backend = TorchBackend(
-            _config(len(samples)), model_dir, ref_dir=None, total_steps=repeats + 2
+            _config(len(samples), backend_name), model_dir, ref_dir=None, total_steps=repeats + 2
         )
         dp = DataParallel(backend)
         if rank == 0:
@@ -100,7 +103,9 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
         shutdown()
 
 
-def ddp(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
+def ddp(
+    model_dir: Path, samples: list, repeats: int, threads: int, backend: str = "torch"
+) -> tuple[float, list]:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -109,7 +114,7 @@ def ddp(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[flo
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_ddp_rank, args=(2, port, str(model_dir), samples, repeats,
-                                  max(1, threads // 2), out), nprocs=2)  # fmt: skip
+                                  max(1, threads // 2), backend, out), nprocs=2)  # fmt: skip
         return out["seconds"], list(out["rss"])
 
 
@@ -135,14 +140,16 @@ def main() -> None:
         rows = [
             ("torch, 1 rank", *one_rank(model_dir, samples, args.repeats, args.threads)),
             ("torch DDP, 2 ranks (gloo)", *ddp(model_dir, samples, args.repeats, args.threads)),
-        ]
+            ("torch FSDP2, 2 ranks (gloo)",
+             *ddp(model_dir, samples, args.repeats, args.threads, "fsdp")),
+        ]  # fmt: skip
     base = real / rows[0][1]
     print(f"{'backend':<28} {'tokens/s':>10} {'ratio':>7}  peak RSS per rank (MB)")
     for name, seconds, rss in rows:
         rate = real / seconds
         print(f"{name:<28} {rate:>10.0f} {rate / base:>6.2f}x  "
               f"{', '.join(f'{r:.0f}' for r in rss)}")  # fmt: skip
-    for name in ("torch FSDP2, 2 ranks", "megatron TP=1", "megatron TP=2", "megatron PP=2"):
+    for name in ("megatron TP=1", "megatron TP=2", "megatron PP=2"):
         print(f"{name:<28} {'not built yet (issue 15)':>30}")
 
 

@@ -138,6 +138,8 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
     backend: TorchBackend | DataParallel = build_backend(cfg, total)
     backend.profiler = TrainProfiler.from_config(cfg)  # rank 0 only, as Megatron's default
     if distributed.world_size_from_env() > 1:
+        if state is not None and cfg.ckpt.train_backend == "fsdp":  # before sharding
+            backend.load_weights(checkpoint.iter_dir(cfg.ckpt.load, resume_from))  # type: ignore[arg-type]
         backend = DataParallel(backend)
 
     r = cfg.rollout
@@ -278,14 +280,18 @@ def build_follower(cfg: RunConfig) -> DataParallel:
     total = cfg.rollout.num_rollout or num_rollouts(cfg, data_sources(cfg, load_tokenizer(cfg))[0])
     backend = build_backend(cfg, total)
     resume_from = checkpoint.latest_iteration(cfg.ckpt.load)
-    if resume_from is not None:
-        state = checkpoint.load_state(cfg.ckpt.load, resume_from)  # type: ignore[arg-type]
-        checkpoint.set_rng_state(state["rng"])
-        backend.load(
-            checkpoint.iter_dir(cfg.ckpt.load, resume_from),  # type: ignore[arg-type]
-            load_optimizer=not cfg.ckpt.no_load_optim,
-        )
-    return DataParallel(backend)
+    if resume_from is None:
+        return DataParallel(backend)
+    state = checkpoint.load_state(cfg.ckpt.load, resume_from)  # type: ignore[arg-type]
+    checkpoint.set_rng_state(state["rng"])
+    directory = checkpoint.iter_dir(cfg.ckpt.load, resume_from)  # type: ignore[arg-type]
+    if cfg.ckpt.train_backend != "fsdp":
+        backend.load(directory, load_optimizer=not cfg.ckpt.no_load_optim)
+        return DataParallel(backend)
+    backend.load_weights(directory)  # before sharding; the optimizer shard after it
+    dp = DataParallel(backend)
+    dp.load(directory, load_optimizer=not cfg.ckpt.no_load_optim)
+    return dp
 
 
 def restore(

@@ -1,4 +1,5 @@
-"""Data parallel training under torchrun: rank 0 is the trainer, ranks > 0 only train.
+"""Data parallel (and sharded) training under torchrun: rank 0 is the trainer, ranks > 0 only
+train.
 
 Rank 0 alone talks to the services (admits, reads the buffer, syncs weights, logs, saves).
 Per rollout it broadcasts a command and the samples to every rank; each rank trains on its
@@ -12,6 +13,16 @@ forwards (nothing in a forward is a collective, so the no-grad forwards need no 
 Every rank then clips and steps alike; starting from the same weights (same checkpoint, same
 seed) with the same optimizer state, the weights stay identical on all ranks. Metrics that
 are per-shard sums are all-reduced too; grad_norm and lr are then equal on every rank.
+
+--train-backend fsdp shards the actor instead (`_fully_shard`: torch's FSDP2, one unit per
+decoder layer and the root; gradients summed in the reduce-scatter; the critic stays DDP).
+Every forward of the actor is then a collective: the backend runs each rank's forwards in
+lockstep (`lockstep`, the max micro-batch count across ranks; idle 1-token rounds make up
+the difference). After every rollout all ranks gather the full weights, which rank 0 keeps
+for the weight sync and for checkpoints (`_gather_weights`). A save is a command too (SAVE,
+with the directory): rank 0 writes the Hugging Face weights and the critic, every rank its
+optimizer shard (`optimizer.rank{r}.pt`, DTensor state as local tensors), then a barrier. On
+resume the weights load before sharding (build.py) and each rank its own shard after.
 
 Samples cross as tensors, never pickles: a header [command, num_steps, n_samples, the lengths
 of the flat payloads, rollout_id], then per-sample ints (len(tokens), prompt_len,
@@ -33,10 +44,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .backends.base import TrainSample
-from .backends.torch_backend import TorchBackend
+from millstream.common.errors import MillstreamError
 
-TRAIN, STOP = 1, 0
+from .backends.base import TrainSample
+from .backends.torch_backend import SHARD_FILE, TorchBackend, sharded_optimizer_files
+
+TRAIN, STOP, SAVE = 1, 0, 2
 HEADER = 8
 INTS = 7  # per-sample ints
 # Followers wait in a broadcast while rank 0 collects a rollout, which may take long; a dead
@@ -132,6 +145,63 @@ def _summing_ddp(module: torch.nn.Module) -> torch.nn.Module:
     return ddp
 
 
+def _fully_shard(backend: TorchBackend) -> None:
+    """--train-backend fsdp: the actor sharded with torch's fully_shard (FSDP2), one unit per
+    decoder layer and the root (embeddings, final norm, head), gradients summed in the
+    reduce-scatter (each rank's loss is over the whole slice already); the optimizer made
+    again over the sharded parameters."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = backend.model
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise MillstreamError(
+            f"--train-backend fsdp shards a Hugging Face causal LM by its decoder layers "
+            f"(model.model.layers); {type(model).__name__} has none"
+        )
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    backend.make_actor_optimizer()
+
+
+def _local_state(state: dict) -> dict:
+    """An optimizer state_dict with each DTensor (a sharded parameter's state) as this rank's
+    local shard: plain tensors, which load with weights_only."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        "state": {
+            k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in per.items()}
+            for k, per in state["state"].items()
+        },
+        "param_groups": state["param_groups"],
+    }
+
+
+def _load_local_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """`_local_state`'s inverse: load it, then make each shard a DTensor again, placed like its
+    parameter."""
+    from torch.distributed.tensor import DTensor
+
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            per = optimizer.state[param]
+            for name, value in per.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
+                    per[name] = DTensor.from_local(
+                        value, param.device_mesh, param.placements, run_check=False,
+                        shape=param.shape, stride=param.stride(),
+                    )  # fmt: skip
+
+
 def send_stop(timeout: timedelta = timedelta(seconds=60)) -> None:
     """Rank 0: tell the followers to return from `follow`. Bounded: after an error in the
     middle of a rollout the followers wait in another collective and never take it; rank 0
@@ -149,9 +219,16 @@ class DataParallel:
     def __init__(self, backend: TorchBackend):
         self.backend = backend
         self.device = _device()
-        backend.rank, backend.world_size = dist.get_rank(), dist.get_world_size()
-        backend.train_model = _summing_ddp(backend.model)
-        if backend.critic is not None:
+        self.rank = dist.get_rank()
+        backend.rank, backend.world_size = self.rank, dist.get_world_size()
+        self.sharded = backend.cfg.ckpt.train_backend == "fsdp"
+        if self.sharded:
+            _fully_shard(backend)
+            backend.lockstep = self._max_across_ranks
+            self._gather_weights()
+        else:
+            backend.train_model = _summing_ddp(backend.model)
+        if backend.critic is not None:  # the critic is never sharded
             backend.train_critic = _summing_ddp(backend.critic)
         backend.reduce_across_ranks = self._sum_across_ranks
         backend.sum_across_ranks = self._sum_tensor
@@ -164,15 +241,22 @@ class DataParallel:
         _broadcast_header([TRAIN, num_steps, len(samples), *sizes, rollout_id])
         for t in payload:
             dist.broadcast(t.to(self.device), src=0)
-        return self.backend.train_rollout(samples, num_steps, rollout_id)
+        metrics = self.backend.train_rollout(samples, num_steps, rollout_id)
+        self._gather_weights()
+        return metrics
 
     def follow(self) -> None:
-        """Ranks > 0: train on what rank 0 broadcasts, until it says STOP."""
+        """Ranks > 0: train (or save) as rank 0 broadcasts, until it says STOP."""
         while True:
             header = _broadcast_header([0] * HEADER)
             command, num_steps, n, n_tokens, n_masks, n_logps, n_teacher, rollout_id = header
             if command == STOP:
                 return
+            if command == SAVE:
+                path = torch.empty(n, dtype=torch.uint8, device=self.device)
+                dist.broadcast(path, src=0)
+                self._save_shard(Path(bytes(path.tolist()).decode()), bool(num_steps))
+                continue
             shapes = [((n, INTS), torch.int64), ((n_tokens,), torch.int64), ((n_masks,), torch.int64),
                       ((n_logps,), torch.float64), ((n_teacher,), torch.float64),
                       ((n,), torch.float64)]  # fmt: skip
@@ -182,6 +266,26 @@ class DataParallel:
             for t in payload:
                 dist.broadcast(t, src=0)
             self.backend.train_rollout(decode(payload), num_steps, rollout_id)
+            self._gather_weights()
+
+    def _max_across_ranks(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _gather_weights(self) -> None:
+        """Sharded: every rank gathers each parameter (all ranks, in the same order); rank 0
+        keeps the full copy that weight syncs and checkpoints read (backend.full_weights)."""
+        if not self.sharded:
+            return
+        from torch.distributed.tensor import DTensor
+
+        full = {}
+        for name, param in self.backend.model.named_parameters():
+            value = param.full_tensor() if isinstance(param, DTensor) else param
+            if self.rank == 0:
+                full[name] = value.detach()
+        self.backend.full_weights = full if self.rank == 0 else {}
 
     def _sum_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """The per-shard metric sums of a step, summed (the gradients are DDP's)."""
@@ -199,7 +303,46 @@ class DataParallel:
         return self.backend.named_weights()
 
     def save(self, directory: Path, save_optimizer: bool = True) -> None:
-        self.backend.save(directory, save_optimizer)
+        """Rank 0. Sharded: every rank writes its optimizer shard (told by a SAVE command),
+        rank 0 the gathered weights in Hugging Face format and the critic; the same files as
+        one rank's otherwise."""
+        if not self.sharded:
+            self.backend.save(directory, save_optimizer)
+            return
+        path = torch.tensor(list(str(directory).encode()), dtype=torch.uint8, device=self.device)
+        _broadcast_header([SAVE, int(save_optimizer), path.numel(), 0, 0, 0, 0, 0])
+        dist.broadcast(path, src=0)
+        self.backend.save(directory, save_optimizer, actor_optimizer=False)
+        self._save_shard(directory, save_optimizer)
+
+    def _save_shard(self, directory: Path, save_optimizer: bool) -> None:
+        if save_optimizer:
+            torch.save(
+                {
+                    "optimizer": _local_state(self.backend.optimizer.state_dict()),
+                    "scheduler": self.backend.scheduler.state_dict(),
+                    "world_size": dist.get_world_size(),
+                },
+                directory / SHARD_FILE.format(rank=self.rank),
+            )
+        dist.barrier()  # every shard is written before rank 0 makes the checkpoint the latest
 
     def load(self, directory: Path, load_optimizer: bool = True) -> None:
-        self.backend.load(directory, load_optimizer)
+        """Sharded: the actor's weights were loaded before sharding (`build`); here the critic
+        and this rank's optimizer shard. Each rank calls it for itself."""
+        if not self.sharded:
+            self.backend.load(directory, load_optimizer)
+            return
+        self.backend.load(directory, load_optimizer, actor=False)
+        if not load_optimizer:
+            return
+        world = dist.get_world_size()
+        shards = sharded_optimizer_files(directory)
+        if len(shards) != world:
+            raise MillstreamError(
+                f"{directory} holds {len(shards)} optimizer shard(s) (optimizer.rank*.pt) for "
+                f"{world} FSDP ranks: resume with as many ranks as saved it, or --no-load-optim"
+            )
+        state = torch.load(directory / SHARD_FILE.format(rank=self.rank), weights_only=True)
+        _load_local_state(self.backend.optimizer, state["optimizer"])
+        self.backend.scheduler.load_state_dict(state["scheduler"])

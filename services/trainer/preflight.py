@@ -107,6 +107,11 @@ def check_flags(cfg: RunConfig) -> None:
         raise ConfigError("--rm-type or --custom-rm-path is required: how samples are scored")
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
         raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
+    if cfg.ckpt.train_backend == "megatron":
+        raise ConfigError(
+            "--train-backend megatron is not built yet: torch (data parallel) and fsdp "
+            "(sharded data parallel, under torchrun) are"
+        )
     refusals.check(cfg)
     if r.custom_generate_function_path and r.rollout_function_path:
         raise ConfigError(

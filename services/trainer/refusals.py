@@ -54,8 +54,8 @@ DERIVED: dict[str, str] = {
 
 _NO_MEGATRON = (
     "needs --train-backend megatron, which is not built yet: the torch backend is data "
-    "parallel only, every rank holds the whole model (more ranks: --actor-num-gpus-per-node "
-    "under torchrun)"
+    "parallel only (more ranks: --actor-num-gpus-per-node under torchrun; --train-backend "
+    "fsdp shards the model across them)"
 )
 _NO_RECOMPUTE = (
     "is Megatron's activation recomputation; the torch backend keeps activations and "
@@ -70,7 +70,6 @@ _NO_DROPOUT = (
 # field -> why a value other than the default cannot be honoured. In this order: the first
 # one a run has is the error, the others are named after it.
 REFUSED: dict[str, str] = {
-    "train_backend": "is not built yet (torch is)",
     "tensor_model_parallel_size": _NO_MEGATRON,
     "pipeline_model_parallel_size": _NO_MEGATRON,
     "context_parallel_size": _NO_MEGATRON,

@@ -31,13 +31,17 @@ def _tagged(tag: str) -> list[int]:
     return pids
 
 
-def test_two_trainer_ranks_under_torchrun(tiny_model_dir, prompts, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_path):  # noqa: F811
+    """torch: DDP; fsdp: the actor sharded, its gathered weights synced to the engine and
+    saved by rank 0 with each rank's optimizer shard beside them."""
     run_dir = tmp_path / "run-ddp"
     tag = uuid.uuid4().hex
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MILLSTREAM_TEST_TAG": tag}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--standalone", "-m", "millstream.cli", "train"]  # fmt: skip
-    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "2")
+    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "2", "--train-backend",
+                   backend, "--save", str(run_dir / "ckpt"), "--save-interval", "2")  # fmt: skip
     child = subprocess.Popen(
         [*torchrun, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -51,6 +55,11 @@ def test_two_trainer_ranks_under_torchrun(tiny_model_dir, prompts, tmp_path):  #
     _kill(left)
     _check_run(subprocess.CompletedProcess(child.args, child.returncode, out, err), run_dir, 2)
     assert left == [], "processes left behind"
+    saved = run_dir / "ckpt" / "iter_0000002"
+    optimizer = sorted(p.name for p in saved.glob("optimizer*.pt"))
+    assert (saved / "model" / "model.safetensors").is_file()
+    assert optimizer == (["optimizer.pt"] if backend == "torch" else
+                         ["optimizer.rank0.pt", "optimizer.rank1.pt"])  # fmt: skip
 
 
 def _kill(pids: list[int]) -> None:

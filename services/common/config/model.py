@@ -33,8 +33,10 @@ class CkptConfig:
     seed: int = flag(1234, "trainer random seed")
     train_backend: str = flag(
         "torch",
-        "training backend (megatron is not built yet: refused)",
-        choices=("torch", "megatron"),
+        "torch: the Hugging Face model, data parallel under torchrun (DDP); fsdp: the same, "
+        "sharded across the torchrun ranks (torch's FSDP2, Miles' name); megatron: not built "
+        "yet (refused)",
+        choices=("torch", "fsdp", "megatron"),
     )
 
     def __post_init__(self) -> None:

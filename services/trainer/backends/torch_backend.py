@@ -127,6 +127,19 @@ def unpad(x_BT: torch.Tensor, samples: list[TrainSample]) -> list[torch.Tensor]:
     return [x_BT[i, : s.response_len].clone() for i, s in enumerate(samples)]
 
 
+SHARD_FILE = "optimizer.rank{rank}.pt"  # --train-backend fsdp: each rank's optimizer shard
+
+
+def sharded_optimizer_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(SHARD_FILE.format(rank="*")))
+
+
+def _value(x: torch.Tensor) -> float:
+    """A scalar tensor's value; a DTensor's (FSDP) is gathered first."""
+    full = getattr(x, "full_tensor", None)
+    return float(full() if full is not None else x)
+
+
 def _last_synced(
     model: torch.nn.Module, micro_batches: list[list[int]]
 ) -> Iterator[tuple[list[int], contextlib.AbstractContextManager[Any]]]:
@@ -160,8 +173,8 @@ class TorchBackend:
         self.teacher = (
             load_causal_lm(teacher_dir).eval().requires_grad_(False) if teacher_dir else None
         )
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(params, cfg, cfg.optimizer.lr, total_steps)
+        self.total_steps = total_steps
+        self.make_actor_optimizer()
         self.critic: ValueModel | None = None
         if critic_dir is not None:
             self.critic = load_value_model(critic_dir)
@@ -177,11 +190,25 @@ class TorchBackend:
         self.rank, self.world_size = 0, 1
         self.train_model: torch.nn.Module = self.model
         self.train_critic: torch.nn.Module | None = self.critic
+        # With --train-backend fsdp (DataParallel shards the actor): every forward of the actor
+        # is a collective, so each rank runs as many as the rank with the most micro-batches
+        # (`lockstep`: n -> the max over ranks; the extra ones are idle 1-token rounds), and the
+        # full weights rank 0 syncs and saves are gathered after every rollout (`full_weights`).
+        self.lockstep: Callable[[int], int] = lambda n: n
+        self.full_weights: dict[str, torch.Tensor] | None = None
         self.reduce_across_ranks: Callable[[dict[str, float]], dict[str, float]] | None = None
         self.sum_across_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.step_metrics: list[dict[str, float]] = []  # the last rollout's, one per step
         # --use-pytorch-profiler / --memory-snapshot-path: set by the build (rank 0), else off.
         self.profiler = TrainProfiler()
+
+    def make_actor_optimizer(self) -> None:
+        """The actor's optimizer and schedule over its parameters as they are now (again after
+        FSDP sharding replaced them)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(
+            params, self.cfg, self.cfg.optimizer.lr, self.total_steps
+        )
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter a step updates (actor, then critic): DataParallel sums their grads."""
@@ -247,23 +274,38 @@ class TorchBackend:
 
     @torch.no_grad()
     def _per_sample(
-        self, forward: Callable[[list[TrainSample]], torch.Tensor], samples: list[TrainSample]
+        self,
+        forward: Callable[[list[TrainSample]], torch.Tensor],
+        samples: list[TrainSample],
+        model: torch.nn.Module | None = None,
     ) -> list[torch.Tensor]:
         """`forward` (-> x_BT) over the micro-batches training uses, split per sample, no grad
-        (the same micro-batches, so a step's first forward gives the same numbers)."""
+        (the same micro-batches, so a step's first forward gives the same numbers). `model`:
+        the one `forward` runs, when it is the actor (kept in lockstep across ranks)."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for rows in self._micro_batches(samples):
+        micro_batches = self._micro_batches(samples)
+        for rows in micro_batches:
             mb = [samples[i] for i in rows]
             for i, x in zip(rows, unpad(forward(mb), mb), strict=True):
                 out[i] = x
+        if model is self.model:
+            self._idle_rounds(len(micro_batches), backward=False)
         return out
+
+    def _idle_rounds(self, done: int, *, backward: bool) -> None:
+        """The forwards (and backwards) this rank owes the lockstep after `done` real ones:
+        a 1-token input whose loss is 0, so every rank joins the same collectives."""
+        for _ in range(self.lockstep(done) - done):
+            logits = self.train_model(input_ids=torch.zeros(1, 1, dtype=torch.long)).logits
+            if backward:
+                (logits.sum() * 0.0).backward()
 
     def logprobs(
         self, samples: list[TrainSample], model: torch.nn.Module | None = None
     ) -> list[torch.Tensor]:
         """Per-sample response logprobs under `model` (default: the actor)."""
         model = model or self.model
-        return self._per_sample(lambda mb: self._logprobs(model, mb, False)[0], samples)
+        return self._per_sample(lambda mb: self._logprobs(model, mb, False)[0], samples, model)
 
     def values(self, samples: list[TrainSample]) -> list[torch.Tensor]:
         """Per-sample critic values of the response tokens."""
@@ -400,7 +442,7 @@ class TorchBackend:
         clip = self.cfg.optimizer.clip_grad
         max_norm = clip if clip > 0 else float("inf")
         if not critic_only:
-            metrics["grad_norm"] = float(clip_grad_norm_(self.model.parameters(), max_norm))
+            metrics["grad_norm"] = _value(clip_grad_norm_(self.model.parameters(), max_norm))
             metrics["lr"] = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
             self.scheduler.step()
@@ -420,7 +462,8 @@ class TorchBackend:
             n_samples=len(samples), n_tokens=max(1, sum(sum(s.loss_mask) for s in samples))
         )
         metrics: dict[str, float] = defaultdict(float)
-        for rows, synced in _last_synced(self.train_model, self._micro_batches(samples)):
+        micro_batches = self._micro_batches(samples)
+        for rows, synced in _last_synced(self.train_model, micro_batches):
             mb, p = [samples[i] for i in rows], prepared.select(rows)
             with synced:
                 logp_BT, entropy_BT, valid_BT = self._logprobs(self.train_model, mb, True)
@@ -441,6 +484,7 @@ class TorchBackend:
             metrics["loss"] += loss.item()
             for name, value in mb_metrics.items():
                 metrics[name] += value
+        self._idle_rounds(len(micro_batches), backward=True)
         return dict(metrics)
 
     def accumulate_critic_gradients(
@@ -467,12 +511,21 @@ class TorchBackend:
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.full_weights is not None:  # sharded: what the last gather collected
+            yield from self.full_weights.items()
+            return
         for name, param in self.model.named_parameters():
             yield name, param.detach()
 
-    def save(self, directory: Path, save_optimizer: bool = True) -> None:
-        self.model.save_pretrained(directory / "model", safe_serialization=True)
-        if save_optimizer:
+    def save(
+        self, directory: Path, save_optimizer: bool = True, *, actor_optimizer: bool = True
+    ) -> None:
+        """The actor in Hugging Face format (the gathered full weights when sharded), its
+        optimizer (`actor_optimizer=False`: the caller writes it, sharded), the critic."""
+        self.model.save_pretrained(
+            directory / "model", state_dict=self.full_weights, safe_serialization=True
+        )
+        if save_optimizer and actor_optimizer:
             torch.save(
                 {
                     "optimizer": self.optimizer.state_dict(),
@@ -492,12 +545,26 @@ class TorchBackend:
                     critic_dir / OPTIMIZER_FILE,
                 )
 
-    def load(self, directory: Path, load_optimizer: bool = True) -> None:
+    def load_weights(self, directory: Path) -> None:
+        """The actor's weights from a checkpoint (before FSDP shards them)."""
         from safetensors.torch import load_model
 
         load_model(self.model, str(directory / "model" / "model.safetensors"), strict=False)
+
+    def load(self, directory: Path, load_optimizer: bool = True, *, actor: bool = True) -> None:
+        """A checkpoint's actor (`actor=False`: loaded already, and its optimizer is the
+        caller's), its optimizer, the critic."""
         opt_path = directory / OPTIMIZER_FILE
-        if load_optimizer and opt_path.is_file():
+        if actor:
+            self.load_weights(directory)
+            if load_optimizer and not opt_path.is_file() and sharded_optimizer_files(directory):
+                n = len(sharded_optimizer_files(directory))
+                raise MillstreamError(
+                    f"{directory}: the optimizer state is sharded over {n} FSDP ranks: resume "
+                    f"with --train-backend fsdp under torchrun --nproc-per-node {n}, or pass "
+                    "--no-load-optim"
+                )
+        if actor and load_optimizer and opt_path.is_file():
             state = torch.load(opt_path, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
