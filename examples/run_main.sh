@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
-# The main job. Until the trainer lands (issue 5) there is nothing to train yet.
+# The main job (`make run`): examples/arith/run.sh, GRPO on the arith task with every service
+# started locally (its header says which mode and why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -x examples/arith/run.sh ]; then
-  exec bash examples/arith/run.sh
-fi
-echo "millstream: no main job yet (the trainer and examples/arith land with the trainer issue)."
-echo "millstream: the environment is ready: .venv/bin/millstream --help"
+exec bash examples/arith/run.sh
