@@ -1,0 +1,189 @@
+"""The Megatron backend's model: a megatron-core `GPTModel` built from a Hugging Face config,
+and the weights converted both ways (issue 15; not wired to --train-backend megatron yet).
+
+`transformer_config(hf)` maps a Qwen2 / Qwen3 / Llama config.json to megatron's
+TransformerConfig (RMSNorm, SwiGLU, rotary embeddings, grouped-query attention, QKV bias where
+the model has it, no dropout); `build(hf)` makes the GPTModel with the local (non Transformer
+Engine) layer spec, on CPU with `megatron_cpu.apply()`. Tensor parallel size 1 for now.
+
+Weights (`hf_to_megatron`, `megatron_to_hf`, inverse of each other):
+
+    model.embed_tokens.weight                -> embedding.word_embeddings.weight
+    model.layers.i.input_layernorm.weight    -> decoder.layers.i.input_layernorm.weight
+    q_proj, k_proj, v_proj (weight, bias)    -> self_attention.linear_qkv (fused)
+    model.layers.i.self_attn.o_proj.weight   -> self_attention.linear_proj.weight
+    post_attention_layernorm.weight          -> pre_mlp_layernorm.weight
+    gate_proj, up_proj                       -> mlp.linear_fc1.weight (gate rows, then up)
+    down_proj                                -> mlp.linear_fc2.weight
+    model.norm.weight                        -> decoder.final_layernorm.weight
+    lm_head.weight (untied models only)      -> output_layer.weight
+
+The fused QKV is megatron's layout: per query group, that group's query heads, then its key
+head, then its value head (rows of head_dim each). Qwen3's q_norm/k_norm are the layer's
+q_layernorm/k_layernorm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from millstream.common.errors import MillstreamError
+
+from . import megatron_cpu
+
+SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+def _rope_theta(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None) or {}
+    return float(getattr(hf, "rope_theta", None) or params.get("rope_theta", 10000.0))
+
+
+def _head_dim(hf: Any) -> int:
+    return int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+
+
+def transformer_config(hf: Any) -> Any:
+    """megatron's TransformerConfig for the Hugging Face config `hf`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if hf.model_type not in SUPPORTED:
+        raise MillstreamError(
+            f"the Megatron backend builds {', '.join(SUPPORTED)} models; this checkpoint is "
+            f"{hf.model_type!r}"
+        )
+    qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    return TransformerConfig(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads,
+        kv_channels=_head_dim(hf),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        qk_layernorm=hf.model_type == "qwen3",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # the fused kernels are CUDA's; the local spec's plain paths are exact on CPU
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=torch.float32,
+    )
+
+
+def build(hf: Any) -> torch.nn.Module:
+    """The GPTModel for `hf` (random weights: load them with `hf_to_megatron`). Needs the
+    default process group and megatron's parallel state (megatron_cpu.model_parallel)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    megatron_cpu.apply()
+    config = transformer_config(hf)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=hf.vocab_size,
+        max_sequence_length=hf.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(_rope_theta(hf)),
+        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
+    )
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf: Any) -> torch.Tensor:
+    groups, d = hf.num_key_value_heads, _head_dim(hf)
+    per_group = hf.num_attention_heads // groups * d
+    rest = q.shape[1:]
+    parts = [q.reshape(groups, per_group, *rest), k.reshape(groups, d, *rest),
+             v.reshape(groups, d, *rest)]  # fmt: skip
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv: torch.Tensor, hf: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = hf.num_key_value_heads, _head_dim(hf)
+    per_group = hf.num_attention_heads // groups * d
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _layer_names(hf: Any, i: int) -> list[tuple[str, str]]:
+    """(HF name, megatron name) of layer i's one-to-one weights."""
+    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    pairs = [
+        ("input_layernorm.weight", "input_layernorm.weight"),
+        ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+        ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+        ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
+    ]
+    if hf.model_type == "qwen3":
+        pairs += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+                  ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]  # fmt: skip
+    return [(h + a, m + b) for a, b in pairs]
+
+
+def hf_to_megatron(state: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict in megatron's names and layouts (TP 1)."""
+    out = {
+        "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": state["model.norm.weight"],
+    }
+    if not hf.tie_word_embeddings:
+        out["output_layer.weight"] = state["lm_head.weight"]
+    for i in range(hf.num_hidden_layers):
+        h, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
+        out.update({b: state[a] for a, b in _layer_names(hf, i)})
+        for kind in ("weight", "bias"):
+            if h + "q_proj." + kind in state:
+                out[m + "self_attention.linear_qkv." + kind] = _fuse_qkv(
+                    state[h + "q_proj." + kind], state[h + "k_proj." + kind],
+                    state[h + "v_proj." + kind], hf,
+                )  # fmt: skip
+        mlp = f"model.layers.{i}.mlp."
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]
+        )
+    return out
+
+
+def megatron_to_hf(state: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.Tensor]:
+    """`hf_to_megatron`'s inverse: megatron's weights under Hugging Face names (what a weight
+    sync sends to the engines and what a checkpoint saves)."""
+    out = {
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+    }
+    if not hf.tie_word_embeddings:
+        out["lm_head.weight"] = state["output_layer.weight"]
+    for i in range(hf.num_hidden_layers):
+        h, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
+        out.update({a: state[b] for a, b in _layer_names(hf, i)})
+        for kind in ("weight", "bias"):
+            fused = state.get(m + "self_attention.linear_qkv." + kind)
+            if fused is not None:
+                q, k, v = _split_qkv(fused, hf)
+                out.update({h + "q_proj." + kind: q, h + "k_proj." + kind: k,
+                            h + "v_proj." + kind: v})  # fmt: skip
+        gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
+        out[f"model.layers.{i}.mlp.gate_proj.weight"] = gate
+        out[f"model.layers.{i}.mlp.up_proj.weight"] = up
+    return out
+
+
+def logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S, V] logits of a causal forward over unpadded rows (positions 0..S-1)."""
+    positions = torch.arange(input_ids.shape[1])[None].expand_as(input_ids)
+    return model(input_ids, positions, attention_mask=None)

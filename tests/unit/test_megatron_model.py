@@ -1,0 +1,93 @@
+"""The Megatron backend's model (issue 15, its first part): megatron-core's GPTModel built from
+a Hugging Face config on this CPU, given the HF weights, computes the HF model's logits; the
+weight conversion goes both ways unchanged. Each check runs in a process of its own (megatron
+needs a process group and its parallel state, and the CPU patches are process-wide)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.timeout(180)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _qwen3_untied(directory: Path) -> Path:
+    """A random Qwen3 (q/k norms, untied head): the other layout the conversion handles."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _check(rank: int, port: int, model_dir: str) -> None:
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from millstream.trainer.backends import megatron_cpu, megatron_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with megatron_cpu.model_parallel():
+            hf_config = AutoConfig.from_pretrained(model_dir)
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            model = megatron_model.build(hf_config).eval()
+            state = megatron_model.hf_to_megatron(hf.state_dict(), hf_config)
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            assert [m for m in missing if not m.endswith("_extra_state")] == [] and not unexpected
+            ids = torch.randint(
+                0, hf_config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)
+            )
+            with torch.no_grad():
+                want = hf(input_ids=ids).logits
+                got = megatron_model.logits(model, ids)
+            # fp32 on both sides, the same ops in another order: agreement to float rounding
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            back = megatron_model.megatron_to_hf(
+                {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
+                hf_config,
+            )
+            hf_state = {k: v for k, v in hf.state_dict().items()
+                        if not (hf_config.tie_word_embeddings and k == "lm_head.weight")}  # fmt: skip
+            assert set(back) == set(hf_state)
+            for key, value in hf_state.items():
+                assert torch.equal(back[key], value), key
+    finally:
+        dist.destroy_process_group()
+
+
+def test_megatron_gpt_model_computes_the_hf_qwen2_logits(tiny_model_dir):
+    mp.spawn(_check, args=(_free_port(), str(tiny_model_dir)), nprocs=1)
+
+
+def test_megatron_gpt_model_computes_the_hf_qwen3_logits_untied(tmp_path):
+    mp.spawn(_check, args=(_free_port(), str(_qwen3_untied(tmp_path / "qwen3"))), nprocs=1)
+
+
+def test_the_cpu_patches_wait_for_the_backend_to_start():
+    code = (
+        "import torch, millstream.trainer.backends.megatron_model as m, megatron.core; "
+        "f = torch.cuda.current_device; "
+        "assert getattr(f, '__name__', '') == 'current_device', 'patched at import'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
