@@ -16,8 +16,9 @@ step; the no-grad forwards the estimator needs) on:
 
 Prints tokens/s of the best of --repeats rollouts (real tokens, padding not counted), each
 rank's peak RSS (the process's high-water mark: the model, its gradients and Adam state,
-activations), and the ratio to the first row. The Megatron backend (TP, PP) is rows of this
-table once it exists (issue 15); today they print as not built.
+activations), and the ratio to the first row. The Megatron backend runs one rank (TP=1,
+its own process: megatron's process group and CPU patches); its TP=2 and PP=2 rows print as
+not built until they are (issue 15).
 """
 
 from __future__ import annotations
@@ -103,6 +104,38 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
         shutdown()
 
 
+def _megatron_rank(rank: int, model_dir: str, samples: list, repeats: int, threads: int,
+                   out: dict) -> None:  # fmt: skip
+    from millstream.trainer.backends.megatron_backend import MegatronBackend
+
+    torch_threads(threads)
+    cfg = _config(len(samples), "megatron")
+    backend = MegatronBackend(cfg, model_dir, ref_dir=None, total_steps=repeats + 2)
+    backend.train_rollout(samples[:8], 1)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.train_rollout(samples, 1)
+        best = min(best, time.perf_counter() - start)
+    out["seconds"], out["rss"] = best, [_peak_rss_mb()]
+
+
+def torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def megatron(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
+    """One rank in a process of its own (megatron's process group and CPU patches)."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_megatron_rank, args=(str(model_dir), samples, repeats, threads, out), nprocs=1)
+        return out["seconds"], list(out["rss"])
+
+
 def ddp(
     model_dir: Path, samples: list, repeats: int, threads: int, backend: str = "torch"
 ) -> tuple[float, list]:
@@ -142,6 +175,7 @@ def main() -> None:
             ("torch DDP, 2 ranks (gloo)", *ddp(model_dir, samples, args.repeats, args.threads)),
             ("torch FSDP2, 2 ranks (gloo)",
              *ddp(model_dir, samples, args.repeats, args.threads, "fsdp")),
+            ("megatron TP=1, 1 rank", *megatron(model_dir, samples, args.repeats, args.threads)),
         ]  # fmt: skip
     base = real / rows[0][1]
     print(f"{'backend':<28} {'tokens/s':>10} {'ratio':>7}  peak RSS per rank (MB)")
@@ -149,7 +183,7 @@ def main() -> None:
         rate = real / seconds
         print(f"{name:<28} {rate:>10.0f} {rate / base:>6.2f}x  "
               f"{', '.join(f'{r:.0f}' for r in rss)}")  # fmt: skip
-    for name in ("megatron TP=1", "megatron TP=2", "megatron PP=2"):
+    for name in ("megatron TP=2", "megatron PP=2"):
         print(f"{name:<28} {'not built yet (issue 15)':>30}")
 
 

@@ -268,7 +268,12 @@ def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
     ref = (cfg.ckpt.ref_load or cfg.ckpt.hf_checkpoint) if needs_ref else None
     critic = (a.critic_load or actor) if a.uses_critic else None
     teacher = a.opd_teacher_load if a.distills else None
-    return TorchBackend(
+    cls = TorchBackend
+    if cfg.ckpt.train_backend == "megatron":
+        from .backends.megatron_backend import MegatronBackend
+
+        cls = MegatronBackend
+    return cls(
         cfg, actor, ref_dir=ref, critic_dir=critic, teacher_dir=teacher,  # type: ignore[arg-type]
         total_steps=total_rollouts * cfg.rollout.num_steps_per_rollout,  # type: ignore[operator]
     )  # fmt: skip

@@ -112,12 +112,12 @@ def message(flag: str, path: str, found: str, hf_checkpoint: str | None) -> str:
         f"convert it with Miles' {CONVERTER} --input-dir {_input_dir(path)} --output-dir "
         f"HF_DIR --origin-hf-dir {origin}"
     )
-    later = "or use --train-backend megatron once it is built (it is not yet)"
+    later = "; --train-backend megatron does not read torch_dist checkpoints yet"
     if flag == "--load":
         return (
             f"--load {path} is {found}; the torch backend resumes only its own checkpoints "
             f"(iter_N/ with model/ in Hugging Face format and {OUR_STATE}): {convert} and "
-            f"start from it with --hf-checkpoint HF_DIR and a new --load dir, {later}"
+            f"start from it with --hf-checkpoint HF_DIR and a new --load dir{later}"
         )
     if flag == "--ref-load":
         instead = (
@@ -128,9 +128,9 @@ def message(flag: str, path: str, found: str, hf_checkpoint: str | None) -> str:
         return (
             f"--ref-load {path} is {found}; the torch backend reads the reference model from "
             f"a Hugging Face model dir (config.json and safetensors): {convert} and pass "
-            f"--ref-load HF_DIR ({instead}), {later}"
+            f"--ref-load HF_DIR ({instead}){later}"
         )
     return (
         f"{flag} {path} is {found}; the torch backend reads Hugging Face model dirs "
-        f"(config.json and safetensors): {convert} and pass {flag} HF_DIR, {later}"
+        f"(config.json and safetensors): {convert} and pass {flag} HF_DIR{later}"
     )

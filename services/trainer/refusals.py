@@ -53,14 +53,15 @@ DERIVED: dict[str, str] = {
 }
 
 _NO_MEGATRON = (
-    "needs --train-backend megatron, which is not built yet: the torch backend is data "
-    "parallel only (more ranks: --actor-num-gpus-per-node under torchrun; --train-backend "
-    "fsdp shards the model across them)"
+    "needs --train-backend megatron with model parallelism, which is not built yet: the "
+    "megatron backend trains one rank (TP=PP=CP=1) and the torch backend is data parallel only "
+    "(more ranks: --actor-num-gpus-per-node under torchrun; --train-backend fsdp shards the "
+    "model across them)"
 )
 _NO_RECOMPUTE = (
-    "is Megatron's activation recomputation; the torch backend keeps activations and "
-    "recomputes none (--train-backend megatron is not built yet): drop it, or save memory "
-    "with a smaller --micro-batch-size or --max-tokens-per-gpu"
+    "is Megatron's activation recomputation, which no backend here applies yet (the torch "
+    "backends and the one-rank megatron one keep activations): drop it, or save memory with a "
+    "smaller --micro-batch-size or --max-tokens-per-gpu"
 )
 _NO_DROPOUT = (
     "is Megatron's dropout, which the torch backend does not apply (the HF model's own "
@@ -76,8 +77,8 @@ REFUSED: dict[str, str] = {
     "expert_model_parallel_size": _NO_MEGATRON,
     "expert_tensor_parallel_size": _NO_MEGATRON,
     "sequence_parallel": (
-        "needs tensor parallelism (--tensor-model-parallel-size > 1, --train-backend megatron, "
-        "not built yet); the torch backend has none: drop it"
+        "needs tensor parallelism (--tensor-model-parallel-size > 1, not built yet for "
+        "--train-backend megatron); the backends here have none: drop it"
     ),
     "recompute_granularity": _NO_RECOMPUTE,
     "recompute_method": _NO_RECOMPUTE,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.timeout(180)
@@ -91,3 +92,61 @@ def test_the_cpu_patches_wait_for_the_backend_to_start():
         "assert getattr(f, '__name__', '') == 'current_device', 'patched at import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- the backend: the torch backend's training with megatron's GPTModel as the actor ----------
+
+FLAGS = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--optimizer", "sgd",
+         "--lr", "1", "--clip-grad", "0", "--use-kl-loss", "--kl-loss-coef", "0.1"]  # fmt: skip
+LAYOUTS = {"padded": [], "packed": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "9"]}
+
+
+def _backend_step(rank: int, model_dir: str, out: str) -> None:
+    """In its own process: for each layout, one rollout on the torch backend and on the
+    Megatron backend from the same weights; the logprobs before and the weights after, in
+    Hugging Face names; then the Megatron backend's checkpoint written and read back."""
+    from millstream.common.config import parse_run_config
+    from millstream.trainer.backends.megatron_backend import MegatronBackend
+    from millstream.trainer.backends.torch_backend import TorchBackend
+    from tests.unit.test_torch_backend import _samples
+
+    results = {}
+    for name, flags in LAYOUTS.items():
+        cfg = parse_run_config([*FLAGS, *flags])
+        pair = {}
+        for kind, cls in (("torch", TorchBackend), ("megatron", MegatronBackend)):
+            backend = cls(cfg, model_dir, ref_dir=model_dir, total_steps=2)
+            before = backend.logprobs(_samples())
+            backend.train_rollout(_samples(), 1)
+            pair[kind] = (before, {k: v.clone() for k, v in backend.named_weights()})
+        results[name] = pair
+        if name == "padded":
+            ckpt = Path(out) / "ckpt"
+            ckpt.mkdir()
+            backend.save(ckpt)
+            reread = MegatronBackend(cfg, model_dir, ref_dir=None, total_steps=2)
+            reread.load(ckpt)
+            results["reread"] = {k: v.clone() for k, v in reread.named_weights()}
+    torch.save(results, Path(out) / "results.pt")
+
+
+def test_the_megatron_backend_takes_the_torch_backends_step(tiny_model_dir, tmp_path):
+    """Same weights and batch: the same logprobs before, the same weights after one GRPO step
+    (with a KL term to a Hugging Face reference), padded and packed; its checkpoint is a
+    Hugging Face one that reads back unchanged."""
+    mp.spawn(_backend_step, args=(str(tiny_model_dir), str(tmp_path)), nprocs=1)
+    results = torch.load(tmp_path / "results.pt", weights_only=True)
+    for name in LAYOUTS:
+        (torch_before, torch_after), (mega_before, mega_after) = (
+            results[name]["torch"],
+            results[name]["megatron"],
+        )
+        for want, got in zip(torch_before, mega_before, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert set(mega_after) == set(torch_after)
+        for key, want in torch_after.items():
+            torch.testing.assert_close(mega_after[key], want, atol=1e-5, rtol=1e-4)
+        initial = load_file(Path(tiny_model_dir) / "model.safetensors")
+        assert any(not torch.equal(initial[k], v) for k, v in mega_after.items()), "no step"
+    for key, want in results["padded"]["megatron"][1].items():
+        assert torch.equal(results["reread"][key], want), key

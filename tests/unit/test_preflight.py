@@ -108,7 +108,11 @@ BAD = [
     ("--buffer-filter-path", [("--buffer-filter-path", "no_such_module.fifo")], "cannot import"),
     ("--dynamic-sampling-filter-path", [("--dynamic-sampling-filter-path", "check_typo")], ""),
     ("--custom-generate-function-path", [("--custom-generate-function-path", "m.f")], "import"),
-    ("--train-backend", [("--train-backend", "megatron")], "not built yet"),
+    (
+        "--train-backend",
+        [("--train-backend", "megatron"), ("--advantage-estimator", "ppo")],
+        "no critic yet",
+    ),
     ("--hf-checkpoint", [("--hf-checkpoint", "nowhere")], "does not exist"),
     ("--hf-checkpoint", [("--hf-checkpoint", "not_a_model")], "no config.json"),
     ("--ref-load", [("--ref-load", "not_a_model"), ("--use-kl-loss", "")], "config.json"),

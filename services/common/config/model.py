@@ -34,8 +34,8 @@ class CkptConfig:
     train_backend: str = flag(
         "torch",
         "torch: the Hugging Face model, data parallel under torchrun (DDP); fsdp: the same, "
-        "sharded across the torchrun ranks (torch's FSDP2, Miles' name); megatron: not built "
-        "yet (refused)",
+        "sharded across the torchrun ranks (torch's FSDP2, Miles' name); megatron: "
+        "megatron-core's GPTModel built from the checkpoint, one rank (TP=PP=CP=1) so far",
         choices=("torch", "fsdp", "megatron"),
     )
 

@@ -1,5 +1,5 @@
 """The Megatron backend's model: a megatron-core `GPTModel` built from a Hugging Face config,
-and the weights converted both ways (issue 15; not wired to --train-backend megatron yet).
+and the weights converted both ways (issue 15; megatron_backend.py trains it).
 
 `transformer_config(hf)` maps a Qwen2 / Qwen3 / Llama config.json to megatron's
 TransformerConfig (RMSNorm, SwiGLU, rotary embeddings, grouped-query attention, QKV bias where

@@ -258,11 +258,16 @@ class TorchBackend:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(logp_BT, entropy_BT or None, valid_BT) over the response positions of each sample."""
         inputs, (row_BT, col_BT), target_BT, valid_BT = self._inputs(samples)
-        logits_BTV = at_least_fp32(model(**inputs).logits[row_BT, col_BT]) / self.temperature
+        logits_BTV = at_least_fp32(self._logits(model, inputs)[row_BT, col_BT]) / self.temperature
         logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
         logp_BT = logp_BTV.gather(-1, target_BT[..., None]).squeeze(-1) * valid_BT
         entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1) * valid_BT if with_entropy else None
         return logp_BT, entropy_BT, valid_BT
+
+    def _logits(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[R, S, V] logits of a Hugging Face causal LM for `_inputs`' model kwargs (the
+        Megatron backend's actor answers differently)."""
+        return model(**inputs).logits
 
     def _values(
         self, samples: list[TrainSample], critic: torch.nn.Module | None = None
