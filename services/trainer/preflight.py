@@ -107,20 +107,11 @@ def check_flags(cfg: RunConfig) -> None:
         raise ConfigError("--rm-type or --custom-rm-path is required: how samples are scored")
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
         raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
-    if cfg.ckpt.train_backend == "megatron":
-        if (
-            cfg.megatron.actor_num_nodes * cfg.megatron.actor_num_gpus_per_node > 1
-            or int(os.environ.get("WORLD_SIZE", "1")) > 1
-        ):
-            raise ConfigError(
-                "--train-backend megatron trains on one rank so far (TP=PP=CP=1, no data "
-                "parallel): run it without torchrun, or use --train-backend torch or fsdp"
-            )
-        if cfg.algo.uses_critic:
-            raise ConfigError(
-                f"--train-backend megatron has no critic yet (--advantage-estimator "
-                f"{cfg.algo.advantage_estimator}): use --train-backend torch"
-            )
+    if cfg.ckpt.train_backend == "megatron" and cfg.algo.uses_critic:
+        raise ConfigError(
+            f"--train-backend megatron has no critic yet (--advantage-estimator "
+            f"{cfg.algo.advantage_estimator}): use --train-backend torch"
+        )
     refusals.check(cfg)
     if r.custom_generate_function_path and r.rollout_function_path:
         raise ConfigError(

@@ -12,7 +12,9 @@ mask built from the position ids. Weights leave in Hugging Face names and layout
 (`named_weights` for the weight sync, `save` for checkpoints), and `load_weights` reads them.
 
 megatron needs a default process group and its parallel state: a bare trainer process gets a
-one-rank gloo group (`_one_rank_group`); under torchrun this backend is refused for now.
+one-rank gloo group (`_one_rank_group`); under torchrun it is torchrun's, and the ranks are
+data parallel exactly as with the torch backend (distributed.py wraps the actor in DDP; to
+megatron that is tensor and pipeline size 1, data parallel size = the world).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class MegatronBackend(TorchBackend):
             )
 
     def _logits(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        if model is not self.model:  # the reference or teacher: Hugging Face models
+        if model is not self.model and model is not self.train_model:  # reference, teacher: HF
             return super()._logits(model, inputs)
         ids = inputs["input_ids"]
         if "position_ids" in inputs:  # packed: one row of several samples
