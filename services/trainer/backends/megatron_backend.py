@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -126,10 +125,6 @@ class MegatronBackend(TorchBackend):
         from safetensors.torch import load_file
 
         self._load_megatron(self.model, load_file(str(directory / "model" / "model.safetensors")))
-
-    def logits_of(self, input_ids: torch.Tensor) -> Any:
-        """The actor's logits for unpadded rows (tests)."""
-        return self._logits(self.model, {"input_ids": input_ids})
 
 
 _PARALLEL_STATE: list[bool] = []  # megatron's parallel state is initialised once per process
