@@ -51,17 +51,6 @@ def _config(samples: int, backend: str = "torch"):
                              *FLAGS])  # fmt: skip
 
 
-def best_of(train, samples: list, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` rollouts of `samples`, after a warm-up."""
-    train(samples[:8], 1)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        train(samples, 1)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
     import torch
 
@@ -69,7 +58,13 @@ def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tupl
 
     torch.set_num_threads(threads)
     backend = TorchBackend(_config(len(samples)), model_dir, ref_dir=None, total_steps=repeats + 2)
-    return best_of(backend.train_rollout, samples, repeats), [_peak_rss_mb()]
+    backend.train_rollout(samples[:8], 1)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.train_rollout(samples, 1)
+        best = min(best, time.perf_counter() - start)
+    return best, [_peak_rss_mb()]
 
 
 def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, repeats: int,
@@ -90,8 +85,14 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
         )
         dp = DataParallel(backend)
         if rank == 0:
-            out["seconds"] = best_of(dp.train_rollout, samples, repeats)
+            dp.train_rollout(samples[:8], 1)  # warm-up
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                dp.train_rollout(samples, 1)
+                best = min(best, time.perf_counter() - start)
             send_stop()
+            out["seconds"] = best
         else:
             dp.follow()
         rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64)
@@ -110,8 +111,13 @@ def _megatron_rank(rank: int, model_dir: str, samples: list, repeats: int, threa
     torch_threads(threads)
     cfg = _config(len(samples), "megatron")
     backend = MegatronBackend(cfg, model_dir, ref_dir=None, total_steps=repeats + 2)
-    out["seconds"] = best_of(backend.train_rollout, samples, repeats)
-    out["rss"] = [_peak_rss_mb()]
+    backend.train_rollout(samples[:8], 1)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.train_rollout(samples, 1)
+        best = min(best, time.perf_counter() - start)
+    out["seconds"], out["rss"] = best, [_peak_rss_mb()]
 
 
 def torch_threads(n: int) -> None:
