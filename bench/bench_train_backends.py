@@ -12,13 +12,15 @@ step; the no-grad forwards the estimator needs) on:
   the gradients), the cores split between them (--threads / 2 each), as `torchrun
   --nproc-per-node 2` of `millstream train` would run them;
 - torch FSDP2, 2 ranks: the same with `--train-backend fsdp` (the actor sharded with
-  fully_shard, its full weights gathered to rank 0 after the rollout, as for a weight sync).
+  fully_shard, its full weights gathered to rank 0 after the rollout, as for a weight sync);
+- megatron TP=2, 2 ranks: `--train-backend megatron --tensor-model-parallel-size 2`, both
+  ranks on every sample, each with half of every layer, the weights gathered after the rollout.
 
 Prints tokens/s of the best of --repeats rollouts (real tokens, padding not counted), each
 rank's peak RSS (the process's high-water mark: the model, its gradients and Adam state,
-activations), and the ratio to the first row. The Megatron backend runs one rank (TP=1,
-its own process: megatron's process group and CPU patches); its TP=2 and PP=2 rows print as
-not built until they are (issue 15).
+activations), and the ratio to the first row. The one-rank Megatron row runs in a process of its
+own (megatron's process group and CPU patches); the PP=2 row prints as not built until it is
+(issue 15).
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ def _peak_rss_mb() -> float:
 
 
 def _config(samples: int, backend: str = "torch"):
+    """`backend`: torch, fsdp, megatron, or megatron-tp2 (megatron, tensor parallel 2)."""
     from millstream.common.config import parse_run_config
 
-    return parse_run_config(["--rollout-batch-size", str(samples), "--train-backend", backend,
-                             *FLAGS])  # fmt: skip
+    extra = ["--tensor-model-parallel-size", "2"] if backend == "megatron-tp2" else []
+    return parse_run_config(["--rollout-batch-size", str(samples), "--train-backend",
+                             backend.removesuffix("-tp2"), *extra, *FLAGS])  # fmt: skip
 
 
 def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
@@ -80,7 +84,12 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
                       WORLD_SIZE=str(world))  # fmt: skip
     init()
     try:
-        backend = TorchBackend(
+        cls = TorchBackend
+        if backend_name.startswith("megatron"):
+            from millstream.trainer.backends.megatron_backend import MegatronBackend
+
+            cls = MegatronBackend
+        backend = cls(
             _config(len(samples), backend_name), model_dir, ref_dir=None, total_steps=repeats + 2
         )
         dp = DataParallel(backend)
@@ -176,6 +185,8 @@ def main() -> None:
             ("torch FSDP2, 2 ranks (gloo)",
              *ddp(model_dir, samples, args.repeats, args.threads, "fsdp")),
             ("megatron TP=1, 1 rank", *megatron(model_dir, samples, args.repeats, args.threads)),
+            ("megatron TP=2, 2 ranks (gloo)",
+             *ddp(model_dir, samples, args.repeats, args.threads, "megatron-tp2")),
         ]  # fmt: skip
     base = real / rows[0][1]
     print(f"{'backend':<28} {'tokens/s':>10} {'ratio':>7}  peak RSS per rank (MB)")
@@ -183,8 +194,7 @@ def main() -> None:
         rate = real / seconds
         print(f"{name:<28} {rate:>10.0f} {rate / base:>6.2f}x  "
               f"{', '.join(f'{r:.0f}' for r in rss)}")  # fmt: skip
-    for name in ("megatron TP=2", "megatron PP=2"):
-        print(f"{name:<28} {'not built yet (issue 15)':>30}")
+    print(f"{'megatron PP=2':<28} {'not built yet (issue 15)':>30}")
 
 
 if __name__ == "__main__":

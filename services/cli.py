@@ -6,8 +6,11 @@ Each command maps to `millstream.<pkg>.main:main(argv) -> int`. Errors the user 
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import gc
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -54,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"millstream: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     target, _ = COMMANDS[name]
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a service
+    # that hangs is waiting, without stopping it.
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr without a file
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     module_name, func_name = target.split(":")
     try:
         module = importlib.import_module(module_name)

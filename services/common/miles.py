@@ -261,10 +261,16 @@ _HTTP: Any = None  # http_post's client: one per process, keep-alive
 
 
 async def http_post(
-    url: str, payload: dict[str, Any], max_retries: int = 60, headers: Any = None
+    url: str,
+    payload: dict[str, Any] | None,
+    max_retries: int = 60,
+    action: str = "post",
+    headers: Any = None,
 ) -> Any:
-    """Miles' `miles.utils.http_utils.post`: POST JSON and return the JSON answer; a
-    connection error is retried (once a second, max_retries times), an HTTP error raises."""
+    """Miles' `miles.utils.http_utils.post`: `action` (post, or get/delete without a payload)
+    and the JSON answer (the text when it is not JSON). As Miles' does, any failure, an HTTP
+    error status included (a router answering 503 while the engines take new weights), is
+    tried again once a second, `max_retries` tries in all, and the last one raises."""
     import asyncio
 
     import httpx
@@ -272,16 +278,25 @@ async def http_post(
     global _HTTP
     if _HTTP is None:
         _HTTP = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_keepalive_connections=64))
-    for attempt in range(max_retries):
+    if max_retries < 1:
+        raise ValueError(f"max_retries {max_retries}: must be >= 1")
+    for attempt in range(1, max_retries + 1):
         try:
-            response = await _HTTP.post(url, json=payload, headers=headers)
+            if action in ("get", "delete"):
+                response = await getattr(_HTTP, action)(url, headers=headers)
+            else:
+                response = await getattr(_HTTP, action)(url, json=payload or {}, headers=headers)
             response.raise_for_status()
-            return response.json()
-        except httpx.TransportError:
-            if attempt == max_retries - 1:
+        except httpx.HTTPError:
+            if attempt == max_retries:
                 raise
             await asyncio.sleep(1)
-    raise ValueError(f"max_retries {max_retries}: must be >= 1")
+            continue
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+    raise AssertionError("unreachable")
 
 
 # Miles' module -> the names this module stands in for there (install_miles_modules).

@@ -290,10 +290,8 @@ def build_follower(cfg: RunConfig) -> DataParallel:
     state = checkpoint.load_state(cfg.ckpt.load, resume_from)  # type: ignore[arg-type]
     checkpoint.set_rng_state(state["rng"])
     directory = checkpoint.iter_dir(cfg.ckpt.load, resume_from)  # type: ignore[arg-type]
-    if cfg.ckpt.train_backend != "fsdp":
-        backend.load(directory, load_optimizer=not cfg.ckpt.no_load_optim)
-        return DataParallel(backend)
-    backend.load_weights(directory)  # before sharding; the optimizer shard after it
+    if cfg.ckpt.train_backend == "fsdp":
+        backend.load_weights(directory)  # before sharding; the optimizer shard after it
     dp = DataParallel(backend)
     dp.load(directory, load_optimizer=not cfg.ckpt.no_load_optim)
     return dp

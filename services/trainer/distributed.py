@@ -135,13 +135,16 @@ def _sum_hook(group, bucket):  # type: ignore[no-untyped-def]
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _summing_ddp(module: torch.nn.Module) -> torch.nn.Module:
-    """`module` under DistributedDataParallel whose backward sums gradients across ranks."""
+def _summing_ddp(module: torch.nn.Module, group: dist.ProcessGroup | None) -> torch.nn.Module:
+    """`module` under DistributedDataParallel whose backward sums gradients across the ranks
+    of `group` (None: all)."""
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else None
-    ddp = DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
-    ddp.register_comm_hook(None, _sum_hook)
+    ddp = DistributedDataParallel(
+        module, device_ids=device_ids, forward_sync_buffers=False, process_group=group
+    )
+    ddp.register_comm_hook(group, _sum_hook)
     return ddp
 
 
@@ -220,16 +223,23 @@ class DataParallel:
         self.backend = backend
         self.device = _device()
         self.rank = dist.get_rank()
-        backend.rank, backend.world_size = self.rank, dist.get_world_size()
+        # The ranks that split the samples: all of them, or (megatron's tensor parallelism)
+        # one of each tensor parallel group, whose ranks share theirs.
+        self.group = backend.data_parallel_group()
+        backend.rank = dist.get_rank(self.group)
+        backend.world_size = dist.get_world_size(self.group)
         self.sharded = backend.cfg.ckpt.train_backend == "fsdp"
+        self.tensor_parallel = getattr(backend, "tensor_parallel", 1) > 1
+        # Each rank has optimizer state of its own to save: FSDP's shards, megatron's slices.
+        self.sharded_optimizer = self.sharded or self.tensor_parallel
         if self.sharded:
             _fully_shard(backend)
             backend.lockstep = self._max_across_ranks
-            self._gather_weights()
-        else:
-            backend.train_model = _summing_ddp(backend.model)
+        elif backend.world_size > 1:
+            backend.train_model = _summing_ddp(backend.model, self.group)
+        self._gather_weights()
         if backend.critic is not None:  # the critic is never sharded
-            backend.train_critic = _summing_ddp(backend.critic)
+            backend.train_critic = _summing_ddp(backend.critic, self.group)
         backend.reduce_across_ranks = self._sum_across_ranks
         backend.sum_across_ranks = self._sum_tensor
 
@@ -274,8 +284,13 @@ class DataParallel:
         return int(t.item())
 
     def _gather_weights(self) -> None:
-        """Sharded: every rank gathers each parameter (all ranks, in the same order); rank 0
-        keeps the full copy that weight syncs and checkpoints read (backend.full_weights)."""
+        """Sharded or tensor parallel: every rank gathers each parameter (all ranks, in the
+        same order); rank 0 keeps the full copy that weight syncs and checkpoints read
+        (backend.full_weights)."""
+        if self.tensor_parallel:
+            full = self.backend.gather_weights()  # type: ignore[attr-defined]
+            self.backend.full_weights = full if self.rank == 0 else {}
+            return
         if not self.sharded:
             return
         from torch.distributed.tensor import DTensor
@@ -291,22 +306,22 @@ class DataParallel:
         """The per-shard metric sums of a step, summed (the gradients are DDP's)."""
         names = sorted(metrics)
         values = torch.tensor([metrics[k] for k in names], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values)
+        dist.all_reduce(values, group=self.group)
         return dict(zip(names, values.tolist(), strict=True))
 
     def _sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
         out = t.detach().clone().to(self.device)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.group)
         return out.to(t.device)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.backend.named_weights()
 
     def save(self, directory: Path, save_optimizer: bool = True) -> None:
-        """Rank 0. Sharded: every rank writes its optimizer shard (told by a SAVE command),
-        rank 0 the gathered weights in Hugging Face format and the critic; the same files as
-        one rank's otherwise."""
-        if not self.sharded:
+        """Rank 0. Sharded (or tensor parallel): every rank writes its optimizer shard (told by
+        a SAVE command), rank 0 the gathered weights in Hugging Face format and the critic;
+        the same files as one rank's otherwise."""
+        if not self.sharded_optimizer:
             self.backend.save(directory, save_optimizer)
             return
         path = torch.tensor(list(str(directory).encode()), dtype=torch.uint8, device=self.device)
@@ -329,10 +344,14 @@ class DataParallel:
 
     def load(self, directory: Path, load_optimizer: bool = True) -> None:
         """Sharded: the actor's weights were loaded before sharding (`build`); here the critic
-        and this rank's optimizer shard. Each rank calls it for itself."""
-        if not self.sharded:
+        and this rank's optimizer shard (tensor parallel: the weights too, each rank taking
+        its slices). Each rank calls it for itself."""
+        if not self.sharded_optimizer:
             self.backend.load(directory, load_optimizer)
             return
+        if not self.sharded:
+            self.backend.load_weights(directory)
+            self._gather_weights()
         self.backend.load(directory, load_optimizer, actor=False)
         if not load_optimizer:
             return
@@ -341,7 +360,7 @@ class DataParallel:
         if len(shards) != world:
             raise MillstreamError(
                 f"{directory} holds {len(shards)} optimizer shard(s) (optimizer.rank*.pt) for "
-                f"{world} FSDP ranks: resume with as many ranks as saved it, or --no-load-optim"
+                f"{world} ranks: resume with as many ranks as saved it, or --no-load-optim"
             )
         state = torch.load(directory / SHARD_FILE.format(rank=self.rank), weights_only=True)
         _load_local_state(self.backend.optimizer, state["optimizer"])

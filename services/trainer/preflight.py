@@ -113,6 +113,17 @@ def check_flags(cfg: RunConfig) -> None:
             f"{cfg.algo.advantage_estimator}): use --train-backend torch"
         )
     refusals.check(cfg)
+    tp = cfg.megatron.tensor_model_parallel_size
+    # the trainer's ranks: torchrun's world, or what the flags will ask torchrun for
+    ranks = int(os.environ.get("WORLD_SIZE", "0")) or (
+        cfg.megatron.actor_num_nodes * cfg.megatron.actor_num_gpus_per_node
+    )
+    if tp < 1 or ranks % tp:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} must divide the trainer's {ranks} rank(s) "
+            "(torchrun's, or --actor-num-nodes x --actor-num-gpus-per-node): the ranks of "
+            "each tensor parallel group hold one copy of the model between them"
+        )
     if r.custom_generate_function_path and r.rollout_function_path:
         raise ConfigError(
             "--custom-generate-function-path and --rollout-function-path both replace how a "

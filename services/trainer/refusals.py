@@ -53,10 +53,9 @@ DERIVED: dict[str, str] = {
 }
 
 _NO_MEGATRON = (
-    "needs --train-backend megatron with model parallelism, which is not built yet: the "
-    "megatron backend trains one rank (TP=PP=CP=1) and the torch backend is data parallel only "
-    "(more ranks: --actor-num-gpus-per-node under torchrun; --train-backend fsdp shards the "
-    "model across them)"
+    "needs model parallelism that is not built yet: --train-backend megatron is tensor and "
+    "data parallel (--tensor-model-parallel-size, more ranks under torchrun), the torch "
+    "backend data parallel, and --train-backend fsdp shards the model across the ranks"
 )
 _NO_RECOMPUTE = (
     "is Megatron's activation recomputation, which no backend here applies yet (the torch "
@@ -71,14 +70,14 @@ _NO_DROPOUT = (
 # field -> why a value other than the default cannot be honoured. In this order: the first
 # one a run has is the error, the others are named after it.
 REFUSED: dict[str, str] = {
-    "tensor_model_parallel_size": _NO_MEGATRON,
     "pipeline_model_parallel_size": _NO_MEGATRON,
     "context_parallel_size": _NO_MEGATRON,
     "expert_model_parallel_size": _NO_MEGATRON,
     "expert_tensor_parallel_size": _NO_MEGATRON,
     "sequence_parallel": (
-        "needs tensor parallelism (--tensor-model-parallel-size > 1, not built yet for "
-        "--train-backend megatron); the backends here have none: drop it"
+        "is megatron's sequence parallelism, which its local (non Transformer Engine) layers, "
+        "the ones built here, do not have (megatron-core's torch norm refuses it): drop it; "
+        "--tensor-model-parallel-size works without it"
     ),
     "recompute_granularity": _NO_RECOMPUTE,
     "recompute_method": _NO_RECOMPUTE,
@@ -267,9 +266,28 @@ def _given(cfg: RunConfig, fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# field -> (the --train-backend that reads it, why the others refuse it). Read, so in no table.
+BACKEND_ONLY: dict[str, tuple[str, str]] = {
+    "tensor_model_parallel_size": (
+        "megatron",
+        "needs --train-backend megatron (megatron-core's tensor parallelism, under torchrun "
+        "with a multiple of it as ranks); the torch backend is data parallel, and "
+        "--train-backend fsdp shards the model across the ranks",
+    ),
+}
+
+
 def refused(cfg: RunConfig) -> dict[str, str]:
-    """flag -> its message, for each refused flag this run gives; in REFUSED's order."""
-    return {flag_name(f): f"{_shown(f, v)} {REFUSED[f]}" for f, v in _given(cfg, REFUSED).items()}
+    """flag -> its message, for each refused flag this run gives: BACKEND_ONLY's for another
+    backend, then REFUSED's, in that order."""
+    found = {
+        flag_name(f): f"{_shown(f, v)} {BACKEND_ONLY[f][1]}"
+        for f, v in _given(cfg, BACKEND_ONLY).items()
+        if cfg.ckpt.train_backend != BACKEND_ONLY[f][0]
+    }
+    return found | {
+        flag_name(f): f"{_shown(f, v)} {REFUSED[f]}" for f, v in _given(cfg, REFUSED).items()
+    }
 
 
 def check(cfg: RunConfig) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -106,6 +107,7 @@ class Deployment:
         self.trainer_log = workdir / "trainer.log"
         self.run_dir = workdir / "run"
         self.trainers: list[subprocess.Popen] = []
+        self.num_rollout = 0
 
     def start_engine(self, port: int | None = None) -> ServiceProcess:
         args = ["--model-path", str(self.model), "--num-threads", "1", "--weight-version", "0"]
@@ -132,6 +134,7 @@ class Deployment:
         ]  # fmt: skip
 
     def start_trainer(self, num_rollout: int, *extra: str) -> subprocess.Popen:
+        self.num_rollout = num_rollout
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         with self.trainer_log.open("a") as log:
             trainer = subprocess.Popen(
@@ -158,12 +161,20 @@ class Deployment:
                 )
             time.sleep(0.1)
 
-    def finish(self, trainer: subprocess.Popen, timeout_s: float = 300) -> RunResult:
+    def finish(self, trainer: subprocess.Popen) -> RunResult:
+        """Wait for the trainer's exit. One that has not ended a minute plus a second per
+        iteration still to run (a few times what they take; inside the short tests' own
+        timeout) prints its threads' stacks into its log (SIGUSR1) and is killed."""
+        timeout_s = 60.0 + max(0, self.num_rollout - self.iterations())
         try:
             code = trainer.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            trainer.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
             trainer.kill()
             code = trainer.wait()
+            with self.trainer_log.open("a") as log:
+                log.write(f"\n[harness] the trainer hung for {timeout_s:g}s: killed\n")
         log = self.trainer_log.read_text(errors="replace")
         summary_path = self.run_dir / "summary.json"
         counts = json.loads(summary_path.read_text())["counts"] if summary_path.exists() else {}

@@ -95,6 +95,14 @@ def engine_killed(
             # Early enough that the run outlasts the restarted engine's boot (~5-10 s).
             at = first_at if first_at and k == 0 else (k + 1) * iterations // (4 * kills)
             d.wait_iterations(max(2, at), trainer)
+            # Both engines routed first: an engine slow to boot (a busy machine) may join
+            # after the run started, and killing the only one routed ends the run.
+            deadline = time.monotonic() + 60
+            while not all(d.engine_eligible(e.url) for e in d.engines):
+                if time.monotonic() > deadline or trainer.poll() is not None:
+                    row.problems.append("the engines were never both routed")
+                    break
+                time.sleep(0.05)
             victim.kill()
             victim.stop()  # reaped, its log closed
             row.injected += 1

@@ -284,17 +284,3 @@ def test_stopping_the_trainer_stops_every_child_quietly(sig, tiny_model_dir, pro
         assert "Traceback" not in "".join(lines), "".join(lines)[-3000:]
         stops = [line for line in lines if line.startswith("[launcher] stopped ")]
         assert stops and "reward-0" in stops[0], lines  # in order: workers first
-
-
-def test_the_megatron_backend_trains_through_every_service(tiny_model_dir, prompts, tmp_path):
-    """--train-backend megatron (one rank): megatron-core's GPTModel as the actor, its weights
-    synced to the engine in Hugging Face names, a checkpoint saved in Hugging Face format."""
-    pytest.importorskip("megatron.core")
-    run_dir = tmp_path / "run-megatron"
-    extra = ["--num-rollout", "2", "--train-backend", "megatron", "--use-kl-loss",
-             "--kl-loss-coef", "0.01", "--save", str(run_dir / "ckpt"), "--save-interval", "2"]  # fmt: skip
-    proc = _train("train", _flags(tiny_model_dir, prompts, run_dir, *extra))
-    _check_run(proc, run_dir, 2)
-    assert [r["version"] for r in _records(run_dir)] == [1, 2]
-    saved = run_dir / "ckpt" / "iter_0000002" / "model"
-    assert (saved / "model.safetensors").is_file() and (saved / "config.json").is_file()

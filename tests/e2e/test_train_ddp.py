@@ -31,18 +31,24 @@ def _tagged(tag: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("backend", ["torch", "fsdp", "megatron"])
+@pytest.mark.parametrize("backend", ["fsdp", "megatron-tp2"])
 def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_path):  # noqa: F811
-    """torch: DDP; fsdp: the actor sharded, its gathered weights synced to the engine and
-    saved by rank 0 with each rank's optimizer shard beside them; megatron: megatron-core's
-    GPTModel as the actor, data parallel through DDP."""
+    """fsdp: the actor sharded, its gathered weights synced to the engine and saved by rank 0
+    with each rank's optimizer shard beside them; megatron-tp2: megatron-core's GPTModel split
+    over the two ranks (tensor parallel), with a KL term to a Hugging Face reference, gathered
+    and saved the same way. The ranks' numbers (DDP, FSDP, megatron DP and TP against one
+    rank): tests/unit/test_data_parallel.py; a one-rank megatron step: test_megatron_model.py."""
+    extra = ["--train-backend", backend]
+    if backend == "megatron-tp2":
+        extra = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+                 "--use-kl-loss", "--kl-loss-coef", "0.01"]  # fmt: skip
     run_dir = tmp_path / "run-ddp"
     tag = uuid.uuid4().hex
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MILLSTREAM_TEST_TAG": tag}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--standalone", "-m", "millstream.cli", "train"]  # fmt: skip
-    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "2", "--train-backend",
-                   backend, "--save", str(run_dir / "ckpt"), "--save-interval", "2")  # fmt: skip
+    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "2", *extra,
+                   "--save", str(run_dir / "ckpt"), "--save-interval", "2")  # fmt: skip
     child = subprocess.Popen(
         [*torchrun, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -59,8 +65,7 @@ def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_
     saved = run_dir / "ckpt" / "iter_0000002"
     optimizer = sorted(p.name for p in saved.glob("optimizer*.pt"))
     assert (saved / "model" / "model.safetensors").is_file()
-    assert optimizer == (["optimizer.rank0.pt", "optimizer.rank1.pt"] if backend == "fsdp"
-                         else ["optimizer.pt"])  # fmt: skip
+    assert optimizer == ["optimizer.rank0.pt", "optimizer.rank1.pt"]
 
 
 def _kill(pids: list[int]) -> None:

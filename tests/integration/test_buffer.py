@@ -166,3 +166,38 @@ def test_a_fill_cancelled_mid_publish_still_publishes_and_counts_its_groups(redi
             await redis.aclose()
 
     assert asyncio.run(go()) == (2, 2, 2)
+
+
+def test_a_fill_rides_out_redis_being_away_longer_than_the_clients_reconnects(tmp_path):
+    """The groups a fill admits are counted and in flight before the publish: a Redis away for
+    longer than the client's own reconnects (none, here) must not lose them (a trainer's
+    admission that died on it left every batch wait without a group to come, seen in CI)."""
+    import redis.asyncio as aioredis
+
+    from millstream.trainer.admission import Admission
+    from tests.support.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, appendonly=True)
+    stream = RunKeys("away").prompts
+
+    async def go() -> tuple[int, int, int]:
+        redis = aioredis.Redis.from_url(server.url)  # no retries of its own
+        try:
+            await redis.ping()
+            admission = Admission(redis, stream, Rows(), rollout_batch_size=2, n_samples=2,
+                                  max_staleness=0, publish_retry_s=20)  # type: ignore[arg-type]  # fmt: skip
+            server.proc.terminate()
+            server.proc.wait(timeout=10)
+            fill = asyncio.create_task(admission.fill(version=0))
+            await asyncio.sleep(1.5)  # a publish or two fail meanwhile
+            assert not fill.done()
+            await asyncio.to_thread(server.start)
+            await asyncio.wait_for(fill, timeout=15)
+            return admission.counts.admitted, len(admission.in_flight), await redis.xlen(stream)
+        finally:
+            await redis.aclose()
+
+    try:
+        assert asyncio.run(go()) == (2, 2, 2)
+    finally:
+        server.stop()

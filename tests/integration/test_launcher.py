@@ -110,7 +110,19 @@ class Driver:
                 return json.loads(line.removeprefix("READY "))
 
     def finish(self, timeout_s: float = 60.0) -> int:
-        code = self.proc.wait(timeout=timeout_s)
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:  # hung: its threads' stacks (SIGUSR1), then the lines
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            self.proc.kill()
+            self.proc.wait()
+            self._reader.join(timeout=5)
+            while not self._queue.empty():
+                line = self._queue.get()
+                if line is not None:
+                    self.lines.append(line)
+            pytest.fail(f"the driver did not exit in {timeout_s}s:\n" + "\n".join(self.lines))
         self._reader.join(timeout=5)
         while not self._queue.empty():
             line = self._queue.get()

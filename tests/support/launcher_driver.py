@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import json
 import signal
 import sys
@@ -50,6 +51,10 @@ async def run(cluster: LocalCluster) -> None:
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on a hang (the tests)
+    # A test suite started in the background (`make test &`, nohup) hands its children SIGINT
+    # ignored, and Python then leaves it so: the Ctrl-C test would wait forever.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cluster = LocalCluster(parse_run_config(argv))
     try:
         asyncio.run(run(cluster))

@@ -55,6 +55,10 @@ class RedisServer:
         self.proc.terminate()
         self.proc.wait(timeout=10)
         time.sleep(down_s)
+        self.start()
+
+    def start(self) -> None:
+        """Start it again (after the process ended), on the same port and directory."""
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
 

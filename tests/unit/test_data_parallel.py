@@ -87,7 +87,27 @@ RUNS = {
     # --train-backend megatron: megatron's GPTModel as the actor, data parallel through DDP.
     "megatron-balanced-packed": ["--train-backend", "megatron", "--balance-data",
                                  "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6"],
+    # Tensor parallel: both ranks train every sample, each its slices of the layers (and of
+    # the vocabulary, 259 padded to 260); clipped, the gradient norm must add up the slices.
+    "megatron-tp2": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"],
+    "megatron-tp2-packed-clipped": ["--train-backend", "megatron",
+                                    "--tensor-model-parallel-size", "2", "--clip-grad", "0.05",
+                                    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6"],
 }  # fmt: skip
+MEGATRON_ONLY = {"--train-backend": "megatron", "--tensor-model-parallel-size": "2"}
+
+
+def _without_megatron(flags: list[str]) -> list[str]:
+    """The same run on the torch backend: megatron's own flags (with their values) left out."""
+    out, skip = [], False
+    for i, flag in enumerate(flags):
+        if skip:
+            skip = False
+        elif flag in MEGATRON_ONLY and i + 1 < len(flags) and flags[i + 1] == MEGATRON_ONLY[flag]:
+            skip = True
+        else:
+            out.append(flag)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +125,7 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name
     megatron = "megatron" in RUNS[name]
     # megatron's one-rank step equals the torch backend's (tests/unit/test_megatron_model.py),
     # which runs here: megatron in this process would patch it and give it a process group.
-    flags = (
-        [f for f in RUNS[name] if f not in ("--train-backend", "megatron")]
-        if megatron
-        else RUNS[name]
-    )
+    flags = _without_megatron(RUNS[name])
     cfg = parse_run_config([*FLAGS, *flags])
     single = build_backend(cfg, str(tiny_model_dir))
     single.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
@@ -118,8 +134,8 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name
 
     i = list(RUNS).index(name)
     ranks = [torch.load(two_rank_weights / f"run{i}-rank{r}.pt", weights_only=True) for r in (0, 1)]
-    sharded = "fsdp" in RUNS[name]
-    if sharded:  # rank 0 gathered the full weights; rank 1 keeps only its shards
+    sharded = "fsdp" in RUNS[name] or "--tensor-model-parallel-size" in RUNS[name]
+    if sharded:  # rank 0 gathered the full weights; rank 1 keeps only its shards (slices)
         assert ranks[1] == {} and set(ranks[0]) == set(expected)
         ranks = ranks[:1]
     moved = 0
@@ -193,7 +209,7 @@ def test_a_sharded_run_saves_hf_weights_and_optimizer_shards_and_resumes_from_th
     for key, value in reader.named_weights():
         torch.testing.assert_close(value, after_one[key], atol=1e-6, rtol=0)
     # ... but the optimizer state resumes only sharded as it was saved.
-    with pytest.raises(MillstreamError, match="sharded over 2 FSDP ranks"):
+    with pytest.raises(MillstreamError, match="sharded over 2 ranks"):
         reader.load(ckpt)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     for key, want in single.named_weights():

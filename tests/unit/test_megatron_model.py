@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,58 +38,61 @@ def _qwen3_untied(directory: Path) -> Path:
     return directory
 
 
-def _check(rank: int, port: int, model_dir: str) -> None:
+def _check(rank: int, port: int, model_dirs: list[str]) -> None:
+    import megatron.core  # noqa: F401
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from millstream.trainer.backends import megatron_cpu, megatron_model
+    from millstream.trainer.backends import megatron_cpu, megatron_model  # noqa: F401
 
+    # Imported, megatron and the backend's modules have patched nothing yet.
+    assert getattr(torch.cuda.current_device, "__name__", "") == "current_device", "patched"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         with megatron_cpu.model_parallel():
-            hf_config = AutoConfig.from_pretrained(model_dir)
-            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            model = megatron_model.build(hf_config).eval()
-            state = megatron_model.hf_to_megatron(hf.state_dict(), hf_config)
-            missing, unexpected = model.load_state_dict(state, strict=False)
-            assert [m for m in missing if not m.endswith("_extra_state")] == [] and not unexpected
-            ids = torch.randint(
-                0, hf_config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)
-            )
-            with torch.no_grad():
-                want = hf(input_ids=ids).logits
-                got = megatron_model.logits(model, ids)
-            # fp32 on both sides, the same ops in another order: agreement to float rounding
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            back = megatron_model.megatron_to_hf(
-                {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
-                hf_config,
-            )
-            hf_state = {k: v for k, v in hf.state_dict().items()
-                        if not (hf_config.tie_word_embeddings and k == "lm_head.weight")}  # fmt: skip
-            assert set(back) == set(hf_state)
-            for key, value in hf_state.items():
-                assert torch.equal(back[key], value), key
+            for model_dir in model_dirs:
+                _check_one(model_dir)
     finally:
         dist.destroy_process_group()
 
 
-def test_megatron_gpt_model_computes_the_hf_qwen2_logits(tiny_model_dir):
-    mp.spawn(_check, args=(_free_port(), str(tiny_model_dir)), nprocs=1)
+def _check_one(model_dir: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from millstream.trainer.backends import megatron_model
 
-def test_megatron_gpt_model_computes_the_hf_qwen3_logits_untied(tmp_path):
-    mp.spawn(_check, args=(_free_port(), str(_qwen3_untied(tmp_path / "qwen3"))), nprocs=1)
-
-
-def test_the_cpu_patches_wait_for_the_backend_to_start():
-    code = (
-        "import torch, millstream.trainer.backends.megatron_model as m, megatron.core; "
-        "f = torch.cuda.current_device; "
-        "assert getattr(f, '__name__', '') == 'current_device', 'patched at import'"
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = megatron_model.build(hf_config).eval()
+    state = megatron_model.hf_to_megatron(hf.state_dict(), hf_config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert [m for m in missing if not m.endswith("_extra_state")] == [] and not unexpected
+    ids = torch.randint(
+        0, hf_config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        got = megatron_model.logits(model, ids)
+    # fp32 on both sides, the same ops in another order: agreement to float rounding
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    back = megatron_model.megatron_to_hf(
+        {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
+        hf_config,
+    )
+    hf_state = {k: v for k, v in hf.state_dict().items()
+                if not (hf_config.tie_word_embeddings and k == "lm_head.weight")}  # fmt: skip
+    assert set(back) == set(hf_state)
+    for key, value in hf_state.items():
+        assert torch.equal(back[key], value), key
+
+
+def test_megatron_gpt_model_computes_the_hf_logits_qwen2_tied_and_qwen3_untied(
+    tiny_model_dir, tmp_path
+):
+    """In one process (megatron's import is seconds): the CPU patches wait for the model to be
+    built; then the tied Qwen2 with QKV bias and the untied Qwen3 with q/k norms."""
+    dirs = [str(tiny_model_dir), str(_qwen3_untied(tmp_path / "qwen3"))]
+    mp.spawn(_check, args=(_free_port(), dirs), nprocs=1)
 
 
 # -- the backend: the torch backend's training with megatron's GPTModel as the actor ----------

@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from millstream.common.config import GROUPS, parse_run_config
@@ -406,3 +407,47 @@ def test_a_per_sample_generate_gets_the_workers_router_in_miles_args():
     from millstream.common.miles import http_post
 
     assert miles.utils.http_utils.post is http_post
+
+
+def test_miles_post_tries_again_after_an_http_error_as_miles_does():
+    """A router answers 503 while the engines take new weights: Miles' post waits a second
+    and asks again (any failure, up to max_retries), so a plugin never sees it."""
+    import http.server
+    import threading
+
+    from millstream.common import miles
+
+    answers = [503, 200]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            status = answers.pop(0)
+            body = b'{"text": "ok"}' if status == 200 else b"no engine at this version"
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/generate"
+
+    async def post(max_retries: int):
+        try:
+            return await miles.http_post(url, {"text": "1+1="}, max_retries=max_retries)
+        finally:
+            await miles._HTTP.aclose()
+            miles._HTTP = None
+
+    try:
+        assert asyncio.run(post(3)) == {"text": "ok"} and answers == []
+        answers[:] = [503, 503]
+        with pytest.raises(httpx.HTTPStatusError):
+            asyncio.run(post(2))
+    finally:
+        server.shutdown()
+        server.server_close()

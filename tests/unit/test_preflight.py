@@ -113,6 +113,11 @@ BAD = [
         [("--train-backend", "megatron"), ("--advantage-estimator", "ppo")],
         "no critic yet",
     ),
+    (
+        "--tensor-model-parallel-size",
+        [("--train-backend", "megatron"), ("--tensor-model-parallel-size", "2")],
+        "must divide the trainer's 1 rank(s)",
+    ),
     ("--hf-checkpoint", [("--hf-checkpoint", "nowhere")], "does not exist"),
     ("--hf-checkpoint", [("--hf-checkpoint", "not_a_model")], "no config.json"),
     ("--ref-load", [("--ref-load", "not_a_model"), ("--use-kl-loss", "")], "config.json"),

@@ -35,7 +35,8 @@ class CkptConfig:
         "torch",
         "torch: the Hugging Face model, data parallel under torchrun (DDP); fsdp: the same, "
         "sharded across the torchrun ranks (torch's FSDP2, Miles' name); megatron: "
-        "megatron-core's GPTModel built from the checkpoint, one rank (TP=PP=CP=1) so far",
+        "megatron-core's GPTModel built from the checkpoint, data and tensor parallel "
+        "(--tensor-model-parallel-size) under torchrun; PP=CP=1 so far",
         choices=("torch", "fsdp", "megatron"),
     )
 
@@ -45,7 +46,7 @@ class CkptConfig:
 
 
 # What --help says of the Megatron flags (trainer/refusals.py decides, and says why).
-_PARALLEL = "; only 1 with the torch backend (data parallel only): anything else exits 2"
+_PARALLEL = "; only 1 (not built yet): anything else exits 2"
 _RECOMPUTE = "Megatron's activation recomputation; refused (exit 2) by the torch backend"
 _DROPOUT = "Megatron's dropout; only 0 with the torch backend (the HF config's dropout applies)"
 _FROM_HF = "checked against the HF checkpoint's config.json ({}): given values must match"
@@ -54,14 +55,18 @@ _MODEL_CODE = "accepted: the HF checkpoint's modeling code decides it (not check
 
 @dataclass(frozen=True)
 class MegatronConfig:
-    tensor_model_parallel_size: int = flag(1, "Megatron tensor parallelism" + _PARALLEL)
+    tensor_model_parallel_size: int = flag(
+        1,
+        "Megatron tensor parallelism: --train-backend megatron only, under torchrun with a "
+        "multiple of it as ranks (the rest data parallel)",
+    )
     pipeline_model_parallel_size: int = flag(1, "Megatron pipeline parallelism" + _PARALLEL)
     context_parallel_size: int = flag(1, "Megatron context parallelism" + _PARALLEL)
     expert_model_parallel_size: int = flag(1, "Megatron expert parallelism" + _PARALLEL)
     expert_tensor_parallel_size: int = flag(1, "Megatron expert tensor parallelism" + _PARALLEL)
     sequence_parallel: bool = flag(
         False,
-        "Megatron sequence parallelism (with tensor parallelism); refused by the torch backend",
+        "Megatron sequence parallelism; refused (exit 2): megatron-core's local layers have none",
     )
     recompute_granularity: str | None = flag(None, _RECOMPUTE, choices=("full", "selective"))
     recompute_method: str | None = flag(None, _RECOMPUTE, choices=("uniform", "block"))

@@ -1,5 +1,6 @@
 """--train-backend megatron: the torch backend's training with megatron-core's GPTModel as the
-actor (issue 15; one rank, tensor/pipeline/context parallel size 1 so far).
+actor (issue 15): one rank, data parallel and tensor parallel (--tensor-model-parallel-size)
+under torchrun; pipeline and context parallel size 1 so far.
 
 Everything but the actor is the torch backend's (torch_backend.py): the batching, the no-grad
 forwards, the advantages and the loss code are shared, not copied; the reference and teacher
@@ -12,15 +13,22 @@ mask built from the position ids. Weights leave in Hugging Face names and layout
 (`named_weights` for the weight sync, `save` for checkpoints), and `load_weights` reads them.
 
 megatron needs a default process group and its parallel state: a bare trainer process gets a
-one-rank gloo group (`_one_rank_group`); under torchrun it is torchrun's, and the ranks are
-data parallel exactly as with the torch backend (distributed.py wraps the actor in DDP; to
-megatron that is tensor and pipeline size 1, data parallel size = the world).
+one-rank gloo group (`_one_rank_group`); under torchrun it is torchrun's, split by megatron
+into tensor parallel groups of --tensor-model-parallel-size consecutive ranks and data
+parallel groups across them. The ranks of a tensor parallel group get the same samples and
+run every forward and backward together (megatron's layers all-reduce inside); the data
+parallel groups train as the torch backend's ranks do (distributed.py: DDP over
+`data_parallel_group`, when it has more than one rank). With tensor parallelism the gradient
+norm sums each split parameter's slices over the group (`clip_actor_gradients`), and the
+whole weights are gathered by every rank after each rollout, rank 0 keeping them for weight
+syncs and checkpoints (`gather_weights`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,19 +76,26 @@ class MegatronBackend(TorchBackend):
             cfg, actor_dir, ref_dir=ref_dir, total_steps=total_steps, teacher_dir=teacher_dir
         )
         self.hf = self.model.requires_grad_(False)  # its config; the skeleton checkpoints use
+        self.tensor_parallel = cfg.megatron.tensor_model_parallel_size
         _one_rank_group()
-        if not _PARALLEL_STATE:
-            from megatron.core import parallel_state
-
-            parallel_state.initialize_model_parallel(1, 1)
-            _PARALLEL_STATE.append(True)
-        model = megatron_model.build(self.hf.config)
+        _model_parallel(self.tensor_parallel)
+        model = megatron_model.build(self.hf.config, self.tensor_parallel)
         self._load_megatron(model, self.hf.state_dict())
         self.model = self.train_model = model.train()
         self.make_actor_optimizer()
 
+    def data_parallel_group(self) -> Any:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group() if self.tensor_parallel > 1 else None
+
     def _load_megatron(self, model: torch.nn.Module, hf_state: dict[str, torch.Tensor]) -> None:
-        state = megatron_model.hf_to_megatron(hf_state, self.hf.config)
+        from megatron.core import parallel_state
+
+        state = megatron_model.shard(
+            megatron_model.hf_to_megatron(hf_state, self.hf.config), model,
+            self.tensor_parallel, parallel_state.get_tensor_model_parallel_rank(),
+        )  # fmt: skip
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
@@ -95,31 +110,76 @@ class MegatronBackend(TorchBackend):
         ids = inputs["input_ids"]
         if "position_ids" in inputs:  # packed: one row of several samples
             positions = inputs["position_ids"]
-            return model(ids, positions, attention_mask=_block_causal_mask(positions))
-        positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-        return model(ids, positions, attention_mask=None)
+            logits = model(ids, positions, attention_mask=_block_causal_mask(positions))
+        else:
+            positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+            logits = model(ids, positions, attention_mask=None)
+        return megatron_model.unpadded_logits(logits, self.hf.config)
 
-    def _hf_state(self) -> dict[str, torch.Tensor]:
-        state = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+    def gather_weights(self) -> dict[str, torch.Tensor]:
+        """The whole weights in Hugging Face names; with tensor parallelism a collective of
+        the tensor parallel group (each of its ranks calls it, in the same order)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+
+        def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+            parts = [torch.empty_like(t) for _ in range(self.tensor_parallel)]
+            dist.all_gather(parts, t, group=group)
+            return parts
+
+        state = megatron_model.unshard(self.model, self.hf.config, self.tensor_parallel, all_gather)
         return megatron_model.megatron_to_hf(state, self.hf.config)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, value in self._hf_state().items():
+        if self.full_weights is not None:  # tensor parallel: what the last gather collected
+            yield from self.full_weights.items()
+            return
+        for name, value in self.gather_weights().items():
             yield name, value.detach()
+
+    def clip_actor_gradients(self, max_norm: float) -> float:
+        """The actor's gradient norm, clipped to `max_norm`, as one rank would see it: a
+        tensor parallel parameter's squared norm is summed over its group's slices, a whole
+        one (the norms) counted once."""
+        if self.tensor_parallel == 1:
+            return super().clip_actor_gradients(max_norm)
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        grads = [(p.grad, getattr(p, "tensor_model_parallel", False))
+                 for p in self.model.parameters() if p.grad is not None]  # fmt: skip
+        split = torch.zeros((), dtype=torch.float64)
+        whole = torch.zeros((), dtype=torch.float64)
+        for grad, is_split in grads:
+            square = grad.detach().double().pow(2).sum()
+            if is_split:
+                split += square
+            else:
+                whole += square
+        dist.all_reduce(split, group=parallel_state.get_tensor_model_parallel_group())
+        norm = float((split + whole).sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for grad, _ in grads:
+                grad.mul_(coef)
+        return norm
 
     def save(
         self, directory: Path, save_optimizer: bool = True, *, actor_optimizer: bool = True
     ) -> None:
         # The base class writes `self.model` with `full_weights` as its state dict, and the
-        # optimizer: here the Hugging Face skeleton with the Megatron weights in HF names.
-        self.full_weights = {
-            k: v.detach().contiguous().clone() for k, v in self._hf_state().items()
-        }
+        # optimizer: here the Hugging Face skeleton with the Megatron weights in HF names
+        # (tensor parallel: gathered after the last rollout, on rank 0).
+        gathered = self.full_weights
+        weights = gathered if gathered is not None else self.gather_weights()
+        self.full_weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
         saved_model, self.model = self.model, self.hf
         try:
             super().save(directory, save_optimizer, actor_optimizer=actor_optimizer)
         finally:
-            self.model, self.full_weights = saved_model, None
+            self.model, self.full_weights = saved_model, gathered
 
     def load_weights(self, directory: Path) -> None:
         from safetensors.torch import load_file
@@ -127,4 +187,20 @@ class MegatronBackend(TorchBackend):
         self._load_megatron(self.model, load_file(str(directory / "model" / "model.safetensors")))
 
 
-_PARALLEL_STATE: list[bool] = []  # megatron's parallel state is initialised once per process
+def _model_parallel(tensor_parallel: int) -> None:
+    """megatron's parallel state over the default process group, with this tensor parallel
+    size (made again where a process built a backend with another one before)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size()
+    if world % tensor_parallel:
+        raise MillstreamError(
+            f"--tensor-model-parallel-size {tensor_parallel} does not divide the {world} "
+            "trainer ranks: start a multiple of it (torchrun --nproc-per-node)"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_parallel, 1)

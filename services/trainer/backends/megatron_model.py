@@ -4,7 +4,9 @@ and the weights converted both ways (issue 15; megatron_backend.py trains it).
 `transformer_config(hf)` maps a Qwen2 / Qwen3 / Llama config.json to megatron's
 TransformerConfig (RMSNorm, SwiGLU, rotary embeddings, grouped-query attention, QKV bias where
 the model has it, no dropout); `build(hf)` makes the GPTModel with the local (non Transformer
-Engine) layer spec, on CPU with `megatron_cpu.apply()`. Tensor parallel size 1 for now.
+Engine) layer spec, on CPU with `megatron_cpu.apply()`, tensor parallel over megatron's
+parallel state (`tensor_parallel` ranks: its vocabulary padded to a multiple of them, the
+logits gathered whole on every rank).
 
 Weights (`hf_to_megatron`, `megatron_to_hf`, inverse of each other):
 
@@ -21,6 +23,12 @@ Weights (`hf_to_megatron`, `megatron_to_hf`, inverse of each other):
 The fused QKV is megatron's layout: per query group, that group's query heads, then its key
 head, then its value head (rows of head_dim each). Qwen3's q_norm/k_norm are the layer's
 q_layernorm/k_layernorm.
+
+Tensor parallel (`shard`, `unshard`): each rank holds a slice of every layer megatron splits
+(the parameter's `partition_dim`): rows of the fused QKV (whole query groups: the layout above
+keeps a group's rows together), of the embedding and output layer (the padded vocabulary), and
+of linear_fc1 (gate rows and up rows each split, megatron's SwiGLU chunks its own slice in
+two), columns of linear_proj and linear_fc2. Norms are whole on every rank.
 """
 
 from __future__ import annotations
@@ -45,7 +53,18 @@ def _head_dim(hf: Any) -> int:
     return int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
 
 
-def transformer_config(hf: Any) -> Any:
+def padded_vocab(hf: Any, tensor_parallel: int) -> int:
+    """The vocabulary rounded up to a multiple of the tensor parallel size (megatron splits
+    the embedding's rows evenly); the extra rows are zero and their logits dropped."""
+    return -(-hf.vocab_size // tensor_parallel) * tensor_parallel
+
+
+def unpadded_logits(logits: torch.Tensor, hf: Any) -> torch.Tensor:
+    """The logits of the model's own vocabulary: those of `padded_vocab`'s extra rows dropped."""
+    return logits[..., : hf.vocab_size]
+
+
+def transformer_config(hf: Any, tensor_parallel: int = 1) -> Any:
     """megatron's TransformerConfig for the Hugging Face config `hf`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -53,6 +72,13 @@ def transformer_config(hf: Any) -> Any:
         raise MillstreamError(
             f"the Megatron backend builds {', '.join(SUPPORTED)} models; this checkpoint is "
             f"{hf.model_type!r}"
+        )
+    split = {"attention heads": hf.num_attention_heads, "key-value heads":
+             hf.num_key_value_heads, "intermediate size": hf.intermediate_size}  # fmt: skip
+    if uneven := [f"{name} {n}" for name, n in split.items() if n % tensor_parallel]:
+        raise MillstreamError(
+            f"--tensor-model-parallel-size {tensor_parallel} must divide the model's "
+            f"{', '.join(uneven)}: each rank holds an equal slice of them"
         )
     qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
     return TransformerConfig(
@@ -80,26 +106,30 @@ def transformer_config(hf: Any) -> Any:
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=torch.float32,
+        tensor_model_parallel_size=tensor_parallel,
     )
 
 
-def build(hf: Any) -> torch.nn.Module:
-    """The GPTModel for `hf` (random weights: load them with `hf_to_megatron`). Needs the
-    default process group and megatron's parallel state (megatron_cpu.model_parallel)."""
+def build(hf: Any, tensor_parallel: int = 1) -> torch.nn.Module:
+    """The GPTModel for `hf` (random weights: load them with `hf_to_megatron` and `shard`).
+    Needs the default process group and megatron's parallel state with this tensor parallel
+    size (megatron_cpu.model_parallel). Its logits are the whole padded vocabulary."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     megatron_cpu.apply()
-    config = transformer_config(hf)
+    config = transformer_config(hf, tensor_parallel)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     return GPTModel(
         config,
         spec,
-        vocab_size=hf.vocab_size,
+        vocab_size=padded_vocab(hf, tensor_parallel),
         max_sequence_length=hf.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=int(_rope_theta(hf)),
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
+        # every rank gets the whole vocabulary's logits: the loss code is the torch backend's
+        parallel_output=False,
     )
 
 
@@ -180,6 +210,54 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.T
         gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
         out[f"model.layers.{i}.mlp.gate_proj.weight"] = gate
         out[f"model.layers.{i}.mlp.up_proj.weight"] = up
+    return out
+
+
+_VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def shard(
+    full: dict[str, torch.Tensor], model: torch.nn.Module, tensor_parallel: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """`hf_to_megatron`'s whole weights as tensor parallel rank `rank` of `tensor_parallel`
+    holds them in `model` (the vocabulary padded with zero rows first)."""
+    out = {}
+    for name, param in model.named_parameters():
+        value = full[name]
+        if name in _VOCAB_ROWS and value.shape[0] < param.shape[0] * tensor_parallel:
+            pad = param.shape[0] * tensor_parallel - value.shape[0]
+            value = torch.cat([value, value.new_zeros(pad, *value.shape[1:])])
+        if getattr(param, "tensor_model_parallel", False) and tensor_parallel > 1:
+            if name.endswith("mlp.linear_fc1.weight"):
+                gate, up = value.chunk(2)
+                value = torch.cat(
+                    [gate.chunk(tensor_parallel)[rank], up.chunk(tensor_parallel)[rank]]
+                )
+            else:
+                value = value.chunk(tensor_parallel, dim=param.partition_dim)[rank]
+        out[name] = value.contiguous()
+    return out
+
+
+def unshard(
+    model: torch.nn.Module, hf: Any, tensor_parallel: int, all_gather: Any
+) -> dict[str, torch.Tensor]:
+    """`shard`'s inverse over the tensor parallel group: every rank of it calls this (the same
+    parameters in the same order) and gets the whole weights in megatron's names, unpadded.
+    `all_gather(tensor) -> [each rank's tensor]`."""
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.detach()
+        if getattr(param, "tensor_model_parallel", False) and tensor_parallel > 1:
+            parts = all_gather(value.contiguous())
+            if name.endswith("mlp.linear_fc1.weight"):
+                halves = [p.chunk(2) for p in parts]
+                value = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            else:
+                value = torch.cat(parts, dim=param.partition_dim)
+        if name in _VOCAB_ROWS:
+            value = value[: hf.vocab_size]
+        out[name] = value
     return out
 
 

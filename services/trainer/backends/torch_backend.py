@@ -210,6 +210,15 @@ class TorchBackend:
             params, self.cfg, self.cfg.optimizer.lr, self.total_steps
         )
 
+    def data_parallel_group(self) -> Any:
+        """The process group whose ranks split the samples and sum their gradients (None: all
+        of them; megatron's tensor parallel ranks share their samples)."""
+        return None
+
+    def clip_actor_gradients(self, max_norm: float) -> float:
+        """The actor's gradient norm (before clipping), its gradients clipped to `max_norm`."""
+        return _value(clip_grad_norm_(self.model.parameters(), max_norm))
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter a step updates (actor, then critic): DataParallel sums their grads."""
         models = [self.model] + ([self.critic] if self.critic is not None else [])
@@ -447,7 +456,7 @@ class TorchBackend:
         clip = self.cfg.optimizer.clip_grad
         max_norm = clip if clip > 0 else float("inf")
         if not critic_only:
-            metrics["grad_norm"] = _value(clip_grad_norm_(self.model.parameters(), max_norm))
+            metrics["grad_norm"] = self.clip_actor_gradients(max_norm)
             metrics["lr"] = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
             self.scheduler.step()
@@ -565,9 +574,9 @@ class TorchBackend:
             if load_optimizer and not opt_path.is_file() and sharded_optimizer_files(directory):
                 n = len(sharded_optimizer_files(directory))
                 raise MillstreamError(
-                    f"{directory}: the optimizer state is sharded over {n} FSDP ranks: resume "
-                    f"with --train-backend fsdp under torchrun --nproc-per-node {n}, or pass "
-                    "--no-load-optim"
+                    f"{directory}: the optimizer state is sharded over {n} ranks (FSDP or "
+                    "tensor parallel): resume with the same --train-backend and parallel sizes "
+                    f"under torchrun --nproc-per-node {n}, or pass --no-load-optim"
                 )
         if actor and load_optimizer and opt_path.is_file():
             state = torch.load(opt_path, weights_only=True)
