@@ -24,6 +24,13 @@ with the directory): rank 0 writes the Hugging Face weights and the critic, ever
 optimizer shard (`optimizer.rank{r}.pt`, DTensor state as local tensors), then a barrier. On
 resume the weights load before sharding (build.py) and each rank its own shard after.
 
+--train-backend megatron with --tensor-model-parallel-size N splits the actor's layers over N
+consecutive ranks (megatron's parallel state; backends/megatron_backend.py): the samples are
+split among the data parallel ranks only (`backend.data_parallel_group()`: DDP, the metric
+sums and the per-rank shares are over it; a tensor parallel group trains the same samples
+together), every rank gathers the whole weights after each rollout (rank 0 keeps them) and
+saves its optimizer slice like an FSDP shard.
+
 Samples cross as tensors, never pickles: a header [command, num_steps, n_samples, the lengths
 of the flat payloads, rollout_id], then per-sample ints (len(tokens), prompt_len,
 len(loss_mask), len(rollout_logprobs), len(teacher_logprobs), behavior_version, version_lag),

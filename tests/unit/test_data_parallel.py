@@ -149,10 +149,13 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name
 
 # Adam with eps 1: its update is smooth in the gradient (see FLAGS), and has state to shard.
 ADAM = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--optimizer", "adam",
-        "--lr", "1", "--adam-eps", "1", "--clip-grad", "0", "--train-backend", "fsdp"]  # fmt: skip
+        "--lr", "1", "--adam-eps", "1", "--clip-grad", "0"]  # fmt: skip
+# Each rank holds optimizer state of its own: FSDP's shards, megatron's tensor parallel slices.
+SHARDED = {"fsdp": ["--train-backend", "fsdp"],
+           "megatron-tp2": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"]}  # fmt: skip
 
 
-def _fsdp_resume_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
+def _resume_rank(rank: int, world: int, port: int, model: str, out: str, flags: list[str]) -> None:
     """Train one rollout sharded, save (each rank its optimizer shard), build again from the
     checkpoint as a resumed run does, train a second rollout; rank 0 keeps the weights."""
     import torch.distributed as dist
@@ -164,7 +167,7 @@ def _fsdp_resume_rank(rank: int, world: int, port: int, model: str, out: str) ->
     )
     init()
     try:
-        cfg = parse_run_config(ADAM)
+        cfg = parse_run_config([*ADAM, *flags])
         ckpt = Path(out) / "ckpt"
         for resumed in (False, True):
             backend = build_backend(cfg, model)
@@ -188,12 +191,16 @@ def _fsdp_resume_rank(rank: int, world: int, port: int, model: str, out: str) ->
         shutdown()
 
 
+@pytest.mark.parametrize("name", list(SHARDED))
 def test_a_sharded_run_saves_hf_weights_and_optimizer_shards_and_resumes_from_them(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, name
 ):
-    mp.spawn(_fsdp_resume_rank, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path)),
+    flags = SHARDED[name]
+    mp.spawn(_resume_rank, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path), flags),
              nprocs=2)  # fmt: skip
-    cfg = parse_run_config(ADAM)
+    # One rank, from the same weights: the torch backend (megatron's equals it: above).
+    cfg = parse_run_config([*ADAM, *_without_megatron(flags)])
+    tol = 1e-5 if "megatron" in name else 1e-6
     single = build_backend(cfg, str(tiny_model_dir))
     single.train_rollout(_samples(), 1)
     after_one = {key: value.clone() for key, value in single.named_weights()}
@@ -207,13 +214,13 @@ def test_a_sharded_run_saves_hf_weights_and_optimizer_shards_and_resumes_from_th
     reader = build_backend(cfg, str(tiny_model_dir))
     reader.load_weights(ckpt)
     for key, value in reader.named_weights():
-        torch.testing.assert_close(value, after_one[key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(value, after_one[key], atol=tol, rtol=0)
     # ... but the optimizer state resumes only sharded as it was saved.
     with pytest.raises(MillstreamError, match="sharded over 2 ranks"):
         reader.load(ckpt)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     for key, want in single.named_weights():
-        torch.testing.assert_close(resumed[key], want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(resumed[key], want, atol=tol, rtol=0)
 
 
 def test_samples_cross_as_tensors_unchanged():
