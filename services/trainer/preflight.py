@@ -107,11 +107,6 @@ def check_flags(cfg: RunConfig) -> None:
         raise ConfigError("--rm-type or --custom-rm-path is required: how samples are scored")
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
         raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
-    if cfg.ckpt.train_backend == "megatron" and cfg.algo.uses_critic:
-        raise ConfigError(
-            f"--train-backend megatron has no critic yet (--advantage-estimator "
-            f"{cfg.algo.advantage_estimator}): use --train-backend torch"
-        )
     refusals.check(cfg)
     tp = cfg.megatron.tensor_model_parallel_size
     # the trainer's ranks: torchrun's world, or what the flags will ask torchrun for

@@ -39,7 +39,7 @@ def build_backend(cfg, model: str) -> TorchBackend:
     if cfg.ckpt.train_backend == "megatron":
         from millstream.trainer.backends.megatron_backend import MegatronBackend
 
-        return MegatronBackend(cfg, model, ref_dir=None, total_steps=2)
+        return MegatronBackend(cfg, model, ref_dir=None, critic_dir=critic, total_steps=2)
     return TorchBackend(cfg, model, ref_dir=None, critic_dir=critic, total_steps=2)
 
 
@@ -59,7 +59,8 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, runs: list[lis
             cfg = parse_run_config([*FLAGS, *extra])
             dp = DataParallel(build_backend(cfg, model))
             if rank == 0:
-                dp.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
+                metrics = dp.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
+                torch.save(metrics, Path(out) / f"run{i}-metrics.pt")
                 send_stop()
             else:
                 dp.follow()
@@ -93,6 +94,9 @@ RUNS = {
     "megatron-tp2-packed-clipped": ["--train-backend", "megatron",
                                     "--tensor-model-parallel-size", "2", "--clip-grad", "0.05",
                                     "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6"],
+    # PPO: the critic is the torch backend's value model, whole on both ranks.
+    "megatron-tp2-ppo": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+                         "--advantage-estimator", "ppo", "--normalize-advantages"],
 }  # fmt: skip
 MEGATRON_ONLY = {"--train-backend": "megatron", "--tensor-model-parallel-size": "2"}
 
@@ -143,6 +147,30 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name
         for got in ranks:
             torch.testing.assert_close(got[key], want, atol=1e-5 if megatron else 1e-6, rtol=0)
         assert torch.equal(ranks[0][key], ranks[-1][key]), key
+        moved += int(key in before and not torch.equal(before[key], want))
+    assert moved > 0
+
+
+def test_four_ranks_tensor_and_data_parallel_take_the_one_rank_step(tiny_model_dir, tmp_path):
+    """--tensor-model-parallel-size 2 on four ranks: two tensor parallel groups, each training
+    half of the samples (DDP over the data parallel group: ranks 0 and 2, 1 and 3) with half of
+    every layer; clipped at a norm that binds. Rank 0 ends with the one-rank weights."""
+    flags = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+             "--clip-grad", "0.05"]  # fmt: skip
+    mp.spawn(_rank, args=(4, _free_port(), str(tiny_model_dir), str(tmp_path), [flags]), nprocs=4)
+    single = build_backend(parse_run_config([*FLAGS, *_without_megatron(flags)]),
+                           str(tiny_model_dir))  # fmt: skip
+    want_metrics = single.train_rollout(_samples(), 1)
+    # the metrics too: summed over the data parallel ranks, not the tensor parallel copies
+    metrics = torch.load(tmp_path / "run0-metrics.pt", weights_only=True)
+    for name in ("loss", "grad_norm", "entropy_loss", "ess_ratio", "train_rollout_kl"):
+        assert metrics[name] == pytest.approx(want_metrics[name], rel=1e-4, abs=1e-6), name
+    ranks = [torch.load(tmp_path / f"run0-rank{r}.pt", weights_only=True) for r in range(4)]
+    assert ranks[1:] == [{}, {}, {}]  # only rank 0 keeps the gathered weights
+    before = load_file(Path(tiny_model_dir) / "model.safetensors")
+    moved = 0
+    for key, want in single.named_weights():
+        torch.testing.assert_close(ranks[0][key], want, atol=1e-5, rtol=0)
         moved += int(key in before and not torch.equal(before[key], want))
     assert moved > 0
 

@@ -109,11 +109,6 @@ BAD = [
     ("--dynamic-sampling-filter-path", [("--dynamic-sampling-filter-path", "check_typo")], ""),
     ("--custom-generate-function-path", [("--custom-generate-function-path", "m.f")], "import"),
     (
-        "--train-backend",
-        [("--train-backend", "megatron"), ("--advantage-estimator", "ppo")],
-        "no critic yet",
-    ),
-    (
         "--tensor-model-parallel-size",
         [("--train-backend", "megatron"), ("--tensor-model-parallel-size", "2")],
         "must divide the trainer's 1 rank(s)",

@@ -4,7 +4,8 @@ under torchrun; pipeline and context parallel size 1 so far.
 
 Everything but the actor is the torch backend's (torch_backend.py): the batching, the no-grad
 forwards, the advantages and the loss code are shared, not copied; the reference and teacher
-models stay Hugging Face models (forward only). The actor is built from the checkpoint's
+models stay Hugging Face models (forward only), and so does PPO's critic (the torch backend's
+value model, trained whole on every rank: tensor parallelism does not split it). The actor is built from the checkpoint's
 config.json and weights (megatron_model.py) and trained with the same plain torch optimizer
 (megatron's distributed optimizer is for GPUs). Its forward gets right-padded rows with
 megatron's default causal mask (padding only follows a row's tokens, so it changes nothing
@@ -68,13 +69,10 @@ class MegatronBackend(TorchBackend):
         critic_dir: str | Path | None = None,
         teacher_dir: str | Path | None = None,
     ):
-        if critic_dir is not None:
-            raise MillstreamError(
-                "--train-backend megatron has no critic yet: use --train-backend torch for ppo"
-            )
         super().__init__(
-            cfg, actor_dir, ref_dir=ref_dir, total_steps=total_steps, teacher_dir=teacher_dir
-        )
+            cfg, actor_dir, ref_dir=ref_dir, total_steps=total_steps, critic_dir=critic_dir,
+            teacher_dir=teacher_dir,
+        )  # fmt: skip
         self.hf = self.model.requires_grad_(False)  # its config; the skeleton checkpoints use
         self.tensor_parallel = cfg.megatron.tensor_model_parallel_size
         _one_rank_group()
