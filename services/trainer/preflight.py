@@ -108,6 +108,12 @@ def check_flags(cfg: RunConfig) -> None:
     if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
         raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
     refusals.check(cfg)
+    m = cfg.megatron
+    if m.recompute_granularity == "full" and None in (m.recompute_method, m.recompute_num_layers):
+        raise ConfigError(
+            "--recompute-granularity full needs --recompute-method (uniform or block) and "
+            "--recompute-num-layers, as in Megatron"
+        )
     tp = cfg.megatron.tensor_model_parallel_size
     # the trainer's ranks: torchrun's world, or what the flags will ask torchrun for
     ranks = int(os.environ.get("WORLD_SIZE", "0")) or (

@@ -58,9 +58,9 @@ _NO_MEGATRON = (
     "backend data parallel, and --train-backend fsdp shards the model across the ranks"
 )
 _NO_RECOMPUTE = (
-    "is Megatron's activation recomputation, which no backend here applies yet (the torch "
-    "backends and the one-rank megatron one keep activations): drop it, or save memory with a "
-    "smaller --micro-batch-size or --max-tokens-per-gpu"
+    "is Megatron's activation recomputation: give --train-backend megatron too (the torch "
+    "backends keep activations: save memory there with a smaller --micro-batch-size or "
+    "--max-tokens-per-gpu)"
 )
 _NO_DROPOUT = (
     "is Megatron's dropout, which the torch backend does not apply (the HF model's own "
@@ -79,9 +79,6 @@ REFUSED: dict[str, str] = {
         "the ones built here, do not have (megatron-core's torch norm refuses it): drop it; "
         "--tensor-model-parallel-size works without it"
     ),
-    "recompute_granularity": _NO_RECOMPUTE,
-    "recompute_method": _NO_RECOMPUTE,
-    "recompute_num_layers": _NO_RECOMPUTE,
     "attention_dropout": _NO_DROPOUT,
     "hidden_dropout": _NO_DROPOUT,
     "attention_backend": (
@@ -274,6 +271,9 @@ BACKEND_ONLY: dict[str, tuple[str, str]] = {
         "with a multiple of it as ranks); the torch backend is data parallel, and "
         "--train-backend fsdp shards the model across the ranks",
     ),
+    "recompute_granularity": ("megatron", _NO_RECOMPUTE),
+    "recompute_method": ("megatron", _NO_RECOMPUTE),
+    "recompute_num_layers": ("megatron", _NO_RECOMPUTE),
 }
 
 

@@ -99,7 +99,11 @@ def test_megatron_gpt_model_computes_the_hf_logits_qwen2_tied_and_qwen3_untied(
 
 FLAGS = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--optimizer", "sgd",
          "--lr", "1", "--clip-grad", "0", "--use-kl-loss", "--kl-loss-coef", "0.1"]  # fmt: skip
-LAYOUTS = {"padded": [], "packed": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "9"]}
+LAYOUTS = {"padded": [], "packed": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "9"],
+           # activation recomputation: the same step (megatron recomputes, torch ignores it)
+           "recompute-full": ["--recompute-granularity", "full", "--recompute-method",
+                              "uniform", "--recompute-num-layers", "1"],
+           "recompute-selective": ["--recompute-granularity", "selective"]}  # fmt: skip
 
 
 def _backend_step(rank: int, model_dir: str, out: str) -> None:
@@ -117,6 +121,9 @@ def _backend_step(rank: int, model_dir: str, out: str) -> None:
         pair = {}
         for kind, cls in (("torch", TorchBackend), ("megatron", MegatronBackend)):
             backend = cls(cfg, model_dir, ref_dir=model_dir, total_steps=2)
+            if kind == "megatron" and name.startswith("recompute"):
+                granularity = backend.model.config.recompute_granularity
+                assert granularity == name.removeprefix("recompute-"), granularity
             before = backend.logprobs(_samples())
             backend.train_rollout(_samples(), 1)
             pair[kind] = (before, {k: v.clone() for k, v in backend.named_weights()})

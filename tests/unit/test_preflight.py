@@ -109,6 +109,11 @@ BAD = [
     ("--dynamic-sampling-filter-path", [("--dynamic-sampling-filter-path", "check_typo")], ""),
     ("--custom-generate-function-path", [("--custom-generate-function-path", "m.f")], "import"),
     (
+        "--recompute-granularity",
+        [("--train-backend", "megatron"), ("--recompute-granularity", "full")],
+        "needs --recompute-method",
+    ),
+    (
         "--tensor-model-parallel-size",
         [("--train-backend", "megatron"), ("--tensor-model-parallel-size", "2")],
         "must divide the trainer's 1 rank(s)",

@@ -47,7 +47,7 @@ class CkptConfig:
 
 # What --help says of the Megatron flags (trainer/refusals.py decides, and says why).
 _PARALLEL = "; only 1 (not built yet): anything else exits 2"
-_RECOMPUTE = "Megatron's activation recomputation; refused (exit 2) by the torch backend"
+_RECOMPUTE = "Megatron's activation recomputation: --train-backend megatron only"
 _DROPOUT = "Megatron's dropout; only 0 with the torch backend (the HF config's dropout applies)"
 _FROM_HF = "checked against the HF checkpoint's config.json ({}): given values must match"
 _MODEL_CODE = "accepted: the HF checkpoint's modeling code decides it (not checked)"

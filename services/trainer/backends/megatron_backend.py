@@ -77,7 +77,10 @@ class MegatronBackend(TorchBackend):
         self.tensor_parallel = cfg.megatron.tensor_model_parallel_size
         _one_rank_group()
         _model_parallel(self.tensor_parallel)
-        model = megatron_model.build(self.hf.config, self.tensor_parallel)
+        m = cfg.megatron
+        recompute = {"granularity": m.recompute_granularity, "method": m.recompute_method,
+                     "num_layers": m.recompute_num_layers}  # fmt: skip
+        model = megatron_model.build(self.hf.config, self.tensor_parallel, recompute)
         self._load_megatron(model, self.hf.state_dict())
         self.model = self.train_model = model.train()
         self.make_actor_optimizer()

@@ -1,7 +1,7 @@
 """megatron-core on CPU: the few places where it assumes CUDA, made to run on the CPU.
 
 megatron-core 0.16.1 is written for GPUs; building and running a `GPTModel` (local spec, no
-Transformer Engine) on a CPU-only torch trips over three things, each patched here:
+Transformer Engine) on a CPU-only torch trips over four things, each patched here:
 
 1. `torch.cuda.current_device()` used as a device (rotary embeddings move `inv_freq` to it in
    `RotaryEmbedding.get_emb`; attention, the GPT model and the transformer layer allocate
@@ -14,6 +14,13 @@ Transformer Engine) on a CPU-only torch trips over three things, each patched he
    (`DotProductAttention.forward`) and used at init, keeps CUDA RNG states: a tracker whose
    `fork` is a no-op replaces it (millstream trains without dropout; refusals.py refuses
    --attention-dropout/--hidden-dropout other than 0).
+4. Activation recomputation (--recompute-granularity) runs through
+   `tensor_parallel.random.CheckpointFunction`, which saves the CUDA RNG state before a
+   recomputed forward and restores it around the recompute (`_get_all_rng_states`,
+   `_set_all_rng_states`, `_fork_rng`, looking up `_get_cuda_rng_state` and
+   `_set_cuda_rng_state` in their module); a CPU-only torch has no CUDA RNG to read: an empty
+   state stands in, and setting it does nothing (the CPU RNG state, which it saves too, is
+   torch's own).
 
 `apply()` patches once, and only when torch has no CUDA: it is called by the Megatron model
 builder (megatron_model.py) when it starts, never at import time. On a GPU nothing is patched.
@@ -81,6 +88,9 @@ def apply() -> bool:
     # 3. DotProductAttention.forward: `with tensor_parallel.get_cuda_rng_tracker().fork()`
     tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: _TRACKER
     tp_random.get_cuda_rng_tracker = lambda *args, **kwargs: _TRACKER
+    # 4. CheckpointFunction (activation recomputation): the CUDA RNG state it saves and restores
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     _APPLIED = True
     return True
 

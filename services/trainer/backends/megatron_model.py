@@ -64,10 +64,11 @@ def unpadded_logits(logits: torch.Tensor, hf: Any) -> torch.Tensor:
     return logits[..., : hf.vocab_size]
 
 
-def transformer_config(hf: Any, tensor_parallel: int = 1) -> Any:
-    """megatron's TransformerConfig for the Hugging Face config `hf`."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+def transformer_config(
+    hf: Any, tensor_parallel: int = 1, recompute: dict[str, Any] | None = None
+) -> Any:
+    """megatron's TransformerConfig for the Hugging Face config `hf`; `recompute`: Miles'
+    --recompute-granularity/-method/-num-layers as TransformerConfig's recompute_* fields."""
     if hf.model_type not in SUPPORTED:
         raise MillstreamError(
             f"the Megatron backend builds {', '.join(SUPPORTED)} models; this checkpoint is "
@@ -81,6 +82,17 @@ def transformer_config(hf: Any, tensor_parallel: int = 1) -> Any:
             f"{', '.join(uneven)}: each rank holds an equal slice of them"
         )
     qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    try:
+        return _transformer_config(hf, tensor_parallel, qkv_bias, recompute or {})
+    except (ValueError, AssertionError) as err:  # megatron's own validation of the settings
+        raise MillstreamError(f"megatron-core refuses the model's settings: {err}") from None
+
+
+def _transformer_config(
+    hf: Any, tensor_parallel: int, qkv_bias: bool, recompute: dict[str, Any]
+) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     return TransformerConfig(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
@@ -107,10 +119,13 @@ def transformer_config(hf: Any, tensor_parallel: int = 1) -> Any:
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=torch.float32,
         tensor_model_parallel_size=tensor_parallel,
+        **{f"recompute_{k}": v for k, v in recompute.items() if v is not None},
     )
 
 
-def build(hf: Any, tensor_parallel: int = 1) -> torch.nn.Module:
+def build(
+    hf: Any, tensor_parallel: int = 1, recompute: dict[str, Any] | None = None
+) -> torch.nn.Module:
     """The GPTModel for `hf` (random weights: load them with `hf_to_megatron` and `shard`).
     Needs the default process group and megatron's parallel state with this tensor parallel
     size (megatron_cpu.model_parallel). Its logits are the whole padded vocabulary."""
@@ -118,7 +133,7 @@ def build(hf: Any, tensor_parallel: int = 1) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     megatron_cpu.apply()
-    config = transformer_config(hf, tensor_parallel)
+    config = transformer_config(hf, tensor_parallel, recompute)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     return GPTModel(
         config,
