@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     target, _ = COMMANDS[name]
     # `kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a service
-    # that hangs is waiting, without stopping it.
+    # that hangs is waiting, without stopping it (and USR2 its asyncio tasks: common/debug.py).
     with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr without a file
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     module_name, func_name = target.split(":")

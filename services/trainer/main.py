@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from millstream.common import debug
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.redis_conn import connect, redact
@@ -196,6 +197,7 @@ def _preload(cfg: RunConfig) -> None:
 async def train_loop(cfg: RunConfig, redis: Redis, cluster: LocalCluster) -> int:
     from .build import build_trainer, close_all
 
+    debug.dump_tasks_on_sigusr2()  # `kill -USR2`: where each coroutine waits
     trainer, closers = await build_trainer(cfg, redis)
     try:
         run = asyncio.create_task(trainer.run(), name="trainer")

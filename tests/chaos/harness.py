@@ -164,12 +164,15 @@ class Deployment:
     def finish(self, trainer: subprocess.Popen) -> RunResult:
         """Wait for the trainer's exit. One that has not ended a minute plus a second per
         iteration still to run (a few times what they take; inside the short tests' own
-        timeout) prints its threads' stacks into its log (SIGUSR1) and is killed."""
+        timeout) prints its threads' and its asyncio tasks' stacks into its log (SIGUSR1,
+        SIGUSR2) and is killed."""
         timeout_s = 60.0 + max(0, self.num_rollout - self.iterations())
         try:
             code = trainer.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            trainer.send_signal(signal.SIGUSR1)
+            trainer.send_signal(signal.SIGUSR1)  # its threads' stacks
+            time.sleep(0.5)
+            trainer.send_signal(signal.SIGUSR2)  # its asyncio tasks' stacks
             time.sleep(1.0)
             trainer.kill()
             code = trainer.wait()

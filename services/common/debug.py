@@ -1,0 +1,34 @@
+"""Seeing where a live service waits, without stopping it.
+
+`kill -USR1 <pid>`: every thread's stack (faulthandler, registered by `millstream.cli`); it
+works even when the event loop is stuck in a blocking call.
+`kill -USR2 <pid>`: every asyncio task's stack (`dump_tasks_on_sigusr2`, for processes that
+install it in their running loop): where each coroutine is suspended, which the thread stacks
+of an idle loop (all in `select`) do not show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+
+def dump_tasks(file=None) -> None:  # type: ignore[no-untyped-def]
+    """Print each task of the running loop with the stack it is suspended in."""
+    out = file or sys.stderr
+    tasks = asyncio.all_tasks()
+    print(f"--- {len(tasks)} asyncio task(s)", file=out)
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        print(f"task {task.get_name()}:", file=out)
+        task.print_stack(limit=20, file=out)
+    out.flush()
+
+
+def dump_tasks_on_sigusr2() -> None:
+    """SIGUSR2 prints the running loop's tasks (call from inside the loop; no-op where the
+    loop cannot take signal handlers, e.g. off the main thread)."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
