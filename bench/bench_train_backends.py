@@ -46,6 +46,17 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _best_seconds(train_rollout, samples: list, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """The fastest of `repeats` one-step rollouts of `samples`, after a small warm-up one."""
+    train_rollout(samples[:8], 1)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        train_rollout(samples, 1)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _config(samples: int, backend: str = "torch"):
     """`backend`: torch, fsdp, megatron, or megatron-tp2 (megatron, tensor parallel 2)."""
     from millstream.common.config import parse_run_config
@@ -62,13 +73,7 @@ def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tupl
 
     torch.set_num_threads(threads)
     backend = TorchBackend(_config(len(samples)), model_dir, ref_dir=None, total_steps=repeats + 2)
-    backend.train_rollout(samples[:8], 1)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        backend.train_rollout(samples, 1)
-        best = min(best, time.perf_counter() - start)
-    return best, [_peak_rss_mb()]
+    return _best_seconds(backend.train_rollout, samples, repeats), [_peak_rss_mb()]
 
 
 def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, repeats: int,
@@ -94,14 +99,8 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
         )
         dp = DataParallel(backend)
         if rank == 0:
-            dp.train_rollout(samples[:8], 1)  # warm-up
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                dp.train_rollout(samples, 1)
-                best = min(best, time.perf_counter() - start)
+            out["seconds"] = _best_seconds(dp.train_rollout, samples, repeats)
             send_stop()
-            out["seconds"] = best
         else:
             dp.follow()
         rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64)
@@ -120,13 +119,8 @@ def _megatron_rank(rank: int, model_dir: str, samples: list, repeats: int, threa
     torch_threads(threads)
     cfg = _config(len(samples), "megatron")
     backend = MegatronBackend(cfg, model_dir, ref_dir=None, total_steps=repeats + 2)
-    backend.train_rollout(samples[:8], 1)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        backend.train_rollout(samples, 1)
-        best = min(best, time.perf_counter() - start)
-    out["seconds"], out["rss"] = best, [_peak_rss_mb()]
+    out["seconds"] = _best_seconds(backend.train_rollout, samples, repeats)
+    out["rss"] = [_peak_rss_mb()]
 
 
 def torch_threads(n: int) -> None:

@@ -92,6 +92,7 @@ class Buffer:
         # gid -> (the trace context it arrived with, its XADD time in ns)
         self._contexts: dict[str, tuple[Context, int]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._feeders: list[asyncio.Task[Any]] = []  # tasks without which no group comes
 
     async def start(self) -> None:
         await self.consumer.ensure_group()
@@ -107,9 +108,14 @@ class Buffer:
         for task in self._tasks:
             await task
 
+    def watch_feeder(self, task: asyncio.Task[Any]) -> None:
+        """Have `check` surface `task`'s error too: the trainer's admission, without which no
+        new group is published (a wait for a batch would wait forever)."""
+        self._feeders.append(task)
+
     def check(self) -> None:
-        """Surface a crashed reader instead of waiting on it forever."""
-        for task in self._tasks:
+        """Surface a crashed reader or feeder instead of waiting on it forever."""
+        for task in self._tasks + self._feeders:
             if task.done() and not task.cancelled():
                 task.result()
 

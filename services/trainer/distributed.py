@@ -236,7 +236,7 @@ class DataParallel:
         backend.rank = dist.get_rank(self.group)
         backend.world_size = dist.get_world_size(self.group)
         self.sharded = backend.cfg.ckpt.train_backend == "fsdp"
-        self.tensor_parallel = getattr(backend, "tensor_parallel", 1) > 1
+        self.tensor_parallel = backend.tensor_parallel > 1
         # Each rank has optimizer state of its own to save: FSDP's shards, megatron's slices.
         self.sharded_optimizer = self.sharded or self.tensor_parallel
         if self.sharded:
@@ -291,11 +291,13 @@ class DataParallel:
         return int(t.item())
 
     def _gather_weights(self) -> None:
-        """Sharded or tensor parallel: every rank gathers each parameter (all ranks, in the
-        same order); rank 0 keeps the full copy that weight syncs and checkpoints read
-        (backend.full_weights)."""
+        """Sharded: every rank gathers each parameter (all ranks, in the same order); tensor
+        parallel: the ranks of rank 0's group (data parallel rank 0; the other groups' copies
+        would be thrown away). Rank 0 keeps the full copy that weight syncs and checkpoints
+        read (backend.full_weights)."""
         if self.tensor_parallel:
-            full = self.backend.gather_weights()  # type: ignore[attr-defined]
+            in_rank0_group = self.backend.rank == 0
+            full = self.backend.gather_weights() if in_rank0_group else {}  # type: ignore[attr-defined]
             self.backend.full_weights = full if self.rank == 0 else {}
             return
         if not self.sharded:

@@ -23,7 +23,6 @@ from opentelemetry import trace
 
 from millstream.common import telemetry
 from millstream.common.config import RunConfig
-from millstream.common.errors import MillstreamError
 
 from . import checkpoint
 from .admission import Admission
@@ -85,6 +84,7 @@ class Trainer:
     async def run(self) -> None:
         await self._first_engines()
         self._pump = asyncio.create_task(self._admission_pump(), name="admission")
+        self.p.buffer.watch_feeder(self._pump)
         janitor = asyncio.create_task(self.p.janitor(), name="janitor") if self.p.janitor else None
         try:
             if (
@@ -136,9 +136,7 @@ class Trainer:
         ):
             groups = await self._watched(
                 f"a batch of {n} groups (iteration {it})",
-                self._unless_admission_fails(
-                    self.p.buffer.take(n, self.version, self.cfg.service.max_weight_staleness)
-                ),
+                self.p.buffer.take(n, self.version, self.cfg.service.max_weight_staleness),
                 lambda: f"{self.p.buffer.ready} ready, {len(self.p.admission.in_flight)} in flight",
             )
         t1 = time.monotonic()
@@ -217,23 +215,6 @@ class Trainer:
         if self.p.watch is None:
             return await awaitable
         return await self.p.watch.wait(what, awaitable, detail, stall=stall)
-
-    async def _unless_admission_fails(self, awaitable: Awaitable[T]) -> T:
-        """`awaitable`'s result, or the admission pump's error if the pump ends first: without
-        it no new group comes, and a batch wait would wait forever."""
-        task = asyncio.ensure_future(awaitable)
-        pump = self._pump
-        try:
-            if pump is not None:
-                await asyncio.wait({task, pump}, return_when=asyncio.FIRST_COMPLETED)
-                if not task.done() and pump.done():
-                    pump.result()  # its error
-                    raise MillstreamError("the admission of new groups stopped")
-            return await task
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
 
     async def _admission_pump(self) -> None:
         """Admit whenever the budget has room: at start, when a group ends, when V moves."""

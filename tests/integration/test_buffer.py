@@ -201,3 +201,33 @@ def test_a_fill_rides_out_redis_being_away_longer_than_the_clients_reconnects(tm
         assert asyncio.run(go()) == (2, 2, 2)
     finally:
         server.stop()
+
+
+def test_a_batch_wait_ends_with_the_error_of_a_feeder_that_died(redis_url):
+    """The trainer's admission feeds the buffer: if it dies (its error unobserved in a task of
+    its own), a wait for a batch must end with that error, not wait forever for groups that
+    nobody publishes any more."""
+    keys = RunKeys("feeder")
+
+    async def go() -> None:
+        redis = await connect(redis_url)
+        buffer = Buffer(
+            redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
+            on_terminal=lambda gid, state: None, expected=lambda gid: True,
+        )  # fmt: skip
+        await buffer.start()
+
+        async def admission() -> None:
+            await asyncio.sleep(0.3)
+            raise ConnectionError("Redis went away for good")
+
+        pump = asyncio.create_task(admission())
+        buffer.watch_feeder(pump)
+        try:
+            with pytest.raises(ConnectionError, match="went away for good"):
+                await asyncio.wait_for(buffer.take(2, version=0, max_lag=None), timeout=10)
+        finally:
+            await buffer.stop()
+            await redis.aclose()
+
+    asyncio.run(go())
