@@ -391,6 +391,10 @@ def sample_to_pb(sample: Sample) -> PbSample:
     n = sample.response_length
     if not 0 <= n <= len(sample.tokens):
         raise ValueError(f"response_length {n} does not fit in {len(sample.tokens)} tokens")
+    for name in ("loss_mask", "rollout_log_probs"):  # one per response token, as Miles' are
+        value = getattr(sample, name)
+        if value is not None and len(value) != n:
+            raise ValueError(f"sample.{name} has {len(value)} entries for {n} response tokens")
     meta = sample.metadata
     return PbSample(
         group_id=sample.group_id,

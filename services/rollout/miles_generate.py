@@ -13,6 +13,15 @@ top_k, max_new_tokens, stop, ...; the eval ones for an eval group) without `n`, 
 passes them. A function may return a list of Samples (Miles' multi-sample form): all of them
 are kept.
 
+A sample that comes back ABORTED (a weight sync aborted its request; Miles' `generate` maps
+finish_reason abort to it) is never trained on as it is: as the default rollout does
+(rollout/group.py), the group parks in the worker's partial buffer until the sync looks over,
+then the function is called again with the sample: with `--partial-rollout` as it stands
+(Miles' resume: the function continues from `sample.tokens`;
+`--mask-offpolicy-in-partial-rollout` first masks the old part out of the loss, as Miles'
+`generate_and_rm` does), without it from a fresh copy of the sample. After `max_aborts`
+aborts it is published as aborted.
+
 `args` is Miles' (common/miles.py) with `sglang_router_ip` and `sglang_router_port` set to the
 router this worker uses. Miles' `miles.utils.http_utils.post(url, payload)` is stood in for
 (common/miles.py `http_post`), so a function that imports it runs as it is. An exception in the function is a plugin's bug: the entry stays pending for redelivery
@@ -22,7 +31,9 @@ router this worker uses. Miles' `miles.utils.http_utils.post(url, payload)` is s
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import logging
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +44,9 @@ from millstream.common.types import PromptGroup, SampleGroup
 
 from .client import RouterClient
 from .config import plan_for
+from .partial import PartialBuffer
+
+log = logging.getLogger("millstream.rollout")
 
 FLAG = "--custom-generate-function-path"
 
@@ -49,10 +63,22 @@ def router_args(cfg: RunConfig, router_url: str) -> Args:
 class MilesGenerate:
     """The rollout function for a --custom-generate-function-path (see the module docstring)."""
 
-    def __init__(self, path: str, cfg: RunConfig, router_url: str):
+    def __init__(
+        self,
+        path: str,
+        cfg: RunConfig,
+        router_url: str,
+        buffer: PartialBuffer | None = None,
+        *,
+        max_aborts: int = 8,
+    ):
         self.path = path
         self.fn = load_function(path, FLAG)
         self.args = router_args(cfg, router_url)
+        self.buffer = buffer
+        self.partial = cfg.rollout.partial_rollout
+        self.mask_offpolicy = cfg.rollout.mask_offpolicy_in_partial_rollout
+        self.max_aborts = max_aborts
 
     async def __call__(
         self, group: PromptGroup, cfg: RunConfig, client: RouterClient
@@ -72,10 +98,22 @@ class MilesGenerate:
             )
             for i in range(plan.n_samples)
         ]
-        results = await asyncio.gather(*(self._one(s, dict(params)) for s in samples))
+        current: list[Sample | list[Sample]] = list(samples)  # where each sample stands
+
+        def snapshot() -> PromptGroup:
+            view = PromptGroup()
+            view.CopyFrom(group)
+            view.ClearField("partial_samples")
+            for one in current:
+                view.partial_samples.extend(sample_to_pb(s) for s in _as_list(one))
+            return view
+
+        results = await asyncio.gather(
+            *(self._one(i, s, params, current, snapshot) for i, s in enumerate(samples))
+        )
         out = SampleGroup(prompt=group)
         for result in results:
-            for sample in result if isinstance(result, list) else [result]:
+            for sample in _as_list(result):
                 if not isinstance(sample, Sample):
                     raise TypeError(
                         f"{FLAG} {self.path} returned {type(sample).__name__}, not a Sample"
@@ -84,10 +122,44 @@ class MilesGenerate:
                 out.samples.append(sample_to_pb(sample))
         return out
 
-    async def _one(self, sample: Sample, params: dict[str, Any]) -> Sample | list[Sample]:
+    async def _one(
+        self,
+        i: int,
+        fresh: Sample,
+        params: dict[str, Any],
+        current: list[Sample | list[Sample]],
+        snapshot: Any,
+    ) -> Sample | list[Sample]:
+        sample, aborts = copy.deepcopy(fresh), 0
+        while True:
+            result = current[i] = await self._call(sample, dict(params))
+            if not isinstance(result, Sample) or result.status != Sample.Status.ABORTED:
+                return result
+            aborts += 1
+            if self.buffer is None or aborts > self.max_aborts:
+                log.warning(
+                    "sample %d of group %s aborted %d times; published as aborted",
+                    i,
+                    fresh.group_id,
+                    aborts,
+                )
+                return result
+            await self.buffer.wait(fresh.group_id, snapshot)
+            if not self.partial:  # start over from the prompt
+                sample = copy.deepcopy(fresh)
+                continue
+            sample = result
+            if self.mask_offpolicy and sample.response_length > 0:
+                sample.loss_mask = [0] * sample.response_length
+
+    async def _call(self, sample: Sample, params: dict[str, Any]) -> Sample | list[Sample]:
         try:
             if is_async(self.fn):
                 return await self.fn(self.args, sample, params)
             return await asyncio.to_thread(self.fn, self.args, sample, params)
         except Exception as err:
             raise named_error(err, FLAG, self.path) from err
+
+
+def _as_list(result: Sample | list[Sample]) -> list[Sample]:
+    return result if isinstance(result, list) else [result]

@@ -128,7 +128,9 @@ class RolloutWorker:
         if r.rollout_function_path:
             self.rollout_fn = load_rollout_function(r.rollout_function_path)
         elif r.custom_generate_function_path:  # Miles' per-sample generate
-            self.rollout_fn = MilesGenerate(r.custom_generate_function_path, cfg, client.url)
+            self.rollout_fn = MilesGenerate(
+                r.custom_generate_function_path, cfg, client.url, self.buffer
+            )
         self.consumer = Consumer.for_run(
             redis, cfg, self.keys.prompts, GROUP_ROLLOUT, consumer_name
         )

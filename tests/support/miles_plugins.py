@@ -141,6 +141,8 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     """Miles' single-turn generate (the shape of miles/rollout/sglang_rollout.py `generate`):
     one /generate through the router, the sample filled in from SGLang's answer."""
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    if sample.response_length:  # a resume after an abort (--partial-rollout): what is left
+        sampling_params["max_new_tokens"] -= sample.response_length
     payload = {"input_ids": sample.tokens, "sampling_params": sampling_params,
                "return_logprob": True}  # fmt: skip
     output = await post(url, payload)
@@ -149,6 +151,8 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     sample.tokens = sample.tokens + new_tokens
     sample.response_length += len(new_tokens)
     sample.response += output["text"]
+    if sample.loss_mask is not None:  # a resume whose old part is masked: the new part trains
+        sample.loss_mask += [1] * len(new_tokens)
     sample.rollout_log_probs = (sample.rollout_log_probs or []) + [
         item[0] for item in meta["output_token_logprobs"]
     ]

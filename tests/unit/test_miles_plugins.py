@@ -140,6 +140,10 @@ def test_miles_sample_to_wire_and_back_is_the_same_sample():
         sample_to_pb(dataclasses.replace(s, reward={"acc": 1.0}))
     with pytest.raises(ValueError, match="does not fit"):
         sample_to_pb(dataclasses.replace(s, response_length=4))
+    with pytest.raises(ValueError, match="loss_mask has 3 entries for 2 response tokens"):
+        sample_to_pb(dataclasses.replace(s, loss_mask=[0, 1, 1]))
+    with pytest.raises(ValueError, match="rollout_log_probs has 1 entries"):
+        sample_to_pb(dataclasses.replace(s, rollout_log_probs=[-1.0]))
     assert Sample(reward={"acc": 0.5}).get_reward_value(make_args(make_cfg("--reward-key", "acc")))
 
 

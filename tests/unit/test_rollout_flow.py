@@ -12,6 +12,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from millstream.common import miles
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
 from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
@@ -29,7 +30,8 @@ class FakeEngine:
     """SGLang's /generate and the router's /get_weight_version, with scripted trouble.
 
     `aborts[rid_prefix] = k`: the next request whose rid starts with it is aborted after k
-    tokens, and the served version moves on `bump_after_s` later (a weight sync).
+    tokens, and the served version moves on `bump_after_s` later (a weight sync);
+    `abort_every = k`: every request is.
     `statuses`: HTTP status codes to answer the next requests with, before any generation.
     """
 
@@ -39,6 +41,7 @@ class FakeEngine:
         self.version = 1
         self.requests: list[dict] = []
         self.aborts: dict[str, int] = {}
+        self.abort_every: int | None = None  # every request aborted after this many tokens
         self.statuses: list[int] = []
         self.in_flight = self.max_in_flight = 0
 
@@ -63,13 +66,15 @@ class FakeEngine:
     def generate(self, body: dict) -> dict | list[dict]:
         n = int(body["sampling_params"].get("n") or 1)
         if n == 1:
-            return self._one(body["rid"], body)
+            return self._one(body.get("rid", "miles"), body)  # Miles' generate sends no rid
         # Parallel sampling: copy j stands for sample j, so scripted aborts still apply per sample.
         group = body["rid"].rsplit("-n", 1)[0]
         return [self._one(f"{group}-s{j}-r0-a1", body) for j in range(n)]
 
     def _one(self, rid: str, body: dict) -> dict:
-        abort_after = None
+        abort_after = self.abort_every
+        if abort_after is not None:
+            asyncio.get_running_loop().call_later(self.bump_after_s, self.bump)
         for prefix, k in list(self.aborts.items()):
             if rid.startswith(prefix):
                 del self.aborts[prefix]
@@ -102,12 +107,15 @@ def run_worker(engine: FakeEngine, groups: list[PromptGroup], *flags: str, attem
         redis = aioredis.Redis()  # never used: rollout() does not touch the streams
         worker = RolloutWorker(cfg, redis, client, "unit", partial_poll_s=0.01)
         releaser = asyncio.create_task(worker.buffer.run())
+        miles._HTTP = httpx.AsyncClient(transport=engine.transport())  # Miles' post, same engine
         try:
             return await asyncio.gather(*(worker.rollout(g) for g in groups))
         finally:
             releaser.cancel()
             await client.aclose()
             await redis.aclose()
+            await miles._HTTP.aclose()
+            miles._HTTP = None
 
     return asyncio.run(main())
 
@@ -301,6 +309,41 @@ def test_a_group_without_prompt_tokens_fails_with_the_reason():
 def test_a_per_sample_generate_function_that_is_not_there_is_named_at_start():
     with pytest.raises(MillstreamError, match=r"--custom-generate-function-path 'x\.y\.z'"):
         run_worker(FakeEngine(), [], "--custom-generate-function-path", "x.y.z")
+
+
+MILES_GENERATE = ("--custom-generate-function-path", "tests.support.miles_plugins.generate")
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_miles_generate_aborted_by_a_sync_is_called_again_not_trained_on(partial):
+    """Miles' generate maps finish_reason abort to Sample.Status.ABORTED: the group parks
+    in the partial buffer like the default rollout's, then the function is called again,
+    resuming the sample (masked, as asked) or from a fresh copy of it."""
+    engine = FakeEngine()
+    engine.aborts["miles"] = 3
+    flags = ["--partial-rollout", "--mask-offpolicy-in-partial-rollout"] if partial else []
+    (result,) = run_worker(engine, [prompt_group(n_samples=1)], *MILES_GENERATE, *flags)
+    (sample,) = result.samples
+    assert len(engine.requests) == 2 and sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
+    assert list(sample.response_token_ids) == expected_tokens()
+    assert json.loads(sample.metadata_json)["generated_by"] == "miles generate"
+    second = engine.requests[1]
+    if partial:  # Miles' resume: the tokens so far in, what is left of the budget out
+        assert second["input_ids"] == PROMPT + expected_tokens(3)
+        assert second["sampling_params"]["max_new_tokens"] == 5
+        assert list(sample.loss_mask) == [0, 0, 0, 1, 1, 1, 1, 1]
+        assert list(sample.weight_versions) == [1, 2]  # one per call, as Miles' generate keeps
+    else:
+        assert second["input_ids"] == PROMPT and not len(sample.loss_mask)
+        assert list(sample.weight_versions) == [2]
+
+
+def test_a_miles_generate_that_keeps_aborting_is_published_as_aborted():
+    engine = FakeEngine(bump_after_s=0.0)
+    engine.abort_every = 1
+    (result,) = run_worker(engine, [prompt_group(n_samples=1)], *MILES_GENERATE)
+    (sample,) = result.samples
+    assert sample.status == SampleStatus.SAMPLE_STATUS_ABORTED and len(engine.requests) == 9
 
 
 def test_a_rollout_function_that_returns_the_wrong_type_is_a_bug_not_a_failed_group():
