@@ -96,6 +96,7 @@ class StreamWorker:
         self.failed = 0
         self.poisoned = 0
         self._in_flight: dict[asyncio.Task[None], StreamEntry] = {}
+        self._in_flight_ids: set[str] = set()
         self._stopping = asyncio.Event()
         self._ticks_done = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
@@ -196,7 +197,7 @@ class StreamWorker:
         return 0
 
     async def _start(self, entry: StreamEntry) -> None:
-        if any(running.id == entry.id for running in self._in_flight.values()):
+        if entry.id in self._in_flight_ids:
             # Taken back from ourselves (a lease renewal came too late): one run is enough.
             return
         try:
@@ -207,6 +208,7 @@ class StreamWorker:
             return
         task = asyncio.create_task(self._job(entry), name=f"{self.name}:{entry.id}")
         self._in_flight[task] = entry
+        self._in_flight_ids.add(entry.id)
 
     async def _job(self, entry: StreamEntry) -> None:
         await self.handler(entry)
@@ -216,6 +218,7 @@ class StreamWorker:
     async def _reap(self) -> None:
         for task in [task for task in self._in_flight if task.done()]:
             entry = self._in_flight.pop(task)
+            self._in_flight_ids.discard(entry.id)
             if task.cancelled():
                 log.warning("%s: job for entry %s cancelled; left pending", self.name, entry.id)
                 continue

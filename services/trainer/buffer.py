@@ -41,6 +41,9 @@ from millstream.common.worker import StreamWorker
 log = logging.getLogger(__name__)
 
 
+READ_BATCH = 256
+"""Scored entries read (and held unacked) at once."""
+
 DEAD_MAX_DELIVERIES = 1_000_000
 """The dead-letter reader never fails an entry, so nothing it reads goes back to the dead
 stream; the bound only matters if the trainer dies on the same entry again and again."""
@@ -69,8 +72,11 @@ class Buffer:
             redis, keys.scored, GROUP_TRAINER, consumer_name,
             claim_idle_ms=claim_idle_ms, max_deliveries=max_deliveries, dead_stream=keys.dead, block_ms=block_ms,
         )  # fmt: skip
+        # Many entries per read (an eval round's 200 groups arrive together): the handler
+        # never yields before it holds `_arrived`, whose lock is FIFO, so groups still land
+        # in arrival order; the acks of one turn go out as one pipeline.
         self.worker = StreamWorker(
-            self.consumer, self._handle, concurrency=1, name="buffer", auto_ack=True
+            self.consumer, self._handle, concurrency=READ_BATCH, name="buffer", auto_ack=True
         )
         self.dead_consumer = Consumer(
             redis, keys.dead, GROUP_TRAINER, consumer_name,

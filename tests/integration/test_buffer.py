@@ -76,6 +76,35 @@ def test_buffer_accounts_every_group_once(redis_url):
     )
 
 
+def test_a_burst_lands_in_arrival_order_and_every_entry_is_acked(redis_url):
+    """600 groups published at once (more than one read's worth): taken in the order they
+    were published, eval groups among them routed to their waiter, nothing left pending."""
+    keys = RunKeys("burst")
+
+    async def go() -> tuple[list[str], int]:
+        redis = await connect(redis_url)
+        buffer = Buffer(
+            redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
+            on_terminal=lambda gid, state: None, expected=lambda gid: True,
+        )  # fmt: skip
+        await buffer.start()
+        try:
+            messages = [scored(f"g{i:03d}", is_eval=i % 3 == 0) for i in range(600)]
+            await streams.publish_many(redis, keys.scored, messages)
+            evals = [f"g{i:03d}" for i in range(0, 600, 3)]
+            await asyncio.wait_for(buffer.wait_eval(evals), timeout=20)
+            batch = await asyncio.wait_for(buffer.take(400, version=3, max_lag=None), 20)
+            await asyncio.sleep(0.1)  # the last acks of the turn
+            pending = (await redis.xpending(keys.scored, "trainer"))["pending"]
+            return [g.group.prompt.group_id for g in batch], int(pending)
+        finally:
+            await buffer.stop()
+            await redis.aclose()
+
+    taken, pending = asyncio.run(go())
+    assert taken == [f"g{i:03d}" for i in range(600) if i % 3] and pending == 0
+
+
 def test_dead_letters_end_their_groups_failed(redis_url):
     """Entries dead-lettered from any stream end their group `failed` with the reason, once;
     bad bytes and groups this run does not wait for are counted, never terminal."""

@@ -204,6 +204,36 @@ def test_only_the_first_of_two_holders_hands_off(redis_url, keys):
     arun(body, redis_url)
 
 
+def test_hand_offs_of_one_turn_go_in_one_pipeline_each_exactly_once(redis_url, keys):
+    """200 jobs finishing together hand off in one round trip; an entry handed off twice in
+    the same pipeline still yields one output; after Redis forgets the script (SCRIPT FLUSH,
+    as after a restart) the next batch loads it again and loses nothing."""
+
+    async def body(client: aioredis.Redis) -> None:
+        c = consumer(client, keys, "batcher")
+        await c.ensure_group()
+        await publish_many(client, keys.prompts, prompts(200))
+        entries = await c.read(200)
+        assert len(entries) == 200
+
+        async def hand_off(entry: StreamEntry) -> str | None:
+            out = SampleGroup(prompt=decode(entry, PromptGroup))
+            return await c.publish_and_ack(keys.generated, out, TRACE, entry)
+
+        ids = await asyncio.gather(*(hand_off(e) for e in entries[:150]), hand_off(entries[0]))
+        assert c._batch.batches == 1
+        assert sum(i is not None for i in ids) == 150  # the second hand-off of entry 0: None
+        await client.script_flush()
+        rest = await asyncio.gather(*(hand_off(e) for e in entries[150:]))
+        assert all(rest) and c._batch.batches == 2
+        produced = await outputs(client, keys.generated)
+        assert sorted(o.prompt.group_id for o, _ in produced) == sorted(f"g{i}" for i in range(200))
+        assert all(f[b"traceparent"] == TRACE["traceparent"].encode() for _, f in produced)
+        assert await pending_count(client, keys.prompts, GROUP_ROLLOUT) == 0
+
+    arun(body, redis_url)
+
+
 def test_poison_entries_are_dead_lettered_and_good_ones_keep_flowing(redis_url, keys):
     good = PromptGroup(group_id="good").SerializeToString()
     poison = [
