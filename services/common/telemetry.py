@@ -5,7 +5,7 @@ Where spans go, decided once per process from the environment by `setup_tracing`
      is and its host resolves (compose: Jaeger, when the observability profile is on);
   2. else JSONL files under `{run_dir}/traces/` when a run dir is given (one file per process,
      one span per line; `millstream trace` reads them);
-  3. else nothing: the no-op tracer, zero cost.
+  3. else nothing: the no-op tracer, zero cost (also whenever OTEL_SDK_DISABLED=true).
 
 Context crosses process boundaries as W3C trace context (`traceparent`/`tracestate`) in three
 carriers: stream entry fields, HTTP headers and gRPC metadata. Nothing here runs at import.
@@ -111,7 +111,10 @@ def _if_resolves(endpoint: str) -> str | None:
 
 
 def make_provider(service_name: str, run_dir: str | Path | None = None) -> TracerProvider | None:
-    """A provider exporting as the environment says (see module docstring), or None."""
+    """A provider exporting as the environment says (see module docstring), or None.
+    OpenTelemetry's own `OTEL_SDK_DISABLED=true` turns tracing off everywhere."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
     resource = Resource.create(
         {"service.name": service_name, "service.instance.id": str(os.getpid())}
     )

@@ -19,13 +19,20 @@ math-verify's sympy, numpy) starts a pool of its own.
 A service given `--num-threads N` uses N; 0 or nothing means "decide from the machine"
 (the launcher passes its split to the services it starts). `apply(n)` sets torch's pools
 once per process and returns what was set, for the start-up line.
+
+Cores idle in async mode are lent, not left idle (`BorrowedCores`): with a bounded staleness
+the engines finish the next batch early in a long train step and then have nothing to
+generate; for the rest of the step the trainer computes with every core, and goes back to
+its share as soon as a group is in flight again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 # Native thread pools a library may start on its own, capped for a service's process.
 POOL_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -86,3 +93,43 @@ def apply(threads: int | None) -> int:
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
     return torch.get_num_threads()
+
+
+class BorrowedCores:
+    """The trainer's use of the engines' cores while they are idle (module docstring).
+
+    `retune()` sets the calling thread's torch pool to `most` threads while `idle()` holds,
+    else to `own`: torch sizes its OpenMP pool per thread, so it must run in the thread that
+    computes. `hook_layers(model)` calls it before every layer's forward, which is fine
+    enough to catch the engines going idle inside one step (the backward that follows runs
+    in the same thread with what the forward last set). `idle` is read from that thread
+    while the event loop changes what it reads: a stale answer costs one layer at the
+    wrong width, nothing else.
+    """
+
+    def __init__(self, own: int, most: int, idle: Callable[[], bool]):
+        self.own = own
+        self.most = most
+        self.idle = idle
+        self.switches = 0
+
+    def retune(self) -> int:
+        import torch
+
+        want = self.most if self.idle() else self.own
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+            self.switches += 1
+        return want
+
+    def hook_layers(self, model: Any) -> list[Any]:
+        """Call `retune` before the forward of each layer of `model` (the members of its
+        longest ModuleList: the decoder layers of a transformer); returns the hook handles."""
+        import torch
+
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+        layers = max(lists, key=len) if lists else [model]
+        return [layer.register_forward_pre_hook(self._before_layer) for layer in layers]
+
+    def _before_layer(self, _module: Any, _args: Any) -> None:
+        self.retune()

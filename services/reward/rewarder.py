@@ -142,6 +142,20 @@ class Rewarder:
             value = await self.threads.run(sample_rule_reward, rm_type, sample, self.cfg)
         return to_reward(value, self.reward_key)
 
+    def instant_rewards(self, samples: Sequence[Sample]) -> list[float] | None:
+        """Every sample's reward when each comes from an instant rule (`exact`, `f1`: plain
+        string work), computed right here; None when any sample needs more (your function,
+        a remote RM, a math verifier in its thread), which then goes the usual way."""
+        if self.custom is not None:
+            return None
+        rm_types = [self._rm_type(s) for s in samples]
+        if any(split_rm_type(t)[1] not in INSTANT_RULES for t in rm_types):
+            return None
+        return [
+            to_reward(sample_rule_reward(t, s, self.cfg), self.reward_key)
+            for t, s in zip(rm_types, samples, strict=True)
+        ]
+
     async def group_rewards(self, samples: Sequence[Sample], prompt: str = "") -> list[float]:
         """One attempt at a whole group's rewards with the `--group-rm` function."""
         assert self.custom is not None

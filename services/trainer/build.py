@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from millstream.common import threads
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import RunKeys
@@ -128,7 +129,45 @@ def num_rollouts(cfg: RunConfig, source: PromptDataSource | PluginDataSource) ->
     return n
 
 
-async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Closer]]:
+def lend_idle_cores(
+    cfg: RunConfig,
+    budget: threads.CpuBudget | None,
+    backend: Any,
+    admission: Admission,
+    buffer: Buffer,
+) -> threads.BorrowedCores | None:
+    """Async mode with engines started here (`budget`: the launcher's split) and no
+    --num-threads: the train step takes the engines' cores whenever every admitted group is
+    back in the buffer (nothing left to generate until the next sync), and gives them back
+    when one is in flight again (common/threads.py BorrowedCores). One trainer process only."""
+    if (
+        budget is None
+        or cfg.max_staleness <= 0
+        or not budget.engines
+        or cfg.service.num_threads
+        or budget.trainer >= budget.cores
+        or distributed.world_size_from_env() > 1
+    ):
+        return None
+    lender = threads.BorrowedCores(
+        budget.trainer, budget.cores, idle=lambda: len(admission.in_flight) <= buffer.ready
+    )
+    for model in (backend.model, getattr(backend, "critic", None)):
+        if model is not None:
+            lender.hook_layers(model)
+    print(
+        f"[trainer] {budget.cores} compute thread(s) while the engines have nothing to "
+        f"generate, {budget.trainer} while they do",
+        flush=True,
+    )
+    return lender
+
+
+async def build_trainer(
+    cfg: RunConfig, redis: Any, budget: threads.CpuBudget | None = None
+) -> tuple[Trainer, list[Closer]]:
+    """The trainer and what to close after it; `budget`: the local launcher's CPU split, when
+    it started the engines here (lend_idle_cores)."""
     keys = RunKeys(cfg.run_id)
     tokenizer = load_tokenizer(cfg)
     source, eval_sources = data_sources(cfg, tokenizer)
@@ -160,6 +199,7 @@ async def build_trainer(cfg: RunConfig, redis: Any) -> tuple[Trainer, list[Close
         on_terminal=lambda gid, st: holder["t"].on_terminal(gid, st),
         expected=admission.in_flight.__contains__,
     )  # fmt: skip
+    lend_idle_cores(cfg, budget, backend, admission, buffer)
     iteration = version = 0
     if state is not None:
         iteration, version = restore(cfg, state, backend, source, admission, resume_from)  # type: ignore[arg-type]

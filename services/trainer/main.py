@@ -198,7 +198,7 @@ async def train_loop(cfg: RunConfig, redis: Redis, cluster: LocalCluster) -> int
     from .build import build_trainer, close_all
 
     debug.dump_tasks_on_sigusr2()  # `kill -USR2`: where each coroutine waits
-    trainer, closers = await build_trainer(cfg, redis)
+    trainer, closers = await build_trainer(cfg, redis, cluster.budget)
     try:
         run = asyncio.create_task(trainer.run(), name="trainer")
         watch = asyncio.create_task(cluster.watch(), name="watchdog")

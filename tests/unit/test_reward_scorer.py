@@ -95,6 +95,31 @@ def test_metadata_rm_type_overrides_the_run_default():
     assert rewards(out) == [1.0, 0.0]
 
 
+def test_instant_rules_are_scored_inline_and_a_slow_rule_takes_the_usual_way():
+    """A group whose rewards are all instant rules (exact, f1) is scored in one go, without a
+    per-sample attempt; one sample whose metadata names math sends the group the usual way."""
+
+    class Counting(Rewarder):
+        attempts = 0
+
+        async def sample_reward(self, sample, prompt):
+            Counting.attempts += 1
+            return await super().sample_reward(sample, prompt)
+
+    cfg = make_cfg("--rm-type", "exact")
+
+    async def go(group):
+        scorer = GroupScorer(cfg, Counting(cfg))
+        return await scorer.score(group)
+
+    out = asyncio.run(go(make_group(["4", " 4 ", "5"])))
+    assert rewards(out) == [1.0, 1.0, 0.0] and Counting.attempts == 0
+    mixed = make_group(["4", "\\boxed{4}"])
+    mixed.samples[1].metadata_json = '{"rm_type": "math"}'
+    out = asyncio.run(go(mixed))
+    assert rewards(out) == [1.0, 1.0] and Counting.attempts == 2
+
+
 def test_raising_reward_fails_the_group_with_the_reason_and_the_next_group_is_fine():
     cfg = make_cfg("--custom-rm-path", f"{PLUGINS}.misbehaving", "--reward-retries", "1")
     bad = make_group(["4", "x"], label=["4", "boom"], gid="bad")

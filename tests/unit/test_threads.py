@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from millstream.common import threads
@@ -58,3 +60,73 @@ def test_child_pools_are_capped():
     env = threads.pool_env(1)
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
     assert env["TOKENIZERS_PARALLELISM"] == "false"
+
+
+def test_borrowed_cores_follow_the_engines_idleness_layer_by_layer():
+    """Before each layer's forward the computing thread's pool is set: every core while the
+    engines are idle, the trainer's share once they have work again (in that thread)."""
+    import threading
+
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Model()
+    layers = model.layers
+    idle_at = {1, 2}  # the engines are idle while layers 1 and 2 run
+    seen: list[int] = []
+    calls = iter(range(100))
+    lender = threads.BorrowedCores(1, 2, idle=lambda: next(calls) % 4 in idle_at)
+    handles = lender.hook_layers(model)
+    for layer in layers:
+        layer.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+
+    def train_step() -> None:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            model(torch.ones(1, 4))
+
+    worker = threading.Thread(target=train_step)
+    worker.start()
+    worker.join()
+    assert seen == [1, 2, 2, 1] and lender.switches == 2
+    for handle in handles:
+        handle.remove()
+
+
+def test_only_an_async_trainer_beside_its_own_engines_borrows_cores():
+    import torch
+
+    from millstream.trainer.build import lend_idle_cores
+
+    class Backend:
+        model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
+        critic = None
+
+    class Admission:
+        in_flight: ClassVar[dict] = {"g1": (0, 1)}
+
+    class Buffer:
+        ready = 1
+
+    def lender(budget, mode="async", *flags):
+        cfg = parse_run_config(["--rollout-batch-size", "1", *flags], mode=mode)
+        return lend_idle_cores(cfg, budget, Backend(), Admission(), Buffer())
+
+    split = threads.split_cores(2, 1)
+    lent = lender(split)
+    assert (lent.own, lent.most) == (1, 2) and lent.idle()  # every admitted group is back
+    Admission.in_flight = {"g1": (0, 1), "g2": (0, 2)}
+    assert not lent.idle()  # one still generating
+    assert lender(threads.split_cores(2, 1, overlap=False), "sync") is None
+    assert lender(split, "async", "--num-threads", "1") is None  # the user's number stands
+    assert lender(threads.split_cores(2, 0)) is None  # engines elsewhere: every core already
+    assert lender(None) is None  # no local launcher
