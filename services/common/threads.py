@@ -100,9 +100,9 @@ class BorrowedCores:
 
     `retune()` sets the calling thread's torch pool to `most` threads while `idle()` holds,
     else to `own`: torch sizes its OpenMP pool per thread, so it must run in the thread that
-    computes. `hook_layers(model)` calls it before every layer's forward, which is fine
-    enough to catch the engines going idle inside one step (the backward that follows runs
-    in the same thread with what the forward last set). `idle` is read from that thread
+    computes. `hook_layers(model)` calls it before every layer's forward and again at each
+    layer in the backward (which runs in the same thread), fine enough to catch the engines
+    going idle inside one step. `idle` is read from that thread
     while the event loop changes what it reads: a stale answer costs one layer at the
     wrong width, nothing else.
     """
@@ -124,12 +124,24 @@ class BorrowedCores:
 
     def hook_layers(self, model: Any) -> list[Any]:
         """Call `retune` before the forward of each layer of `model` (the members of its
-        longest ModuleList: the decoder layers of a transformer); returns the hook handles."""
+        longest ModuleList: the decoder layers of a transformer) and, in the backward,
+        when the gradient of each layer's output is computed; returns the hook handles."""
         import torch
 
         lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
         layers = max(lists, key=len) if lists else [model]
-        return [layer.register_forward_pre_hook(self._before_layer) for layer in layers]
+        handles = [layer.register_forward_pre_hook(self._before_layer) for layer in layers]
+        handles += [layer.register_forward_hook(self._after_layer) for layer in layers]
+        return handles
 
     def _before_layer(self, _module: Any, _args: Any) -> None:
+        self.retune()
+
+    def _after_layer(self, _module: Any, _args: Any, output: Any) -> None:
+        # The backward runs in the same thread: retune there too, layer by layer.
+        hidden = output[0] if isinstance(output, tuple | list) and output else output
+        if getattr(hidden, "requires_grad", False):
+            hidden.register_hook(self._in_backward)
+
+    def _in_backward(self, _grad: Any) -> None:
         self.retune()

@@ -91,13 +91,15 @@ def test_borrowed_cores_follow_the_engines_idleness_layer_by_layer():
 
     def train_step() -> None:
         torch.set_num_threads(1)
-        with torch.no_grad():
-            model(torch.ones(1, 4))
+        model(torch.ones(1, 4)).sum().backward()
+        seen.append(torch.get_num_threads())  # after the backward's retunes
 
     worker = threading.Thread(target=train_step)
     worker.start()
     worker.join()
-    assert seen == [1, 2, 2, 1] and lender.switches == 2
+    # Forward: calls 0-3; backward, layer 3 down to 0: calls 4-7 (idle at 5 and 6), and the
+    # backward leaves the pool as the last layer's gradient found it.
+    assert seen == [1, 2, 2, 1, 1] and lender.switches == 4
     for handle in handles:
         handle.remove()
 
