@@ -117,10 +117,17 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def pad(rows: list[list[float]] | list[torch.Tensor], T: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), T)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
-    return out
+    """[len(rows), T] float32, each row zero-padded on the right: one tensor built at once
+    (a copy per row cost ~10 us each, 5 ms of a small model's train step)."""
+    if not rows:
+        return torch.zeros(0, T)
+    if all(isinstance(row, torch.Tensor) for row in rows):
+        out = torch.zeros(len(rows), T)
+        flat = torch.cat([row.reshape(-1).to(torch.float32) for row in rows])  # type: ignore[union-attr]
+        lengths = torch.tensor([len(row) for row in rows])
+        out[torch.arange(T)[None, :] < lengths[:, None]] = flat
+        return out
+    return torch.tensor([[*row, *([0.0] * (T - len(row)))] for row in rows], dtype=torch.float32)
 
 
 def unpad(x_BT: torch.Tensor, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -240,25 +247,30 @@ class TorchBackend:
         B = len(samples)
         T = max(1, max(s.response_len for s in samples))
         lengths = [len(s.tokens) for s in samples]
-        starts = [sum(lengths[:i]) for i in range(B)] if packed else [0] * B
-        R, S = (1, sum(lengths)) if packed else (B, max(lengths))
-        ids_RS = torch.zeros(R, S, dtype=torch.long)
-        pos_RS = torch.zeros(R, S, dtype=torch.long)
-        row_BT = torch.zeros(B, T, dtype=torch.long)
-        col_BT = torch.zeros(B, T, dtype=torch.long)
-        target_BT = torch.zeros(B, T, dtype=torch.long)
-        valid_BT = torch.zeros(B, T)
-        for i, (s, start) in enumerate(zip(samples, starts, strict=True)):
-            row, n, k = (0 if packed else i), len(s.tokens), s.response_len
-            ids_RS[row, start : start + n] = torch.tensor(s.tokens)
-            pos_RS[row, start : start + n] = torch.arange(n)
-            row_BT[i] = row
-            col_BT[i, :k] = torch.arange(start + s.prompt_len - 1, start + n - 1)
-            target_BT[i, :k] = torch.tensor(s.tokens[s.prompt_len :])
-            valid_BT[i, :k] = 1
+        S = max(lengths)
+        # Python lists first, one tensor each at the end (a tensor per sample is most of the
+        # cost for small models).
+        rows: list[int] = []
+        cols: list[list[int]] = []
+        targets: list[list[int]] = []
+        valid: list[list[float]] = []
+        start = 0
+        for i, s in enumerate(samples):
+            n, k, gap = len(s.tokens), s.response_len, T - s.response_len
+            rows.append(0 if packed else i)
+            cols.append([*range(start + s.prompt_len - 1, start + n - 1), *([0] * gap)])
+            targets.append([*s.tokens[s.prompt_len :], *([0] * gap)])
+            valid.append([1.0] * k + [0.0] * gap)
+            if packed:
+                start += n
+        row_BT = torch.tensor(rows)[:, None].expand(B, T).contiguous()
+        col_BT, target_BT, valid_BT = torch.tensor(cols), torch.tensor(targets), torch.tensor(valid)
         if packed:
-            inputs = {"input_ids": ids_RS, "position_ids": pos_RS}
+            ids = [t for s in samples for t in s.tokens]
+            pos = [j for n in lengths for j in range(n)]
+            inputs = {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos])}
         else:
+            ids_RS = torch.tensor([[*s.tokens, *([0] * (S - len(s.tokens)))] for s in samples])
             attn_RS = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).long()
             inputs = {"input_ids": ids_RS, "attention_mask": attn_RS}
         return inputs, (row_BT, col_BT), target_BT, valid_BT
