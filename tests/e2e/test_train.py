@@ -186,9 +186,8 @@ def _check_miles_plugins(run_dir: Path, summary: dict) -> None:
 
 def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, tmp_path):
     """A run against engines we started ourselves: after it, the engine answers with the
-    trainer's final weights (its logprobs equal a forward pass of the saved checkpoint)."""
-    from transformers import AutoModelForCausalLM
-
+    trainer's final weights (its logprobs equal a forward pass of the saved checkpoint).
+    The Megatron tensor-parallel run's: tests/e2e/test_train_ddp.py."""
     from tests.support.engine_proc import EngineProcess
     from tests.support.router_proc import start_router
 
@@ -201,29 +200,37 @@ def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, t
         )
         proc = _train("train", [*flags, "--router-url", router.url])
         _check_run(proc, run_dir, 2)
-        assert httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"] == "2"
-        model = AutoModelForCausalLM.from_pretrained(run_dir / "ckpt" / "iter_0000002" / "model")
-        prompt = [5, 6, 7, 8]
-        out = httpx.post(
-            f"{engine.url}/generate",
-            json={
-                "input_ids": prompt,
-                "sampling_params": {"max_new_tokens": 5, "temperature": 0},
-                "return_logprob": True,
-            },
-            timeout=60,
-        ).json()
-        tokens = [t for _, t, _ in out["meta_info"]["output_token_logprobs"]]
-        engine_logp = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens])).logits[0]
-        expected = torch.log_softmax(logits, -1)[
-            torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1), tokens
-        ]
-        torch.testing.assert_close(engine_logp, expected, atol=1e-4, rtol=0)
+        check_engine_serves(engine.url, run_dir / "ckpt" / "iter_0000002" / "model", "2")
     finally:
         router.stop()
         engine.stop()
+
+
+def check_engine_serves(engine_url: str, model_dir: Path, version: str) -> None:
+    """The engine serves `version`, and its logprobs of a greedy answer equal a forward pass
+    of the Hugging Face model saved in `model_dir` (the trainer's weights)."""
+    from transformers import AutoModelForCausalLM
+
+    assert httpx.get(f"{engine_url}/get_weight_version").json()["weight_version"] == version
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompt = [5, 6, 7, 8]
+    out = httpx.post(
+        f"{engine_url}/generate",
+        json={
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+            "return_logprob": True,
+        },
+        timeout=60,
+    ).json()
+    tokens = [t for _, t, _ in out["meta_info"]["output_token_logprobs"]]
+    engine_logp = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    expected = torch.log_softmax(logits, -1)[
+        torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1), tokens
+    ]
+    torch.testing.assert_close(engine_logp, expected, atol=1e-4, rtol=0)
 
 
 def _children_from(lines: list[str]) -> dict[str, int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_train import _check_run, _flags, prompts  # noqa: F401 (fixture)
+from tests.e2e.test_train import _check_run, _flags, check_engine_serves, prompts  # noqa: F401
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(200)]
 
@@ -36,12 +36,34 @@ def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_
     """fsdp: the actor sharded, its gathered weights synced to the engine and saved by rank 0
     with each rank's optimizer shard beside them; megatron-tp2: megatron-core's GPTModel split
     over the two ranks (tensor parallel), with a KL term to a Hugging Face reference, gathered
-    and saved the same way. The ranks' numbers (DDP, FSDP, megatron DP and TP against one
-    rank): tests/unit/test_data_parallel.py; a one-rank megatron step: test_megatron_model.py."""
+    and saved the same way, against an engine and router we started (--router-url): after
+    the run the engine's logprobs equal a forward pass of the saved checkpoint, so the
+    gathered TP shards are what it loaded. The ranks' numbers (DDP, FSDP, megatron DP and TP
+    against one rank): tests/unit/test_data_parallel.py; a one-rank megatron step:
+    test_megatron_model.py."""
     extra = ["--train-backend", backend]
+    engine = router = None
     if backend == "megatron-tp2":
+        from tests.support.engine_proc import EngineProcess
+        from tests.support.router_proc import start_router
+
+        engine = EngineProcess(tiny_model_dir, tmp_path, "--weight-version", "0")
+        router = start_router(tmp_path, "--worker-urls", engine.url)
         extra = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
-                 "--use-kl-loss", "--kl-loss-coef", "0.01"]  # fmt: skip
+                 "--use-kl-loss", "--kl-loss-coef", "0.01", "--router-url", router.url]  # fmt: skip
+    try:
+        _run_two_ranks(tiny_model_dir, prompts, tmp_path, extra)
+        if engine is not None:
+            model = tmp_path / "run-ddp" / "ckpt" / "iter_0000002" / "model"
+            check_engine_serves(engine.url, model, "2")
+    finally:
+        if router is not None:
+            router.stop()
+        if engine is not None:
+            engine.stop()
+
+
+def _run_two_ranks(tiny_model_dir: Path, prompts: Path, tmp_path: Path, extra: list[str]) -> None:  # noqa: F811
     run_dir = tmp_path / "run-ddp"
     tag = uuid.uuid4().hex
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MILLSTREAM_TEST_TAG": tag}
