@@ -75,6 +75,21 @@ def test_jsonl_export_when_a_run_dir_is_given(tmp_path, monkeypatch):
     assert spans["inner"]["attributes"] == {"group_id": "g1"} and spans["inner"]["service"] == "svc"
 
 
+def test_a_burst_of_spans_is_exported_whole(tmp_path, monkeypatch):
+    """10,000 spans at once (an eval burst): none dropped (the SDK's default queue of 2048
+    spans drops most of them)."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    provider = telemetry.make_provider("burst", tmp_path)
+    assert provider is not None
+    tracer = provider.get_tracer("t")
+    for i in range(10_000):
+        with tracer.start_as_current_span("group", attributes={"i": i}):
+            pass
+    provider.shutdown()
+    (path,) = (tmp_path / "traces").glob("burst-*.jsonl")
+    assert len(path.read_text().splitlines()) == 10_000
+
+
 def test_no_exporter_without_endpoint_or_run_dir(monkeypatch):
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     assert telemetry.make_provider("svc", None) is None
