@@ -103,7 +103,22 @@ LAYOUTS = {"padded": [], "packed": ["--use-dynamic-batch-size", "--max-tokens-pe
            # activation recomputation: the same step (megatron recomputes, torch ignores it)
            "recompute-full": ["--recompute-granularity", "full", "--recompute-method",
                               "uniform", "--recompute-num-layers", "1"],
-           "recompute-selective": ["--recompute-granularity", "selective"]}  # fmt: skip
+           "recompute-selective": ["--recompute-granularity", "selective"],
+           # the estimators and objective flags, through the shared loss code
+           "gspo": ["--advantage-estimator", "gspo"],
+           "reinforce++-kl-in-reward": ["--advantage-estimator", "reinforce_plus_plus",
+                                        "--use-kl-in-reward", "--kl-coef", "0.05"],
+           "rloo-per-token": ["--advantage-estimator", "reinforce_plus_plus_baseline",
+                              "--calculate-per-token-loss"],
+           "tis-entropy-clip-higher": ["--use-tis", "--entropy-coef", "0.01", "--eps-clip-high",
+                                       "0.28", "--kl-loss-type", "low_var_kl"],
+           "ppo": ["--advantage-estimator", "ppo"]}  # fmt: skip
+
+# Layouts whose step differs from GRPO's on this batch. GSPO's does not: with one on-policy
+# step its sequence ratio is 1 and its gradient is GRPO's sample-mean one. Nor does PPO's
+# actor step: the fresh critic's values are 0, so its advantages are the rewards, +-1 as
+# GRPO's are here.
+ESTIMATOR_LAYOUTS = ("reinforce++-kl-in-reward", "rloo-per-token", "tis-entropy-clip-higher")
 
 
 def _backend_step(rank: int, model_dir: str, out: str) -> None:
@@ -120,7 +135,8 @@ def _backend_step(rank: int, model_dir: str, out: str) -> None:
         cfg = parse_run_config([*FLAGS, *flags])
         pair = {}
         for kind, cls in (("torch", TorchBackend), ("megatron", MegatronBackend)):
-            backend = cls(cfg, model_dir, ref_dir=model_dir, total_steps=2)
+            critic = model_dir if cfg.algo.uses_critic else None  # PPO: an HF value model
+            backend = cls(cfg, model_dir, ref_dir=model_dir, critic_dir=critic, total_steps=2)
             if kind == "megatron" and name.startswith("recompute"):
                 granularity = backend.model.config.recompute_granularity
                 assert granularity == name.removeprefix("recompute-"), granularity
@@ -139,9 +155,12 @@ def _backend_step(rank: int, model_dir: str, out: str) -> None:
 
 
 def test_the_megatron_backend_takes_the_torch_backends_step(tiny_model_dir, tmp_path):
-    """Same weights and batch: the same logprobs before, the same weights after one GRPO step
-    (with a KL term to a Hugging Face reference), padded and packed; its checkpoint is a
-    Hugging Face one that reads back unchanged."""
+    """Same weights and batch: the same logprobs before, the same weights after one step
+    (with a KL term to a Hugging Face reference), padded and packed, with recomputation, and
+    for each estimator and objective flag (GSPO, REINFORCE++ with the KL in the reward, its
+    baseline variant with a per-token loss, TIS with an entropy bonus and clip-higher, PPO
+    with its critic); its
+    checkpoint is a Hugging Face one that reads back unchanged."""
     mp.spawn(_backend_step, args=(str(tiny_model_dir), str(tmp_path)), nprocs=1)
     results = torch.load(tmp_path / "results.pt", weights_only=True)
     for name in LAYOUTS:
@@ -158,3 +177,7 @@ def test_the_megatron_backend_takes_the_torch_backends_step(tiny_model_dir, tmp_
         assert any(not torch.equal(initial[k], v) for k, v in mega_after.items()), "no step"
     for key, want in results["padded"]["megatron"][1].items():
         assert torch.equal(results["reread"][key], want), key
+    grpo = results["padded"]["torch"][1]
+    for name in ESTIMATOR_LAYOUTS:  # each flag changed the step (so the equality says something)
+        after = results[name]["torch"][1]
+        assert any(not torch.equal(after[k], grpo[k]) for k in grpo), name
