@@ -175,6 +175,28 @@ def test_four_ranks_tensor_and_data_parallel_take_the_one_rank_step(tiny_model_d
     assert moved > 0
 
 
+def test_tensor_parallel_qwen3_q_and_k_norms_take_the_one_rank_step(tmp_path):
+    """Qwen3's q/k norms are whole on each tensor parallel rank but see only its heads: their
+    gradient is the sum over the group (they drifted apart, and from one rank's step, by
+    ~6e-3 before it was). An untied head, GQA, two ranks."""
+    from tests.unit.test_megatron_model import _qwen3_untied
+
+    model = str(_qwen3_untied(tmp_path / "qwen3"))
+    flags = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"]
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_rank, args=(2, _free_port(), model, str(out), [flags]), nprocs=2)
+    single = build_backend(parse_run_config(FLAGS), model)
+    single.train_rollout(_samples(), 1)
+    got = torch.load(out / "run0-rank0.pt", weights_only=True)
+    norms = [k for k in got if k.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 4
+    before = load_file(Path(model) / "model.safetensors")
+    for key, want in single.named_weights():
+        torch.testing.assert_close(got[key], want, atol=1e-5, rtol=0)
+    assert all(not torch.equal(got[k], before[k]) for k in norms)
+
+
 # Adam with eps 1: its update is smooth in the gradient (see FLAGS), and has state to shard.
 ADAM = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--optimizer", "adam",
         "--lr", "1", "--adam-eps", "1", "--clip-grad", "0"]  # fmt: skip

@@ -58,6 +58,11 @@ def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (future | other)[None, None]
 
 
+PARTIAL_GRAD_MODULES = frozenset({"q_layernorm", "k_layernorm"})
+"""Modules whole on every tensor parallel rank whose gradient each rank only has a share of
+(`MegatronBackend._sum_partial_gradients`)."""
+
+
 class MegatronBackend(TorchBackend):
     def __init__(
         self,
@@ -149,6 +154,7 @@ class MegatronBackend(TorchBackend):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        self._sum_partial_gradients()
         grads = [(p.grad, getattr(p, "tensor_model_parallel", False))
                  for p in self.model.parameters() if p.grad is not None]  # fmt: skip
         split = torch.zeros((), dtype=torch.float64)
@@ -166,6 +172,28 @@ class MegatronBackend(TorchBackend):
             for grad, _ in grads:
                 grad.mul_(coef)
         return norm
+
+    def _sum_partial_gradients(self) -> None:
+        """Qwen3's q/k norms are whole on every tensor parallel rank, but each rank applies
+        them to its own heads only, so its gradient is its heads' share: the sum over the
+        group is the gradient (megatron leaves this to its finalize_model_grads, which this
+        backend's plain torch optimizer does not run). Without it the ranks' copies drift
+        apart and the trained norms differ from one rank's."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        partial = [
+            p.grad
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and name.rsplit(".", 2)[-2] in PARTIAL_GRAD_MODULES
+        ]
+        if partial:
+            flat = torch.cat([g.reshape(-1) for g in partial])
+            dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+            offset = 0
+            for grad in partial:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def save(
         self, directory: Path, save_optimizer: bool = True, *, actor_optimizer: bool = True
