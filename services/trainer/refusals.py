@@ -74,11 +74,6 @@ REFUSED: dict[str, str] = {
     "context_parallel_size": _NO_MEGATRON,
     "expert_model_parallel_size": _NO_MEGATRON,
     "expert_tensor_parallel_size": _NO_MEGATRON,
-    "sequence_parallel": (
-        "is megatron's sequence parallelism, which its local (non Transformer Engine) layers, "
-        "the ones built here, do not have (megatron-core's torch norm refuses it): drop it; "
-        "--tensor-model-parallel-size works without it"
-    ),
     "attention_dropout": _NO_DROPOUT,
     "hidden_dropout": _NO_DROPOUT,
     "attention_backend": (
@@ -270,6 +265,12 @@ BACKEND_ONLY: dict[str, tuple[str, str]] = {
         "needs --train-backend megatron (megatron-core's tensor parallelism, under torchrun "
         "with a multiple of it as ranks); the torch backend is data parallel, and "
         "--train-backend fsdp shards the model across the ranks",
+    ),
+    "sequence_parallel": (
+        "megatron",
+        "needs --train-backend megatron with --tensor-model-parallel-size > 1 (megatron's "
+        "sequence parallelism splits the sequence over the tensor parallel ranks); the torch "
+        "backend has no such split",
     ),
     "recompute_granularity": ("megatron", _NO_RECOMPUTE),
     "recompute_method": ("megatron", _NO_RECOMPUTE),

@@ -94,11 +94,19 @@ RUNS = {
     "megatron-tp2-packed-clipped": ["--train-backend", "megatron",
                                     "--tensor-model-parallel-size", "2", "--clip-grad", "0.05",
                                     "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6"],
+    # Sequence parallel: each rank also takes half of the sequence between the layers
+    # (padded to an even length; packed, the padding is a sample of its own).
+    "megatron-tp2-sp": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel"],
+    "megatron-tp2-sp-packed": ["--train-backend", "megatron", "--tensor-model-parallel-size",
+                               "2", "--sequence-parallel", "--use-dynamic-batch-size",
+                               "--max-tokens-per-gpu", "7"],
     # PPO: the critic is the torch backend's value model, whole on both ranks.
     "megatron-tp2-ppo": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
                          "--advantage-estimator", "ppo", "--normalize-advantages"],
 }  # fmt: skip
-MEGATRON_ONLY = {"--train-backend": "megatron", "--tensor-model-parallel-size": "2"}
+MEGATRON_ONLY = {"--train-backend": "megatron", "--tensor-model-parallel-size": "2",
+                 "--sequence-parallel": None}  # fmt: skip
 
 
 def _without_megatron(flags: list[str]) -> list[str]:
@@ -107,6 +115,8 @@ def _without_megatron(flags: list[str]) -> list[str]:
     for i, flag in enumerate(flags):
         if skip:
             skip = False
+        elif flag in MEGATRON_ONLY and MEGATRON_ONLY[flag] is None:
+            continue
         elif flag in MEGATRON_ONLY and i + 1 < len(flags) and flags[i + 1] == MEGATRON_ONLY[flag]:
             skip = True
         else:

@@ -263,8 +263,8 @@ def test_the_miles_qwen3_script_is_refused_for_what_the_torch_backend_does_not_d
                         {"MILLSTREAM_PRINT_ARGS": "1"})  # fmt: skip
     cfg = parse_run_config(argv, mode="async", prog="millstream train-async")
     assert list(refusals.refused(cfg)) == [
-        "--tensor-model-parallel-size", "--recompute-granularity", "--recompute-method",
-        "--recompute-num-layers", "--sequence-parallel", "--attention-backend", "--colocate",
+        "--tensor-model-parallel-size", "--sequence-parallel", "--recompute-granularity",
+        "--recompute-method", "--recompute-num-layers", "--attention-backend", "--colocate",
         "--rollout-num-gpus-per-engine", "--sglang-mem-fraction-static",
     ]  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--tensor-model-parallel-size 2 needs --train-backend"):

@@ -66,7 +66,8 @@ class MegatronConfig:
     expert_tensor_parallel_size: int = flag(1, "Megatron expert tensor parallelism" + _PARALLEL)
     sequence_parallel: bool = flag(
         False,
-        "Megatron sequence parallelism; refused (exit 2): megatron-core's local layers have none",
+        "Megatron sequence parallelism over the tensor parallel ranks (--train-backend "
+        "megatron; off with one tensor parallel rank, as in Megatron-LM)",
     )
     recompute_granularity: str | None = flag(None, _RECOMPUTE, choices=("full", "selective"))
     recompute_method: str | None = flag(None, _RECOMPUTE, choices=("uniform", "block"))

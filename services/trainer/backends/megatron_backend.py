@@ -85,7 +85,11 @@ class MegatronBackend(TorchBackend):
         m = cfg.megatron
         recompute = {"granularity": m.recompute_granularity, "method": m.recompute_method,
                      "num_layers": m.recompute_num_layers}  # fmt: skip
-        model = megatron_model.build(self.hf.config, self.tensor_parallel, recompute)
+        # Miles (Megatron-LM) turns --sequence-parallel off with one tensor parallel rank.
+        self.sequence_parallel = m.sequence_parallel and self.tensor_parallel > 1
+        model = megatron_model.build(
+            self.hf.config, self.tensor_parallel, recompute, self.sequence_parallel
+        )
         self._load_megatron(model, self.hf.state_dict())
         self.model = self.train_model = model.train()
         self.make_actor_optimizer()
@@ -114,13 +118,20 @@ class MegatronBackend(TorchBackend):
         if model is not self.model and model is not self.train_model:  # reference, teacher: HF
             return super()._logits(model, inputs)
         ids = inputs["input_ids"]
+        S = ids.shape[1]
+        # Sequence parallel: each rank takes an equal slice of the sequence. Right padding
+        # changes no earlier position's logits (causal), and packed, the padding is a sample
+        # of its own (its positions restart at 0), which no other attends to.
+        pad = -S % self.tensor_parallel if self.sequence_parallel else 0
+        ids = torch.nn.functional.pad(ids, (0, pad))
         if "position_ids" in inputs:  # packed: one row of several samples
             positions = inputs["position_ids"]
+            positions = torch.cat([positions, torch.arange(pad)[None].expand(len(ids), -1)], 1)
             logits = model(ids, positions, attention_mask=_block_causal_mask(positions))
         else:
             positions = torch.arange(ids.shape[1])[None].expand_as(ids)
             logits = model(ids, positions, attention_mask=None)
-        return megatron_model.unpadded_logits(logits, self.hf.config)
+        return megatron_model.unpadded_logits(logits[:, :S], self.hf.config)
 
     def gather_weights(self) -> dict[str, torch.Tensor]:
         """The whole weights in Hugging Face names; with tensor parallelism a collective of
@@ -175,17 +186,22 @@ class MegatronBackend(TorchBackend):
 
     def _sum_partial_gradients(self) -> None:
         """Qwen3's q/k norms are whole on every tensor parallel rank, but each rank applies
-        them to its own heads only, so its gradient is its heads' share: the sum over the
-        group is the gradient (megatron leaves this to its finalize_model_grads, which this
-        backend's plain torch optimizer does not run). Without it the ranks' copies drift
-        apart and the trained norms differ from one rank's."""
+        them to its own heads only, so its gradient is its heads' share; under sequence
+        parallelism the residual-stream norms see only the rank's slice of the sequence,
+        likewise. The sum over the group is the gradient (megatron leaves this to its
+        finalize_model_grads, which this backend's plain torch optimizer does not run).
+        Without it the ranks' copies drift apart and differ from one rank's step."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         partial = [
             p.grad
             for name, p in self.model.named_parameters()
-            if p.grad is not None and name.rsplit(".", 2)[-2] in PARTIAL_GRAD_MODULES
+            if p.grad is not None
+            and (
+                name.rsplit(".", 2)[-2] in PARTIAL_GRAD_MODULES
+                or getattr(p, "sequence_parallel", False)
+            )
         ]
         if partial:
             flat = torch.cat([g.reshape(-1) for g in partial])

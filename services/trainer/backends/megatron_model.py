@@ -65,7 +65,10 @@ def unpadded_logits(logits: torch.Tensor, hf: Any) -> torch.Tensor:
 
 
 def transformer_config(
-    hf: Any, tensor_parallel: int = 1, recompute: dict[str, Any] | None = None
+    hf: Any,
+    tensor_parallel: int = 1,
+    recompute: dict[str, Any] | None = None,
+    sequence_parallel: bool = False,
 ) -> Any:
     """megatron's TransformerConfig for the Hugging Face config `hf`; `recompute`: Miles'
     --recompute-granularity/-method/-num-layers as TransformerConfig's recompute_* fields."""
@@ -83,7 +86,9 @@ def transformer_config(
         )
     qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
     try:
-        return _transformer_config(hf, tensor_parallel, qkv_bias, recompute or {})
+        config = _transformer_config(hf, tensor_parallel, qkv_bias, recompute or {})
+        config.sequence_parallel = sequence_parallel and tensor_parallel > 1
+        return config
     except (ValueError, AssertionError) as err:  # megatron's own validation of the settings
         raise MillstreamError(f"megatron-core refuses the model's settings: {err}") from None
 
@@ -123,18 +128,61 @@ def _transformer_config(
     )
 
 
+class SequenceNorm:
+    """megatron's WrappedTorchNorm (torch's RMSNorm) without its refusal of sequence
+    parallelism, for the norms on the residual stream. Under sequence parallelism each
+    tensor parallel rank normalises its slice of the sequence, so the weight's gradient is
+    that slice's share: marked `sequence_parallel`, the backend sums it over the group."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+        return norm
+
+
+class HeadNorm:
+    """Qwen3's q/k norms as torch's RMSNorm, whatever the sequence layout: they run after the
+    sequence is gathered (their gradient is summed over the group for another reason, the
+    heads: MegatronBackend)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
+
+
+def _layer_spec(qk_layernorm: bool) -> Any:
+    """The local (non Transformer Engine) layer spec with our norms in it (SequenceNorm,
+    HeadNorm): the same modules megatron's torch norm builds, sequence parallel or not."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceNorm
+    if qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = HeadNorm
+    return spec
+
+
 def build(
-    hf: Any, tensor_parallel: int = 1, recompute: dict[str, Any] | None = None
+    hf: Any,
+    tensor_parallel: int = 1,
+    recompute: dict[str, Any] | None = None,
+    sequence_parallel: bool = False,
 ) -> torch.nn.Module:
     """The GPTModel for `hf` (random weights: load them with `hf_to_megatron` and `shard`).
     Needs the default process group and megatron's parallel state with this tensor parallel
-    size (megatron_cpu.model_parallel). Its logits are the whole padded vocabulary."""
+    size (megatron_cpu.model_parallel). Its logits are the whole padded vocabulary. With
+    `sequence_parallel` (and more than one rank), a forward's sequence length must be a
+    multiple of `tensor_parallel` (`pad_sequence`)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     megatron_cpu.apply()
-    config = transformer_config(hf, tensor_parallel, recompute)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    config = transformer_config(hf, tensor_parallel, recompute, sequence_parallel)
+    layer = _layer_spec(config.qk_layernorm)
+    spec = TransformerBlockSubmodules(
+        layer_specs=[layer] * config.num_layers, layer_norm=SequenceNorm
+    )
     return GPTModel(
         config,
         spec,
