@@ -35,7 +35,7 @@ def _tagged(tag: str) -> list[int]:
 def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_path):  # noqa: F811
     """fsdp: the actor sharded, its gathered weights synced to the engine and saved by rank 0
     with each rank's optimizer shard beside them; megatron-tp2: megatron-core's GPTModel split
-    over the two ranks (tensor parallel), with a KL term to a Hugging Face reference, gathered
+    over the two ranks (tensor and sequence parallel), with a KL term to a Hugging Face reference, gathered
     and saved the same way, against an engine and router we started (--router-url): after
     the run the engine's logprobs equal a forward pass of the saved checkpoint, so the
     gathered TP shards are what it loaded. The ranks' numbers (DDP, FSDP, megatron DP and TP
@@ -50,7 +50,8 @@ def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_
         engine = EngineProcess(tiny_model_dir, tmp_path, "--weight-version", "0")
         router = start_router(tmp_path, "--worker-urls", engine.url)
         extra = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
-                 "--use-kl-loss", "--kl-loss-coef", "0.01", "--router-url", router.url]  # fmt: skip
+                 "--sequence-parallel", "--use-kl-loss", "--kl-loss-coef", "0.01",
+                 "--router-url", router.url]  # fmt: skip
     try:
         _run_two_ranks(tiny_model_dir, prompts, tmp_path, extra)
         if engine is not None:
