@@ -15,6 +15,7 @@ bad input with 4xx and a message naming the field, never 5xx.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import asynccontextmanager
 from typing import Any
@@ -244,15 +245,29 @@ async def delete_worker(request: Request, worker_id: str):
 
 
 async def set_weight_version(request: Request):
-    body = await _json_object(request, {"weight_version"})
+    """Gate on a version. Every worker's version is read again before answering, except
+    those in `workers_at_version`: the caller (the trainer, which just updated them and
+    heard each one confirm the version) vouches for them, which saves the weight sync a
+    round trip to each; the next health round reads them as usual."""
+    body = await _json_object(request, {"weight_version", "workers_at_version"})
     if "weight_version" not in body:
         raise ApiError(400, "field 'weight_version' is required (a string, or null to stop gating)")
     version = body["weight_version"]
     if isinstance(version, bool) or not (version is None or isinstance(version, (str, int))):
         raise ApiError(400, f"field 'weight_version' must be a string or null, got {version!r}")
+    vouched = body.get("workers_at_version", [])
+    if not isinstance(vouched, list) or not all(isinstance(u, str) for u in vouched):
+        raise ApiError(400, f"field 'workers_at_version' must be a list of urls, got {vouched!r}")
     r = _router(request)
     r.registry.set_expected_version(None if version is None else str(version))
-    await r.health.check_all()  # re-read every worker's version before answering
+    known = set()
+    if version is not None:
+        for url in vouched:
+            worker = r.registry.get(url.rstrip("/"))
+            if worker is not None and worker.healthy:
+                worker.weight_version = str(version)
+                known.add(worker.url)
+    await asyncio.gather(*(r.health.check(w) for w in r.registry.all() if w.url not in known))
     eligible = [w.url for w in r.registry.eligible()]
     return {"weight_version": r.registry.expected_version, "eligible": eligible}
 

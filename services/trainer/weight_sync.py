@@ -236,9 +236,14 @@ class RouterAdmin:
     async def remove(self, url: str) -> None:
         await self._call("POST", "/remove_worker", params={"url": url})
 
-    async def set_version(self, version: str) -> list[str]:
-        """Serve `version` only; returns the engines the router routes to now."""
-        body = await self._call("POST", "/set_weight_version", json={"weight_version": version})
+    async def set_version(self, version: str, at_version: Sequence[str] = ()) -> list[str]:
+        """Serve `version` only; returns the engines the router routes to now. `at_version`:
+        engines that confirmed `version` to us, which the router need not ask again."""
+        body = await self._call(
+            "POST",
+            "/set_weight_version",
+            json={"weight_version": version, "workers_at_version": list(at_version)},
+        )
         return list(body.get("eligible", []))
 
 
@@ -505,7 +510,7 @@ class WeightSync:
         # its /continue_generation lands queues it.
         start = time.monotonic()
         eligible, failed = await asyncio.gather(
-            router.set_version(str(report.version)),
+            router.set_version(str(report.version), engines),
             calls.each(engines, "/continue_generation", lambda _i, _u: {}),
         )
         late = [u for u in engines if u not in eligible]

@@ -32,6 +32,7 @@ class Upstream:
 
     def __init__(self, versions: dict[str, str] | None = None):
         self.seen: list[httpx.Request] = []
+        self.probes: list[str] = []  # the bases asked /get_weight_version, in order
         self.versions = versions or {}
         self.handlers: dict[str, Handler] = {}
         self.down: set[str] = set()
@@ -46,6 +47,7 @@ class Upstream:
         if request.url.path == "/health":
             return httpx.Response(200)
         if request.url.path == "/get_weight_version":
+            self.probes.append(base)
             return httpx.Response(200, json={"weight_version": self.versions.get(base, "0")})
         await request.aread()
         self.seen.append(request)
@@ -372,6 +374,22 @@ def test_version_gating_routes_only_to_the_expected_version():
             "eligible"
         ] == [A, B]
         assert "/get_weight_version" not in [q.url.path for q in up.seen]  # answered by the router
+
+
+def test_a_version_vouched_for_is_not_asked_again():
+    """The trainer names the engines that confirmed V: the router gates on V without asking
+    them; a worker it does not name is still asked (and one at another version excluded)."""
+    up = Upstream(versions={A: "1", B: "1"})
+    with make_client(up, worker_urls=[A, B]) as client:
+        asked = len(up.probes)
+        r = client.post("/set_weight_version", json={"weight_version": "2",
+                                                     "workers_at_version": [A + "/"]})  # fmt: skip
+        assert r.json() == {"weight_version": "2", "eligible": [A]}
+        assert up.probes[asked:] == [B]
+        assert {client.post("/generate", json={}).json()["worker"] for _ in range(3)} == {A}
+        bad = client.post("/set_weight_version", json={"weight_version": "2",
+                                                       "workers_at_version": A})  # fmt: skip
+        assert bad.status_code == 400 and "workers_at_version" in error_message(bad)
 
 
 def test_trace_context_is_continued_and_injected():
