@@ -132,21 +132,16 @@ def make_provider(service_name: str, run_dir: str | Path | None = None) -> Trace
     else:
         return None
     provider = TracerProvider(resource=resource)
-    processor = BatchSpanProcessor(
-        exporter,
-        schedule_delay_millis=500,
-        max_queue_size=SPAN_QUEUE,
-        max_export_batch_size=SPAN_EXPORT_BATCH,
-    )
+    processor = BatchSpanProcessor(exporter, schedule_delay_millis=500, max_queue_size=SPAN_QUEUE)
     provider.add_span_processor(processor)
     return provider
 
 
 # The SDK's default queue (2048 spans) drops spans in a burst: an eval round of a few thousand
 # groups makes several spans each in every service at once, and every group must keep its
-# trace. 32768 spans is a few tens of MB at worst.
+# trace. 32768 spans is a few tens of MB at worst. The export batch stays the SDK's 512: the
+# exporter's thread holds the GIL while it encodes a batch, so larger ones stall the services.
 SPAN_QUEUE = 32768
-SPAN_EXPORT_BATCH = 2048
 
 
 def setup_tracing(service_name: str, run_dir: str | Path | None = None) -> TracerProvider | None:

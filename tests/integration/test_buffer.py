@@ -26,6 +26,15 @@ def scored(
     return ScoredGroup(group=SampleGroup(prompt=prompt, samples=[sample]), verdict=verdict)
 
 
+def make_buffer(redis, keys: RunKeys, on_terminal=lambda gid, state: None,
+                expected=lambda gid: True) -> Buffer:  # fmt: skip
+    """The trainer's buffer on `keys`, with the settings every test here uses."""
+    return Buffer(
+        redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
+        on_terminal=on_terminal, expected=expected,
+    )  # fmt: skip
+
+
 def test_group_lag_is_measured_from_the_oldest_token():
     assert group_lag(scored("g", versions=(2, 5)), version=6) == 4
     assert group_lag(scored("g", versions=()), version=6) == 0
@@ -37,9 +46,8 @@ def test_buffer_accounts_every_group_once(redis_url):
 
     async def go() -> tuple[list[str], list[str], int]:
         redis = await connect(redis_url)
-        buffer = Buffer(
-            redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
-            on_terminal=lambda gid, state: ended.append((gid, state)),
+        buffer = make_buffer(
+            redis, keys, on_terminal=lambda gid, state: ended.append((gid, state)),
             expected=lambda gid: gid != "old" and gid not in {g for g, _ in ended},
         )  # fmt: skip
         await buffer.start()
@@ -83,10 +91,7 @@ def test_a_burst_lands_in_arrival_order_and_every_entry_is_acked(redis_url):
 
     async def go() -> tuple[list[str], int]:
         redis = await connect(redis_url)
-        buffer = Buffer(
-            redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
-            on_terminal=lambda gid, state: None, expected=lambda gid: True,
-        )  # fmt: skip
+        buffer = make_buffer(redis, keys)
         await buffer.start()
         try:
             messages = [scored(f"g{i:03d}", is_eval=i % 3 == 0) for i in range(600)]
@@ -114,8 +119,8 @@ def test_dead_letters_end_their_groups_failed(redis_url):
 
     async def go() -> tuple[Buffer, list[ScoredGroup]]:
         redis = await connect(redis_url)
-        buffer = Buffer(
-            redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
+        buffer = make_buffer(
+            redis, keys,
             on_terminal=lambda gid, state: (ended.append((gid, state)), admitted.discard(gid)),
             expected=admitted.__contains__,
         )  # fmt: skip
@@ -240,10 +245,7 @@ def test_a_batch_wait_ends_with_the_error_of_a_feeder_that_died(redis_url):
 
     async def go() -> None:
         redis = await connect(redis_url)
-        buffer = Buffer(
-            redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
-            on_terminal=lambda gid, state: None, expected=lambda gid: True,
-        )  # fmt: skip
+        buffer = make_buffer(redis, keys)
         await buffer.start()
 
         async def admission() -> None:

@@ -58,11 +58,6 @@ def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (future | other)[None, None]
 
 
-PARTIAL_GRAD_MODULES = frozenset({"q_layernorm", "k_layernorm"})
-"""Modules whole on every tensor parallel rank whose gradient each rank only has a share of
-(`MegatronBackend._sum_partial_gradients`)."""
-
-
 class MegatronBackend(TorchBackend):
     def __init__(
         self,
@@ -92,6 +87,12 @@ class MegatronBackend(TorchBackend):
         )
         self._load_megatron(model, self.hf.state_dict())
         self.model = self.train_model = model.train()
+        # Whole on each tensor parallel rank, each rank with only a share of the gradient
+        # (megatron_model.SequenceNorm, HeadNorm): summed over the group before each step.
+        self.partial_params = [
+            p for p in model.parameters()
+            if getattr(p, "sequence_parallel", False) or getattr(p, "partial_over_heads", False)
+        ]  # fmt: skip
         self.make_actor_optimizer()
 
     def data_parallel_group(self) -> Any:
@@ -194,15 +195,7 @@ class MegatronBackend(TorchBackend):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        partial = [
-            p.grad
-            for name, p in self.model.named_parameters()
-            if p.grad is not None
-            and (
-                name.rsplit(".", 2)[-2] in PARTIAL_GRAD_MODULES
-                or getattr(p, "sequence_parallel", False)
-            )
-        ]
+        partial = [p.grad for p in self.partial_params if p.grad is not None]
         if partial:
             flat = torch.cat([g.reshape(-1) for g in partial])
             dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())

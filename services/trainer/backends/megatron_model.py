@@ -142,11 +142,14 @@ class SequenceNorm:
 
 class HeadNorm:
     """Qwen3's q/k norms as torch's RMSNorm, whatever the sequence layout: they run after the
-    sequence is gathered (their gradient is summed over the group for another reason, the
-    heads: MegatronBackend)."""
+    sequence is gathered. Whole on every tensor parallel rank, each applies them to its own
+    heads only, so the weight's gradient is those heads' share: marked `partial_over_heads`,
+    the backend sums it over the group."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
-        return torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.partial_over_heads = config.tensor_model_parallel_size > 1  # type: ignore[attr-defined]
+        return norm
 
 
 def _layer_spec(qk_layernorm: bool) -> Any:
