@@ -18,7 +18,7 @@ from millstream.common.keys import RunKeys
 from millstream.common.prom import start_metrics
 from millstream.common.streams import default_consumer_name
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, megatron_ckpt
 from .admission import Admission, TerminalCounts
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
@@ -172,7 +172,7 @@ async def build_trainer(
     tokenizer = load_tokenizer(cfg)
     source, eval_sources = data_sources(cfg, tokenizer)
     total = num_rollouts(cfg, source)
-    resume_from = checkpoint.latest_iteration(cfg.ckpt.load)
+    resume_from = resume_iteration(cfg)
     state = checkpoint.load_state(cfg.ckpt.load, resume_from) if resume_from is not None else None  # type: ignore[arg-type]
     backend: TorchBackend | DataParallel = build_backend(cfg, total)
     backend.profiler = TrainProfiler.from_config(cfg)  # rank 0 only, as Megatron's default
@@ -263,6 +263,10 @@ async def build_trainer(
             closers.append(server.aclose)
         await buffer.start()
         closers.append(buffer.stop)
+        start = getattr(backend, "backend", backend).start_checkpoint
+        if start is not None and state is None:
+            print(f"[trainer] the actor starts from the torch_dist checkpoint {start}", flush=True)
+            await timed_sync.sync(backend.named_weights, version)  # engines have --hf-checkpoint's
         if state is not None:
             # Engines serve the resumed weights.
             await timed_sync.sync(backend.named_weights, version)
@@ -299,13 +303,24 @@ def _async(fn: Callable[[], None]) -> Closer:
     return call
 
 
+def resume_iteration(cfg: RunConfig) -> int | None:
+    """The iteration of our own --load checkpoint to resume, None for a fresh start (a
+    Megatron torch_dist --load is the megatron backend's starting weights: MegatronBackend)."""
+    if megatron_ckpt.torch_dist_dir(cfg.ckpt.load):
+        return None
+    return checkpoint.latest_iteration(cfg.ckpt.load)
+
+
 def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
     """The actor from --hf-checkpoint; the reference when a KL needs it; the critic (ppo)
     from --critic-load or the actor's weights; a local teacher from --opd-teacher-load."""
     a = cfg.algo
     actor = cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load
     needs_ref = a.use_kl_loss or a.use_kl_in_reward
-    ref = (cfg.ckpt.ref_load or cfg.ckpt.hf_checkpoint) if needs_ref else None
+    ref_load = cfg.ckpt.ref_load
+    if megatron_ckpt.torch_dist_dir(ref_load):  # the megatron backend's (preflight): it
+        ref_load = None  # loads the weights into the --hf-checkpoint skeleton
+    ref = (ref_load or cfg.ckpt.hf_checkpoint) if needs_ref else None
     critic = (a.critic_load or actor) if a.uses_critic else None
     teacher = a.opd_teacher_load if a.distills else None
     cls = TorchBackend
@@ -324,7 +339,7 @@ def build_follower(cfg: RunConfig) -> DataParallel:
     checkpoint as rank 0, so that all ranks start with the same weights and optimizer."""
     total = cfg.rollout.num_rollout or num_rollouts(cfg, data_sources(cfg, load_tokenizer(cfg))[0])
     backend = build_backend(cfg, total)
-    resume_from = checkpoint.latest_iteration(cfg.ckpt.load)
+    resume_from = resume_iteration(cfg)
     if resume_from is None:
         return DataParallel(backend)
     state = checkpoint.load_state(cfg.ckpt.load, resume_from)  # type: ignore[arg-type]

@@ -272,7 +272,10 @@ class DataParallel:
             if command == SAVE:
                 path = torch.empty(n, dtype=torch.uint8, device=self.device)
                 dist.broadcast(path, src=0)
-                self._save_shard(Path(bytes(path.tolist()).decode()), bool(num_steps))
+                directory = Path(bytes(path.tolist()).decode())
+                if self.backend.collective_save:
+                    self.backend.save_shards(directory)
+                self._save_shard(directory, bool(num_steps))
                 continue
             shapes = [((n, INTS), torch.int64), ((n_tokens,), torch.int64), ((n_masks,), torch.int64),
                       ((n_logps,), torch.float64), ((n_teacher,), torch.float64),
@@ -329,18 +332,21 @@ class DataParallel:
     def save(self, directory: Path, save_optimizer: bool = True) -> None:
         """Rank 0. Sharded (or tensor parallel): every rank writes its optimizer shard (told by
         a SAVE command), rank 0 the gathered weights in Hugging Face format and the critic;
-        the same files as one rank's otherwise."""
-        if not self.sharded_optimizer:
+        the same files as one rank's otherwise. The megatron backend's torch_dist files are
+        written by every rank together (a SAVE command too, its `save_shards`)."""
+        if not (self.sharded_optimizer or self.backend.collective_save):
             self.backend.save(directory, save_optimizer)
             return
         path = torch.tensor(list(str(directory).encode()), dtype=torch.uint8, device=self.device)
         _broadcast_header([SAVE, int(save_optimizer), path.numel(), 0, 0, 0, 0, 0])
         dist.broadcast(path, src=0)
-        self.backend.save(directory, save_optimizer, actor_optimizer=False)
+        self.backend.save(
+            directory, save_optimizer, actor_optimizer=not self.sharded_optimizer
+        )  # the megatron backend: with its torch_dist files, which the others join
         self._save_shard(directory, save_optimizer)
 
     def _save_shard(self, directory: Path, save_optimizer: bool) -> None:
-        if save_optimizer:
+        if save_optimizer and self.sharded_optimizer:
             torch.save(
                 {
                     "optimizer": _local_state(self.backend.optimizer.state_dict()),

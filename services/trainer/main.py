@@ -146,7 +146,14 @@ def _exit_without_finalizing(code: int) -> NoReturn:
     interpreter is torn down, and a thread that takes the GIL then is ended in a way that
     aborts the process ("terminate called without an active exception", SIGABRT: rank 1 of
     tests/e2e/test_train_ddp.py, once in ~50 CI runs; pytorch/pytorch#179291 describes it).
-    An error still propagates, for torchrun to report."""
+    An error still propagates, for torchrun to report. multiprocessing's children are ended
+    here, as finalization would have: megatron's torch_dist save (megatron_dist.py) keeps a
+    Manager process, which would outlive the rank and hold torchrun's stdout open."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

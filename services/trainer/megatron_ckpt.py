@@ -1,5 +1,7 @@
-"""Recognise a Megatron checkpoint where the torch backend wants a Hugging Face model dir or its
-own checkpoint, so preflight names the flag and the format instead of a missing config.json.
+"""Recognise a Megatron checkpoint where a Hugging Face model dir or our own checkpoint is
+wanted, so preflight names the flag, the format and the fix (`millstream convert`, or
+--train-backend megatron, which reads torch_dist: megatron_dist.py) instead of a missing
+config.json.
 
 Miles scripts pass Megatron dirs: `--ref-load /root/Qwen3-4B_torch_dist` (made by Miles'
 tools/convert_hf_to_torch_dist.py) and `--load /root/Qwen3-4B_miles/` (saved by its Megatron
@@ -27,7 +29,6 @@ from pathlib import Path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OUR_STATE = "trainer_state.json"  # checkpoint.py STATE
-CONVERTER = "tools/convert_torch_dist_to_hf.py"
 
 
 def _sharded_backend(path: Path) -> str | None:
@@ -97,27 +98,50 @@ def describe(path: str | os.PathLike[str]) -> str | None:
     return f"a {found[0]} checkpoint ({named[1]} {found[1]})" if found else None
 
 
-def _input_dir(path: str) -> str:
-    """The dir Miles' converter takes (--input-dir): the iteration dir, not the root."""
+def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    """The dir holding the checkpoint's files: `path` itself (an iter dir given directly), or
+    the one its tracker names (the newest iter_*/ or release/ without one)."""
     root = Path(path)
     if _format_of(root) is None and (named := _named_dir(root)) is not None:
-        return str(named[0])
-    return str(root)
+        return named[0]
+    return root
+
+
+def torch_dist_dir(path: str | os.PathLike[str] | None) -> Path | None:
+    """The dir of torch_dist files that `path` names (it, or the one its tracker names), when
+    `path` is a Megatron torch_dist checkpoint (not ours); else None."""
+    if not path:
+        return None
+    found = describe(path)
+    return checkpoint_dir(path) if found and "torch_dist" in found else None
 
 
 def message(flag: str, path: str, found: str, hf_checkpoint: str | None) -> str:
-    """The preflight error for a Megatron dir given to `flag` (--ref-load, --load, ...)."""
+    """The preflight error for a Megatron dir given to `flag` (--ref-load, --load, ...) where
+    the run reads Hugging Face dirs (or, under --train-backend megatron, a flag that does)."""
     origin = hf_checkpoint or "HF_MODEL_DIR"
-    convert = (
-        f"convert it with Miles' {CONVERTER} --input-dir {_input_dir(path)} --output-dir "
-        f"HF_DIR --origin-hf-dir {origin}"
+    if "torch_dist" in found:
+        fix = (
+            f"convert it with `millstream convert torch-dist-to-hf --input-dir "
+            f"{checkpoint_dir(path)} --output-dir HF_DIR --origin-hf-dir {origin}`"
+        )
+    else:
+        fix = (
+            "millstream reads Megatron's torch_dist format only: save it as torch_dist with "
+            "Megatron-LM (--ckpt-format torch_dist), convert that to HF_DIR with `millstream "
+            "convert torch-dist-to-hf`"
+        )
+    megatron = (
+        "; or train with --train-backend megatron, which reads torch_dist checkpoints as "
+        "--load and --ref-load"
+        if "torch_dist" in found and flag in ("--load", "--ref-load")
+        else ""
     )
-    later = "; --train-backend megatron does not read torch_dist checkpoints yet"
     if flag == "--load":
         return (
             f"--load {path} is {found}; the torch backend resumes only its own checkpoints "
-            f"(iter_N/ with model/ in Hugging Face format and {OUR_STATE}): {convert} and "
-            f"start from it with --hf-checkpoint HF_DIR and a new --load dir{later}"
+            f"(iter_N/ with model/ in Hugging Face format and {OUR_STATE}): {fix} and "
+            f"start from it with --hf-checkpoint HF_DIR and a new --load dir{megatron}"
         )
     if flag == "--ref-load":
         instead = (
@@ -127,10 +151,10 @@ def message(flag: str, path: str, found: str, hf_checkpoint: str | None) -> str:
         )
         return (
             f"--ref-load {path} is {found}; the torch backend reads the reference model from "
-            f"a Hugging Face model dir (config.json and safetensors): {convert} and pass "
-            f"--ref-load HF_DIR ({instead}){later}"
+            f"a Hugging Face model dir (config.json and safetensors): {fix} and pass "
+            f"--ref-load HF_DIR ({instead}){megatron}"
         )
     return (
-        f"{flag} {path} is {found}; the torch backend reads Hugging Face model dirs "
-        f"(config.json and safetensors): {convert} and pass {flag} HF_DIR{later}"
+        f"{flag} {path} is {found}; {flag} takes a Hugging Face model dir (config.json and "
+        f"safetensors): {fix} and pass {flag} HF_DIR"
     )

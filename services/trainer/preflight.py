@@ -25,7 +25,8 @@ In order, cheapest first:
    whether or not the workers run here;
 4. files: the model dirs, the MODEL_ARGS given against the model's config.json
    (refusals.check_model), a --load checkpoint that is there (a Megatron checkpoint given
-   to --load, --ref-load or a model dir flag is named as one: megatron_ckpt.py), and the
+   to --load, --ref-load or a model dir flag is named as one: megatron_ckpt.py; the
+   Megatron backend reads torch_dist as --load and --ref-load), and the
    prompt data and eval sets, read up to their first usable row with the data source's own row parser.
 
 Left to others: value checks of one group (the config's `__post_init__`); what needs a service
@@ -312,10 +313,18 @@ def check_files(cfg: RunConfig) -> None:
         _model_dir("--hf-checkpoint", ckpt.hf_checkpoint)
     # --ref-load is read as the reference (a KL term) or as the actor without --hf-checkpoint;
     # a Miles script may pass a Megatron dir there that the torch backend never reads.
-    if ckpt.ref_load and (a.use_kl_loss or a.use_kl_in_reward or not ckpt.hf_checkpoint):
+    # --train-backend megatron reads a torch_dist --ref-load and --load (megatron_dist.py),
+    # with --hf-checkpoint's config.json and tokenizer (check_flags: it is given).
+    megatron = ckpt.train_backend == "megatron"
+    reads_ref = a.use_kl_loss or a.use_kl_in_reward or not ckpt.hf_checkpoint
+    if (
+        ckpt.ref_load
+        and reads_ref
+        and not (megatron and megatron_ckpt.torch_dist_dir(ckpt.ref_load))
+    ):
         _model_dir("--ref-load", ckpt.ref_load, ckpt.hf_checkpoint)
     refusals.check_model(cfg)
-    if ckpt.load:
+    if ckpt.load and not (megatron and megatron_ckpt.torch_dist_dir(ckpt.load)):
         _check_load(ckpt.load, ckpt.hf_checkpoint)
     if ckpt.save and os.path.exists(ckpt.save) and not os.path.isdir(ckpt.save):
         raise ConfigError(f"--save {ckpt.save} is a file, not a directory")

@@ -189,6 +189,41 @@ def _swiglu(c: dict[str, Any]) -> tuple[str, Any] | None:
     return None if act is None else (f"hidden_act {act}", act in ("silu", "swish"))
 
 
+# The model types whose layout megatron_model.py builds, and so whose parts are known by type.
+_ROPE_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def _qkv_bias(c: dict[str, Any]) -> tuple[str, Any] | None:
+    if c.get("attention_bias") is not None:
+        return _key("attention_bias")(c)
+    kind = c.get("model_type")
+    return (f"model_type {kind} (QKV bias)", True) if kind == "qwen2" else None
+
+
+def _qk_layernorm(c: dict[str, Any]) -> tuple[str, Any] | None:
+    kind = c.get("model_type")
+    if kind not in _ROPE_TYPES:
+        return None
+    return f"model_type {kind} ({'' if kind == 'qwen3' else 'no '}q/k norms)", kind == "qwen3"
+
+
+def _no_linear_bias(c: dict[str, Any]) -> tuple[str, Any] | None:
+    """--disable-bias-linear: no bias in the linear layers but QKV's (--add-qkv-bias); a
+    Llama or Qwen3 attention_bias is on the output projection too."""
+    biased = [k for k in ("mlp_bias", "attention_bias") if c.get(k)]
+    if biased:
+        return f"{biased[0]} true", False
+    kind = c.get("model_type")
+    return (f"model_type {kind} (no linear bias)", True) if kind in _ROPE_TYPES else None
+
+
+def _position_embedding(c: dict[str, Any]) -> tuple[str, Any] | None:
+    if c.get("rope_theta") is not None or isinstance(c.get("rope_parameters"), dict):
+        return "rope_theta (rotary)", "rope"
+    kind = c.get("model_type")
+    return (f"model_type {kind} (rotary)", "rope") if kind in _ROPE_TYPES else None
+
+
 # field -> what the checkpoint's config.json says it is: (shown, value), None where it does not.
 MATCHED: dict[str, Callable[[dict[str, Any]], tuple[str, Any] | None]] = {
     "num_layers": _key("num_hidden_layers"),
@@ -204,6 +239,10 @@ MATCHED: dict[str, Callable[[dict[str, Any]], tuple[str, Any] | None]] = {
     "max_position_embeddings": _key("max_position_embeddings"),
     "untie_embeddings_and_output_weights": _untied,
     "swiglu": _swiglu,
+    "add_qkv_bias": _qkv_bias,
+    "qk_layernorm": _qk_layernorm,
+    "disable_bias_linear": _no_linear_bias,
+    "position_embedding_type": _position_embedding,
 }
 
 _FROM_THE_MODEL_CODE = (
@@ -217,9 +256,6 @@ ACCEPTED: dict[str, str] = {
     "attention_softmax_in_fp32": "the torch backend computes in fp32 throughout",
     "group_query_attention": "switches on --num-query-groups, which is matched",
     "use_rotary_position_embeddings": _FROM_THE_MODEL_CODE,
-    "qk_layernorm": _FROM_THE_MODEL_CODE,
-    "add_qkv_bias": _FROM_THE_MODEL_CODE,
-    "disable_bias_linear": _FROM_THE_MODEL_CODE,
     "opd_type": (
         "says where the teacher's logprobs come from, which the teacher flag given already "
         "says: megatron needs --opd-teacher-load (the trainer runs the teacher), sglang "
@@ -327,8 +363,8 @@ def check_model(cfg: RunConfig) -> None:
         if not _same(value, expected):
             raise ConfigError(
                 f"{_shown(field, value)} disagrees with the model: {flag} {path} has {shown} "
-                "in its config.json, which the torch backend builds the model from: fix the "
-                "flag or drop it"
+                "in its config.json, which the trainer builds the model from: fix the flag or "
+                "drop it"
             )
 
 

@@ -4,6 +4,7 @@ slice, and end with identical weights; samples survive the tensor encoding."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 from pathlib import Path
@@ -246,6 +247,13 @@ def _resume_rank(rank: int, world: int, port: int, model: str, out: str, flags: 
                 dp.follow()
         if rank == 0:
             torch.save(dict(dp.named_weights()), Path(out) / "resumed.pt")
+        if "megatron" in flags:
+            # The torch_dist files of the first rollout, read by tensor parallel size 1 (two
+            # data parallel ranks): resharded, the vocabulary's padding (260 rows) undone.
+            one = build_backend(parse_run_config([*ADAM, "--train-backend", "megatron"]), model)
+            one.load_weights(ckpt)
+            if rank == 0:
+                torch.save(dict(one.named_weights()), Path(out) / "resharded.pt")
         dist.barrier()
     finally:
         shutdown()
@@ -281,6 +289,12 @@ def test_a_sharded_run_saves_hf_weights_and_optimizer_shards_and_resumes_from_th
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     for key, want in single.named_weights():
         torch.testing.assert_close(resumed[key], want, atol=tol, rtol=0)
+    if "megatron" in name:  # and megatron's torch_dist files beside them, which it resumed from
+        assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+        resharded = torch.load(tmp_path / "resharded.pt", weights_only=True)
+        assert set(resharded) == set(after_one)
+        for key, value in resharded.items():
+            torch.testing.assert_close(value, after_one[key], atol=tol, rtol=0)
 
 
 def test_samples_cross_as_tensors_unchanged():

@@ -218,7 +218,7 @@ def test_the_defaults_miles_scripts_spell_out_pass():
         "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
         "--attention-dropout", "0.0", "--hidden-dropout", "0", "--log-probs-chunk-size", "-1",
         "--rollout-num-gpus-per-engine", "1", "--sglang-server-concurrency", "512",
-        "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--qk-layernorm",
+        "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
         "--seq-length", "4096", "--group-query-attention", "--no-offload-train",
         "--no-offload-rollout",
     ]  # fmt: skip
@@ -289,8 +289,11 @@ CONFIG = {
     "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 256,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0, "vocab_size": 259, "max_position_embeddings": 64,
-    "tie_word_embeddings": False, "hidden_act": "silu",
+    "tie_word_embeddings": False, "hidden_act": "silu", "model_type": "qwen3",
 }  # fmt: skip
+# What a flag that can only say "yes" disagrees with.
+SAYS_NO = {"tie_word_embeddings": True, "hidden_act": "gelu", "model_type": "llama",
+           "attention_bias": False, "mlp_bias": True}  # fmt: skip
 # field: (flags that agree with CONFIG, flags that do not, or None where no value can disagree)
 MATCH_EXAMPLES = {
     "num_layers": (["--num-layers", "2"], ["--num-layers", "36"]),
@@ -308,6 +311,12 @@ MATCH_EXAMPLES = {
     ),
     "untie_embeddings_and_output_weights": (["--untie-embeddings-and-output-weights"], None),
     "swiglu": (["--swiglu"], None),
+    "add_qkv_bias": (["--add-qkv-bias"], None),  # a Qwen3 has no attention_bias key: unchecked
+    "qk_layernorm": (["--qk-layernorm"], None),
+    "disable_bias_linear": (["--disable-bias-linear"], None),
+    "position_embedding_type": (
+        ["--position-embedding-type", "rope"], ["--position-embedding-type", "learned_absolute"]
+    ),
 }  # fmt: skip
 
 
@@ -334,7 +343,7 @@ def test_a_matched_flag_passes_when_it_agrees_and_exits_2_when_not(tmp_path, nam
     model = _model(tmp_path)
     refusals.check_model(_cfg_with_model(model, agree))
     if disagree is None:  # a flag that can only say "yes": make the checkpoint say "no"
-        model = _model(tmp_path, tie_word_embeddings=True, hidden_act="gelu")
+        model = _model(tmp_path, **SAYS_NO)
         disagree = agree
     with pytest.raises(ConfigError) as err:
         refusals.check_model(_cfg_with_model(model, disagree))
@@ -399,7 +408,10 @@ def test_miles_opd_type_is_checked_against_the_teacher_given(capsys, flags, erro
     [
         (["--lora-rank", "8"], "--lora-rank is LoRA training, which is not built"),
         (["--sglang-cuda-graph-bs", "1", "2"], "--sglang-cuda-graph-bs is an SGLang server"),
-        (["--moe-router-topk", "2"], "--moe-router-topk is Megatron's; it needs --train-backend"),
+        (
+            ["--moe-router-topk", "2"],
+            "--moe-router-topk is a Megatron setting millstream does not build",
+        ),
         (["--custom-loss-function-path", "m.f"], "the torch backend has no such seam"),
         (["--loss-type", "sft_loss"], "millstream has the policy loss only"),
         (["--opd-teacher-urls", "a,b"], "give one, --opd-teacher-url URL"),

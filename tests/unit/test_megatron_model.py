@@ -181,3 +181,17 @@ def test_the_megatron_backend_takes_the_torch_backends_step(tiny_model_dir, tmp_
     for name in ESTIMATOR_LAYOUTS:  # each flag changed the step (so the equality says something)
         after = results[name]["torch"][1]
         assert any(not torch.equal(after[k], grpo[k]) for k in grpo), name
+
+
+def test_a_model_with_output_projection_or_mlp_bias_is_refused_not_built_without_it():
+    """Megatron's linear layers here have no bias but QKV's: a Llama with attention_bias
+    (q, k, v and o_proj) or mlp_bias would lose weights in the conversion."""
+    from transformers import LlamaConfig
+
+    from millstream.common.errors import MillstreamError
+    from millstream.trainer.backends import megatron_model
+
+    for bias in ({"attention_bias": True}, {"mlp_bias": True}):
+        config = LlamaConfig(hidden_size=64, num_attention_heads=4, **bias)
+        with pytest.raises(MillstreamError, match=r"attention_bias .* or mlp_bias"):
+            megatron_model.transformer_config(config)

@@ -254,10 +254,21 @@ def test_a_torch_dist_ref_load_exits_2_naming_the_flag_the_format_and_the_fix(
     ), err
     assert "--hf-checkpoint is" not in err and "not a Hugging Face model dir" not in err
     assert (
-        f"Miles' tools/convert_torch_dist_to_hf.py --input-dir {ref / 'release'} --output-dir "
-        f"HF_DIR --origin-hf-dir {ARITH_MODEL} and pass --ref-load HF_DIR"
+        f"`millstream convert torch-dist-to-hf --input-dir {ref / 'release'} --output-dir "
+        f"HF_DIR --origin-hf-dir {ARITH_MODEL}` and pass --ref-load HF_DIR"
     ) in err
-    assert "--train-backend megatron does not read torch_dist checkpoints yet" in err
+    assert "or train with --train-backend megatron, which reads torch_dist checkpoints" in err
+
+
+@pytest.mark.parametrize("flag", ["--ref-load", "--load"])
+def test_the_megatron_backend_takes_a_torch_dist_ref_load_and_load(tmp_path, flag):
+    """Miles' start: what its converter made (--ref-load) or its Megatron saved (--load);
+    megatron_dist.py reads them (tests/unit/test_megatron_dist.py)."""
+    path = _torch_dist(tmp_path / "ckpt", "release" if flag == "--ref-load" else "20")
+    argv = _base(flag, str(path), "--use-kl-loss")
+    with pytest.raises(ConfigError, match=rf"^{flag} {path} is a Megatron torch_dist"):
+        preflight.check_files(parse_run_config(argv))
+    preflight.check_files(parse_run_config([*argv, "--train-backend", "megatron"]))
 
 
 def test_a_torch_dist_ref_load_without_hf_checkpoint_is_named_not_hf_checkpoint(tmp_path):
@@ -300,4 +311,4 @@ def test_the_miles_qwen3_script_would_next_stop_at_its_torch_dist_ref_load(tmp_p
     with pytest.raises(ConfigError) as err:
         preflight.check_files(cfg)
     assert str(err.value).startswith(f"--ref-load {ref} is a Megatron torch_dist checkpoint")
-    assert f"--origin-hf-dir {model} and pass --ref-load HF_DIR" in str(err.value)
+    assert f"--origin-hf-dir {model}` and pass --ref-load HF_DIR" in str(err.value)

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 _MEGATRON = (
-    "is Megatron's; it needs --train-backend megatron, which is not built yet (the torch "
-    "backend builds the model from the Hugging Face checkpoint's config.json and trains it data "
-    "parallel): drop it"
+    "is a Megatron setting millstream does not build (both backends build the model from the "
+    "Hugging Face checkpoint's config.json, and --train-backend megatron has no MoE, MTP, "
+    "custom model provider or optimizer offload): drop it"
 )
 _SGLANG = (
     "is an SGLang server setting; millstream starts no SGLang server (its own engines are CPU "
@@ -82,7 +82,6 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("--qkv-format", _MEGATRON),
     ("--allgather-cp", _MEGATRON),
     ("--apply-layernorm-1p", _MEGATRON),
-    ("--position-embedding-type", _MEGATRON),
     ("--rotary-percent", _MEGATRON),
     ("--attention-output-gate", _MEGATRON),
     ("--spec", _MEGATRON),

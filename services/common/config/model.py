@@ -80,20 +80,23 @@ class MegatronConfig:
     num_query_groups: int | None = flag(None, _FROM_HF.format("num_key_value_heads"))
     kv_channels: int | None = flag(None, _FROM_HF.format("head_dim"))
     swiglu: bool = flag(False, _FROM_HF.format("hidden_act silu"))
-    disable_bias_linear: bool = flag(False, _MODEL_CODE)
-    add_qkv_bias: bool = flag(False, _MODEL_CODE)
+    disable_bias_linear: bool = flag(False, _FROM_HF.format("model_type, mlp_bias"))
+    add_qkv_bias: bool = flag(False, _FROM_HF.format("model_type qwen2, attention_bias"))
     normalization: str | None = flag(
         None, _FROM_HF.format("rms_norm_eps: RMSNorm"), choices=("LayerNorm", "RMSNorm")
     )
     norm_epsilon: float | None = flag(None, _FROM_HF.format("rms_norm_eps"))
     use_rotary_position_embeddings: bool = flag(False, _MODEL_CODE)
+    position_embedding_type: str | None = flag(
+        None, _FROM_HF.format("rope_theta: rope"), choices=("rope", "learned_absolute", "none")
+    )
     rotary_base: float | None = flag(None, _FROM_HF.format("rope_theta"))
     vocab_size: int | None = flag(None, _FROM_HF.format("vocab_size"))
     max_position_embeddings: int | None = flag(None, _FROM_HF.format("max_position_embeddings"))
     seq_length: int | None = flag(
         None, "accepted: a placeholder in Miles too; lengths come from --rollout-max-*-len"
     )
-    qk_layernorm: bool = flag(False, _MODEL_CODE)
+    qk_layernorm: bool = flag(False, _FROM_HF.format("model_type qwen3"))
     untie_embeddings_and_output_weights: bool = flag(
         False, _FROM_HF.format("tie_word_embeddings false")
     )

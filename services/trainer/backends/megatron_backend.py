@@ -14,7 +14,7 @@ mask built from the position ids. Weights leave in Hugging Face names and layout
 (`named_weights` for the weight sync, `save` for checkpoints), and `load_weights` reads them.
 
 megatron needs a default process group and its parallel state: a bare trainer process gets a
-one-rank gloo group (`_one_rank_group`); under torchrun it is torchrun's, split by megatron
+one-rank gloo group (`one_rank_group`); under torchrun it is torchrun's, split by megatron
 into tensor parallel groups of --tensor-model-parallel-size consecutive ranks and data
 parallel groups across them. The ranks of a tensor parallel group get the same samples and
 run every forward and backward together (megatron's layers all-reduce inside); the data
@@ -35,12 +35,13 @@ import torch
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
+from millstream.trainer import megatron_ckpt
 
-from . import megatron_model
+from . import megatron_dist, megatron_model
 from .torch_backend import TorchBackend
 
 
-def _one_rank_group() -> None:
+def one_rank_group() -> None:
     """The default process group megatron's parallel state hangs on, for a bare process."""
     import torch.distributed as dist
 
@@ -59,6 +60,8 @@ def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronBackend(TorchBackend):
+    collective_save = True  # torch_dist: every rank writes its slices (distributed.py)
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -75,8 +78,8 @@ class MegatronBackend(TorchBackend):
         )  # fmt: skip
         self.hf = self.model.requires_grad_(False)  # its config; the skeleton checkpoints use
         self.tensor_parallel = cfg.megatron.tensor_model_parallel_size
-        _one_rank_group()
-        _model_parallel(self.tensor_parallel)
+        one_rank_group()
+        init_model_parallel(self.tensor_parallel)
         m = cfg.megatron
         recompute = {"granularity": m.recompute_granularity, "method": m.recompute_method,
                      "num_layers": m.recompute_num_layers}  # fmt: skip
@@ -87,6 +90,7 @@ class MegatronBackend(TorchBackend):
         )
         self._load_megatron(model, self.hf.state_dict())
         self.model = self.train_model = model.train()
+        self._start_from_torch_dist(cfg)
         # Whole on each tensor parallel rank, each rank with only a share of the gradient
         # (megatron_model.SequenceNorm, HeadNorm): summed over the group before each step.
         self.partial_params = [
@@ -94,6 +98,20 @@ class MegatronBackend(TorchBackend):
             if getattr(p, "sequence_parallel", False) or getattr(p, "partial_over_heads", False)
         ]  # fmt: skip
         self.make_actor_optimizer()
+
+    def _start_from_torch_dist(self, cfg: RunConfig) -> None:
+        """Miles' start: a torch_dist --ref-load is the reference model and, unless a
+        torch_dist --load names another, the actor's first weights (a --load of our own
+        checkpoint resumes later, build.py). Every rank reads its slices together."""
+        ref_dir = megatron_ckpt.torch_dist_dir(cfg.ckpt.ref_load)
+        load_dir = megatron_ckpt.torch_dist_dir(cfg.ckpt.load)
+        if ref_dir is not None:
+            megatron_dist.load(self.model, ref_dir, self.hf.config)
+            if self.ref is not None:
+                self.ref.load_state_dict(self.gather_weights(), strict=False)
+        if load_dir is not None:
+            megatron_dist.load(self.model, load_dir, self.hf.config)
+        self.start_checkpoint = load_dir or ref_dir
 
     def data_parallel_group(self) -> Any:
         from megatron.core import parallel_state
@@ -207,9 +225,10 @@ class MegatronBackend(TorchBackend):
     def save(
         self, directory: Path, save_optimizer: bool = True, *, actor_optimizer: bool = True
     ) -> None:
-        # The base class writes `self.model` with `full_weights` as its state dict, and the
-        # optimizer: here the Hugging Face skeleton with the Megatron weights in HF names
-        # (tensor parallel: gathered after the last rollout, on rank 0).
+        """The checkpoint's Hugging Face files, as the torch backend's (rank 0: the base class
+        writes the HF skeleton with the gathered weights in HF names as its state dict, and
+        the optimizer), then the weights as megatron's torch_dist files beside them: a
+        collective, which the other ranks join through `save_shards`."""
         gathered = self.full_weights
         weights = gathered if gathered is not None else self.gather_weights()
         self.full_weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
@@ -218,14 +237,24 @@ class MegatronBackend(TorchBackend):
             super().save(directory, save_optimizer, actor_optimizer=actor_optimizer)
         finally:
             self.model, self.full_weights = saved_model, gathered
+        self.save_shards(directory)
+
+    def save_shards(self, directory: Path) -> None:
+        """The weights in megatron's torch_dist format, into `directory` (every rank)."""
+        megatron_dist.save(self.model, directory)
 
     def load_weights(self, directory: Path) -> None:
+        """A checkpoint's weights: its torch_dist files when it has them (every rank takes
+        its slices; any parallel layout saved them), else its Hugging Face model/."""
+        if megatron_dist.is_torch_dist(directory):
+            megatron_dist.load(self.model, directory, self.hf.config)
+            return
         from safetensors.torch import load_file
 
         self._load_megatron(self.model, load_file(str(directory / "model" / "model.safetensors")))
 
 
-def _model_parallel(tensor_parallel: int) -> None:
+def init_model_parallel(tensor_parallel: int) -> None:
     """megatron's parallel state over the default process group, with this tensor parallel
     size (made again where a process built a backend with another one before)."""
     import torch.distributed as dist

@@ -1,7 +1,7 @@
 """megatron-core on CPU: the few places where it assumes CUDA, made to run on the CPU.
 
 megatron-core 0.16.1 is written for GPUs; building and running a `GPTModel` (local spec, no
-Transformer Engine) on a CPU-only torch trips over four things, each patched here:
+Transformer Engine) on a CPU-only torch trips over five things, each patched here:
 
 1. `torch.cuda.current_device()` used as a device (rotary embeddings move `inv_freq` to it in
    `RotaryEmbedding.get_emb`; attention, the GPT model and the transformer layer allocate
@@ -79,6 +79,7 @@ def apply() -> bool:
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.transformer.utils as transformer_utils
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     # 1. RotaryEmbedding.get_emb, Attention, GPTModel, TransformerLayer: device=current_device()
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
@@ -91,6 +92,12 @@ def apply() -> bool:
     # 4. CheckpointFunction (activation recomputation): the CUDA RNG state it saves and restores
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    # 5. FileSystemWriterAsync.preload_tensors(buckets, non_blocking=True): blocking on CPU
+    writer = filesystem_async.FileSystemWriterAsync
+    preload = writer.preload_tensors
+    writer.preload_tensors = staticmethod(
+        lambda buckets, non_blocking=True: preload(buckets, False)
+    )  # type: ignore[method-assign]
     _APPLIED = True
     return True
 

@@ -84,7 +84,13 @@ def transformer_config(
             f"--tensor-model-parallel-size {tensor_parallel} must divide the model's "
             f"{', '.join(uneven)}: each rank holds an equal slice of them"
         )
-    qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        raise MillstreamError(
+            "the Megatron backend builds linear layers without bias but QKV's; this checkpoint "
+            "has attention_bias (on the output projection too) or mlp_bias: train it with "
+            "--train-backend torch"
+        )
+    qkv_bias = hf.model_type == "qwen2"
     try:
         config = _transformer_config(hf, tensor_parallel, qkv_bias, recompute or {})
         config.sequence_parallel = sequence_parallel and tensor_parallel > 1

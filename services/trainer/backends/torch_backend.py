@@ -161,6 +161,12 @@ def _last_synced(
 
 
 class TorchBackend:
+    # Whether every data parallel rank takes part in a checkpoint's save (`save_shards`).
+    collective_save = False
+    # A checkpoint the actor's weights came from instead of its model dir (the megatron
+    # backend's torch_dist --load or --ref-load): the engines get them before the first rollout.
+    start_checkpoint: Path | None = None
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -543,6 +549,10 @@ class TorchBackend:
             return
         for name, param in self.model.named_parameters():
             yield name, param.detach()
+
+    def save_shards(self, directory: Path) -> None:
+        """What a rank other than 0 writes into a checkpoint, where the backend saves
+        collectively (`collective_save`): nothing here."""
 
     def save(
         self, directory: Path, save_optimizer: bool = True, *, actor_optimizer: bool = True
