@@ -14,13 +14,14 @@ step; the no-grad forwards the estimator needs) on:
 - torch FSDP2, 2 ranks: the same with `--train-backend fsdp` (the actor sharded with
   fully_shard, its full weights gathered to rank 0 after the rollout, as for a weight sync);
 - megatron TP=2, 2 ranks: `--train-backend megatron --tensor-model-parallel-size 2`, both
-  ranks on every sample, each with half of every layer, the weights gathered after the rollout.
+  ranks on every sample, each with half of every layer, the weights gathered after the rollout;
+- megatron PP=2, 2 ranks: `--pipeline-model-parallel-size 2`, each rank half of the layers
+  (megatron_pipeline.py: the stages one after another, not overlapped).
 
 Prints tokens/s of the best of --repeats rollouts (real tokens, padding not counted), each
 rank's peak RSS (the process's high-water mark: the model, its gradients and Adam state,
 activations), and the ratio to the first row. The one-rank Megatron row runs in a process of its
-own (megatron's process group and CPU patches); the PP=2 row prints as not built until it is
-(issue 15).
+own (megatron's process group and CPU patches).
 """
 
 from __future__ import annotations
@@ -58,12 +59,15 @@ def _best_seconds(train_rollout, samples: list, repeats: int) -> float:  # type:
 
 
 def _config(samples: int, backend: str = "torch"):
-    """`backend`: torch, fsdp, megatron, or megatron-tp2 (megatron, tensor parallel 2)."""
+    """`backend`: torch, fsdp, megatron, megatron-tp2 or megatron-pp2 (megatron, tensor or
+    pipeline parallel 2)."""
     from millstream.common.config import parse_run_config
 
-    extra = ["--tensor-model-parallel-size", "2"] if backend == "megatron-tp2" else []
-    return parse_run_config(["--rollout-batch-size", str(samples), "--train-backend",
-                             backend.removesuffix("-tp2"), *extra, *FLAGS])  # fmt: skip
+    name, _, parallel = backend.partition("-")
+    kind = {"tp2": "tensor", "pp2": "pipeline"}.get(parallel)
+    extra = [f"--{kind}-model-parallel-size", "2"] if kind else []
+    return parse_run_config(["--rollout-batch-size", str(samples), "--train-backend", name,
+                             *extra, *FLAGS])  # fmt: skip
 
 
 def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
@@ -181,6 +185,8 @@ def main() -> None:
             ("megatron TP=1, 1 rank", *megatron(model_dir, samples, args.repeats, args.threads)),
             ("megatron TP=2, 2 ranks (gloo)",
              *ddp(model_dir, samples, args.repeats, args.threads, "megatron-tp2")),
+            ("megatron PP=2, 2 ranks (gloo)",
+             *ddp(model_dir, samples, args.repeats, args.threads, "megatron-pp2")),
         ]  # fmt: skip
     base = real / rows[0][1]
     print(f"{'backend':<28} {'tokens/s':>10} {'ratio':>7}  peak RSS per rank (MB)")
@@ -188,7 +194,6 @@ def main() -> None:
         rate = real / seconds
         print(f"{name:<28} {rate:>10.0f} {rate / base:>6.2f}x  "
               f"{', '.join(f'{r:.0f}' for r in rss)}")  # fmt: skip
-    print(f"{'megatron PP=2':<28} {'not built yet (issue 15)':>30}")
 
 
 if __name__ == "__main__":

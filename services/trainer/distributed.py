@@ -236,9 +236,9 @@ class DataParallel:
         backend.rank = dist.get_rank(self.group)
         backend.world_size = dist.get_world_size(self.group)
         self.sharded = backend.cfg.ckpt.train_backend == "fsdp"
-        self.tensor_parallel = backend.tensor_parallel > 1
+        self.model_parallel = backend.model_parallel > 1  # megatron's tensor and pipeline
         # Each rank has optimizer state of its own to save: FSDP's shards, megatron's slices.
-        self.sharded_optimizer = self.sharded or self.tensor_parallel
+        self.sharded_optimizer = self.sharded or self.model_parallel
         if self.sharded:
             _fully_shard(backend)
             backend.lockstep = self._max_across_ranks
@@ -298,7 +298,7 @@ class DataParallel:
         parallel: the ranks of rank 0's group (data parallel rank 0; the other groups' copies
         would be thrown away). Rank 0 keeps the full copy that weight syncs and checkpoints
         read (backend.full_weights)."""
-        if self.tensor_parallel:
+        if self.model_parallel:
             in_rank0_group = self.backend.rank == 0
             full = self.backend.gather_weights() if in_rank0_group else {}  # type: ignore[attr-defined]
             self.backend.full_weights = full if self.rank == 0 else {}

@@ -126,6 +126,19 @@ def check_flags(cfg: RunConfig) -> None:
             "(torchrun's, or --actor-num-nodes x --actor-num-gpus-per-node): the ranks of "
             "each tensor parallel group hold one copy of the model between them"
         )
+    pp, cp = cfg.megatron.pipeline_model_parallel_size, cfg.megatron.context_parallel_size
+    if min(pp, cp) < 1 or ranks % (tp * pp * cp):
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
+            f"--context-parallel-size {cp} must divide the trainer's {ranks} rank(s): each "
+            "such group of ranks holds one copy of the model between them"
+        )
+    if sum(n > 1 for n in (tp, pp, cp)) > 1:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp}, --pipeline-model-parallel-size {pp}, "
+            f"--context-parallel-size {cp}: combining them is not built yet; use one of the "
+            "three (with data parallel ranks beside it)"
+        )
     if r.custom_generate_function_path and r.rollout_function_path:
         raise ConfigError(
             "--custom-generate-function-path and --rollout-function-path both replace how a "

@@ -53,9 +53,10 @@ DERIVED: dict[str, str] = {
 }
 
 _NO_MEGATRON = (
-    "needs model parallelism that is not built yet: --train-backend megatron is tensor and "
-    "data parallel (--tensor-model-parallel-size, more ranks under torchrun), the torch "
-    "backend data parallel, and --train-backend fsdp shards the model across the ranks"
+    "needs model parallelism that is not built yet: --train-backend megatron is tensor, "
+    "pipeline, context and data parallel (--tensor-model-parallel-size, "
+    "--pipeline-model-parallel-size, --context-parallel-size, more ranks under torchrun), the "
+    "torch backend data parallel, and --train-backend fsdp shards the model across the ranks"
 )
 _NO_RECOMPUTE = (
     "is Megatron's activation recomputation: give --train-backend megatron too (the torch "
@@ -70,8 +71,6 @@ _NO_DROPOUT = (
 # field -> why a value other than the default cannot be honoured. In this order: the first
 # one a run has is the error, the others are named after it.
 REFUSED: dict[str, str] = {
-    "pipeline_model_parallel_size": _NO_MEGATRON,
-    "context_parallel_size": _NO_MEGATRON,
     "expert_model_parallel_size": _NO_MEGATRON,
     "expert_tensor_parallel_size": _NO_MEGATRON,
     "attention_dropout": _NO_DROPOUT,
@@ -301,6 +300,18 @@ BACKEND_ONLY: dict[str, tuple[str, str]] = {
         "needs --train-backend megatron (megatron-core's tensor parallelism, under torchrun "
         "with a multiple of it as ranks); the torch backend is data parallel, and "
         "--train-backend fsdp shards the model across the ranks",
+    ),
+    "context_parallel_size": (
+        "megatron",
+        "needs --train-backend megatron (each rank of a context parallel group takes a share "
+        "of every sequence, under torchrun with a multiple of it as ranks); the torch backend "
+        "runs whole sequences",
+    ),
+    "pipeline_model_parallel_size": (
+        "megatron",
+        "needs --train-backend megatron (megatron-core's pipeline stages, under torchrun with "
+        "a multiple of it as ranks); the torch backend is data parallel, and --train-backend "
+        "fsdp shards the model across the ranks",
     ),
     "sequence_parallel": (
         "megatron",

@@ -102,11 +102,25 @@ RUNS = {
     "megatron-tp2-sp-packed": ["--train-backend", "megatron", "--tensor-model-parallel-size",
                                "2", "--sequence-parallel", "--use-dynamic-batch-size",
                                "--max-tokens-per-gpu", "7"],
+    # Pipeline parallel: one layer on each rank, the embedding on the first and the output
+    # layer (the tied embedding's copy) on the second; clipped, the norm adds the stages'.
+    "megatron-pp2": ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2"],
+    "megatron-pp2-packed-clipped-two-steps": [
+        "--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--clip-grad",
+        "0.05", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6",
+        "--num-steps-per-rollout", "2", "--global-batch-size", "2"],
+    # Context parallel: each rank a half of every sequence (2 of 4 chunks, padded to a multiple
+    # of 4), attending over the whole; packed, the samples' block mask across the halves.
+    "megatron-cp2": ["--train-backend", "megatron", "--context-parallel-size", "2"],
+    "megatron-cp2-packed-clipped": ["--train-backend", "megatron", "--context-parallel-size",
+                                    "2", "--clip-grad", "0.05", "--use-dynamic-batch-size",
+                                    "--max-tokens-per-gpu", "7"],
     # PPO: the critic is the torch backend's value model, whole on both ranks.
     "megatron-tp2-ppo": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
                          "--advantage-estimator", "ppo", "--normalize-advantages"],
 }  # fmt: skip
 MEGATRON_ONLY = {"--train-backend": "megatron", "--tensor-model-parallel-size": "2",
+                 "--pipeline-model-parallel-size": "2", "--context-parallel-size": "2",
                  "--sequence-parallel": None}  # fmt: skip
 
 
@@ -149,7 +163,10 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name
 
     i = list(RUNS).index(name)
     ranks = [torch.load(two_rank_weights / f"run{i}-rank{r}.pt", weights_only=True) for r in (0, 1)]
-    sharded = "fsdp" in RUNS[name] or "--tensor-model-parallel-size" in RUNS[name]
+    sharded = "fsdp" in RUNS[name] or any(
+        f"--{kind}-parallel-size" in RUNS[name]
+        for kind in ("tensor-model", "pipeline-model", "context")
+    )
     if sharded:  # rank 0 gathered the full weights; rank 1 keeps only its shards (slices)
         assert ranks[1] == {} and set(ranks[0]) == set(expected)
         ranks = ranks[:1]
@@ -211,9 +228,12 @@ def test_tensor_parallel_qwen3_q_and_k_norms_take_the_one_rank_step(tmp_path):
 # Adam with eps 1: its update is smooth in the gradient (see FLAGS), and has state to shard.
 ADAM = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--optimizer", "adam",
         "--lr", "1", "--adam-eps", "1", "--clip-grad", "0"]  # fmt: skip
-# Each rank holds optimizer state of its own: FSDP's shards, megatron's tensor parallel slices.
+# Each rank holds optimizer state of its own: FSDP's shards, megatron's tensor parallel slices
+# and pipeline stages.
 SHARDED = {"fsdp": ["--train-backend", "fsdp"],
-           "megatron-tp2": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"]}  # fmt: skip
+           "megatron-tp2": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"],
+           "megatron-pp2": ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2"],
+           "megatron-cp2": ["--train-backend", "megatron", "--context-parallel-size", "2"]}  # fmt: skip
 
 
 def _resume_rank(rank: int, world: int, port: int, model: str, out: str, flags: list[str]) -> None:
@@ -248,8 +268,9 @@ def _resume_rank(rank: int, world: int, port: int, model: str, out: str, flags: 
         if rank == 0:
             torch.save(dict(dp.named_weights()), Path(out) / "resumed.pt")
         if "megatron" in flags:
-            # The torch_dist files of the first rollout, read by tensor parallel size 1 (two
-            # data parallel ranks): resharded, the vocabulary's padding (260 rows) undone.
+            # The torch_dist files of the first rollout, read by one model parallel rank (two
+            # data parallel ranks): resharded, the vocabulary's padding (TP: 260 rows) undone,
+            # the stages' layers (PP) in one model.
             one = build_backend(parse_run_config([*ADAM, "--train-backend", "megatron"]), model)
             one.load_weights(ckpt)
             if rank == 0:

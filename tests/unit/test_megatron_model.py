@@ -64,7 +64,9 @@ def _check_one(model_dir: str) -> None:
     hf_config = AutoConfig.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = megatron_model.build(hf_config).eval()
-    state = megatron_model.hf_to_megatron(hf.state_dict(), hf_config)
+    state = megatron_model.shard(
+        megatron_model.hf_to_megatron(hf.state_dict(), hf_config), model, 1, 0
+    )
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert [m for m in missing if not m.endswith("_extra_state")] == [] and not unexpected
     ids = torch.randint(

@@ -60,8 +60,16 @@ class MegatronConfig:
         "Megatron tensor parallelism: --train-backend megatron only, under torchrun with a "
         "multiple of it as ranks (the rest data parallel)",
     )
-    pipeline_model_parallel_size: int = flag(1, "Megatron pipeline parallelism" + _PARALLEL)
-    context_parallel_size: int = flag(1, "Megatron context parallelism" + _PARALLEL)
+    pipeline_model_parallel_size: int = flag(
+        1,
+        "Megatron pipeline parallelism: --train-backend megatron only (not with tensor or "
+        "context parallelism yet), under torchrun with a multiple of it as ranks",
+    )
+    context_parallel_size: int = flag(
+        1,
+        "Megatron context parallelism (each sequence split over the ranks): --train-backend "
+        "megatron only (not with tensor or pipeline parallelism yet), under torchrun",
+    )
     expert_model_parallel_size: int = flag(1, "Megatron expert parallelism" + _PARALLEL)
     expert_tensor_parallel_size: int = flag(1, "Megatron expert tensor parallelism" + _PARALLEL)
     sequence_parallel: bool = flag(

@@ -1,6 +1,8 @@
 """--train-backend megatron: the torch backend's training with megatron-core's GPTModel as the
-actor (issue 15): one rank, data parallel and tensor parallel (--tensor-model-parallel-size)
-under torchrun; pipeline and context parallel size 1 so far.
+actor (issue 15): one rank, data parallel, tensor parallel (--tensor-model-parallel-size),
+pipeline parallel (--pipeline-model-parallel-size, megatron_pipeline.py) and context parallel
+(--context-parallel-size, megatron_context.py) under torchrun; one of the three model parallel
+kinds at a time so far, with data parallel ranks beside it.
 
 Everything but the actor is the torch backend's (torch_backend.py): the batching, the no-grad
 forwards, the advantages and the loss code are shared, not copied; the reference and teacher
@@ -37,7 +39,7 @@ from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.trainer import megatron_ckpt
 
-from . import megatron_dist, megatron_model
+from . import megatron_dist, megatron_model, megatron_pipeline
 from .torch_backend import TorchBackend
 
 
@@ -77,18 +79,38 @@ class MegatronBackend(TorchBackend):
             teacher_dir=teacher_dir,
         )  # fmt: skip
         self.hf = self.model.requires_grad_(False)  # its config; the skeleton checkpoints use
-        self.tensor_parallel = cfg.megatron.tensor_model_parallel_size
-        one_rank_group()
-        init_model_parallel(self.tensor_parallel)
         m = cfg.megatron
+        self.tensor_parallel = m.tensor_model_parallel_size
+        self.pipeline_parallel = m.pipeline_model_parallel_size
+        self.context_parallel = m.context_parallel_size
+        self.model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+        if self.model_parallel > max(
+            self.tensor_parallel, self.pipeline_parallel, self.context_parallel
+        ):
+            raise MillstreamError(
+                f"--tensor-model-parallel-size {self.tensor_parallel}, "
+                f"--pipeline-model-parallel-size {self.pipeline_parallel}, "
+                f"--context-parallel-size {self.context_parallel}: combining them is not built "
+                "yet; use one of the three (with data parallel ranks beside it)"
+            )
+        one_rank_group()
+        init_model_parallel(self.tensor_parallel, self.pipeline_parallel, self.context_parallel)
         recompute = {"granularity": m.recompute_granularity, "method": m.recompute_method,
                      "num_layers": m.recompute_num_layers}  # fmt: skip
         # Miles (Megatron-LM) turns --sequence-parallel off with one tensor parallel rank.
         self.sequence_parallel = m.sequence_parallel and self.tensor_parallel > 1
         model = megatron_model.build(
-            self.hf.config, self.tensor_parallel, recompute, self.sequence_parallel
-        )
-        self._load_megatron(model, self.hf.state_dict())
+            self.hf.config, self.tensor_parallel, recompute, self.sequence_parallel,
+            self.pipeline_parallel, self.context_parallel,
+        )  # fmt: skip
+        hf_state = self.hf.state_dict()
+        self._load_megatron(model, hf_state)
+        # Pipelined: every weight's shape, to gather the stages' (megatron_pipeline.py).
+        self.megatron_shapes = {
+            name: value.shape
+            for name, value in megatron_model.hf_to_megatron(hf_state, self.hf.config).items()
+            if not (name == "output_layer.weight" and self.hf.config.tie_word_embeddings)
+        }
         self.model = self.train_model = model.train()
         self._start_from_torch_dist(cfg)
         # Whole on each tensor parallel rank, each rank with only a share of the gradient
@@ -116,7 +138,7 @@ class MegatronBackend(TorchBackend):
     def data_parallel_group(self) -> Any:
         from megatron.core import parallel_state
 
-        return parallel_state.get_data_parallel_group() if self.tensor_parallel > 1 else None
+        return parallel_state.get_data_parallel_group() if self.model_parallel > 1 else None
 
     def _load_megatron(self, model: torch.nn.Module, hf_state: dict[str, torch.Tensor]) -> None:
         from megatron.core import parallel_state
@@ -141,15 +163,31 @@ class MegatronBackend(TorchBackend):
         # Sequence parallel: each rank takes an equal slice of the sequence. Right padding
         # changes no earlier position's logits (causal), and packed, the padding is a sample
         # of its own (its positions restart at 0), which no other attends to.
-        pad = -S % self.tensor_parallel if self.sequence_parallel else 0
+        # Context parallel: each rank takes 2 of 2 x CP equal chunks, padded the same way.
+        multiple = self.tensor_parallel if self.sequence_parallel else 2 * self.context_parallel
+        pad = -S % multiple
         ids = torch.nn.functional.pad(ids, (0, pad))
         if "position_ids" in inputs:  # packed: one row of several samples
             positions = inputs["position_ids"]
             positions = torch.cat([positions, torch.arange(pad)[None].expand(len(ids), -1)], 1)
-            logits = model(ids, positions, attention_mask=_block_causal_mask(positions))
+            mask = _block_causal_mask(positions)
         else:
-            positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-            logits = model(ids, positions, attention_mask=None)
+            positions, mask = torch.arange(ids.shape[1])[None].expand_as(ids), None
+        if self.context_parallel > 1:
+            from . import megatron_context
+
+            if mask is None:  # causal by position in the whole sequence
+                mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)[
+                    None, None
+                ]
+            mine, local_positions, local_mask = megatron_context.split(ids, positions, mask)
+            logits = model(mine, local_positions, attention_mask=local_mask)
+            logits = megatron_context.gather_sequence(logits, ids.shape[1])
+        elif self.pipeline_parallel > 1:
+            rows = megatron_model.padded_vocab(self.hf.config, self.tensor_parallel)
+            logits = megatron_pipeline.stage_logits(model, ids, positions, mask, rows)
+        else:
+            logits = model(ids, positions, attention_mask=mask)
         return megatron_model.unpadded_logits(logits[:, :S], self.hf.config)
 
     def gather_weights(self) -> dict[str, torch.Tensor]:
@@ -166,6 +204,10 @@ class MegatronBackend(TorchBackend):
             return parts
 
         state = megatron_model.unshard(self.model, self.hf.config, self.tensor_parallel, all_gather)
+        if self.pipeline_parallel > 1:  # each stage has its own layers: all of them, everywhere
+            state = megatron_pipeline.gather_stages(
+                state, self.megatron_shapes, self.hf.config.num_hidden_layers
+            )
         return megatron_model.megatron_to_hf(state, self.hf.config)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -179,6 +221,10 @@ class MegatronBackend(TorchBackend):
         """The actor's gradient norm, clipped to `max_norm`, as one rank would see it: a
         tensor parallel parameter's squared norm is summed over its group's slices, a whole
         one (the norms) counted once."""
+        if self.context_parallel > 1:
+            self._sum_over_context()
+        if self.pipeline_parallel > 1:
+            return self._clip_pipelined(max_norm)
         if self.tensor_parallel == 1:
             return super().clip_actor_gradients(max_norm)
         import torch.distributed as dist
@@ -200,6 +246,38 @@ class MegatronBackend(TorchBackend):
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             for grad, _ in grads:
+                grad.mul_(coef)
+        return norm
+
+    def _sum_over_context(self) -> None:
+        """Context parallel: each rank's gradients are its share of the sequence's; their sum
+        over the group is the step's (megatron_context.py)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=parallel_state.get_context_parallel_group())
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
+
+    def _clip_pipelined(self, max_norm: float) -> float:
+        """Pipelined: each stage holds its own parameters, so the squared norm is summed over
+        the stages; a tied model's two copies (summed first) count once, as one rank's."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        tied = bool(self.hf.config.tie_word_embeddings)
+        if tied:
+            megatron_pipeline.sum_tied_gradients(self.model)
+        copy = self.model.output_layer.weight if tied and self.model.post_process else None
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        square = sum((g.detach().double().pow(2).sum() for g in grads if g is not getattr(copy, "grad", None)),
+                     torch.zeros((), dtype=torch.float64))  # fmt: skip
+        dist.all_reduce(square, group=parallel_state.get_pipeline_model_parallel_group())
+        norm = float(square.sqrt())
+        if max_norm > 0 and (coef := max_norm / (norm + 1e-6)) < 1.0:
+            for grad in grads:
                 grad.mul_(coef)
         return norm
 
@@ -254,20 +332,28 @@ class MegatronBackend(TorchBackend):
         self._load_megatron(self.model, load_file(str(directory / "model" / "model.safetensors")))
 
 
-def init_model_parallel(tensor_parallel: int) -> None:
-    """megatron's parallel state over the default process group, with this tensor parallel
-    size (made again where a process built a backend with another one before)."""
+def init_model_parallel(
+    tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1
+) -> None:
+    """megatron's parallel state over the default process group, with these parallel sizes
+    (made again where a process built a backend with other ones before)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     world = dist.get_world_size()
-    if world % tensor_parallel:
+    if world % (tensor_parallel * pipeline_parallel * context_parallel):
         raise MillstreamError(
-            f"--tensor-model-parallel-size {tensor_parallel} does not divide the {world} "
-            "trainer ranks: start a multiple of it (torchrun --nproc-per-node)"
+            f"--tensor-model-parallel-size {tensor_parallel} x --pipeline-model-parallel-size "
+            f"{pipeline_parallel} x --context-parallel-size {context_parallel} does not divide "
+            f"the {world} trainer ranks: start a multiple of it (torchrun --nproc-per-node)"
         )
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
+        sizes = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_context_parallel_world_size())  # fmt: skip
+        if sizes == (tensor_parallel, pipeline_parallel, context_parallel):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_parallel, 1)
+    parallel_state.initialize_model_parallel(
+        tensor_parallel, pipeline_parallel, context_parallel_size=context_parallel
+    )

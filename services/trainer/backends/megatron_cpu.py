@@ -1,7 +1,7 @@
 """megatron-core on CPU: the few places where it assumes CUDA, made to run on the CPU.
 
 megatron-core 0.16.1 is written for GPUs; building and running a `GPTModel` (local spec, no
-Transformer Engine) on a CPU-only torch trips over five things, each patched here:
+Transformer Engine) on a CPU-only torch trips over six things, each patched here:
 
 1. `torch.cuda.current_device()` used as a device (rotary embeddings move `inv_freq` to it in
    `RotaryEmbedding.get_emb`; attention, the GPT model and the transformer layer allocate
@@ -21,6 +21,13 @@ Transformer Engine) on a CPU-only torch trips over five things, each patched her
    `_set_cuda_rng_state` in their module); a CPU-only torch has no CUDA RNG to read: an empty
    state stands in, and setting it does nothing (the CPU RNG state, which it saves too, is
    torch's own).
+5. Saving a torch_dist checkpoint (`dist_checkpointing.save`, megatron_dist.py) stages the
+   tensors to host memory in `FileSystemWriterAsync.preload_tensors` with a non-blocking
+   copy and then `torch.cuda.synchronize()`; on CPU the tensors are there already: the copy
+   is made blocking, which skips the synchronize.
+6. Context parallelism: `RotaryEmbedding.forward` takes this rank's positions with
+   `rope_utils.get_pos_emb_on_this_cp_rank`, which builds its index in pinned memory and moves
+   it to CUDA: a CPU version replaces it where rotary_pos_embedding.py imported it by name.
 
 `apply()` patches once, and only when torch has no CUDA: it is called by the Megatron model
 builder (megatron_model.py) when it starts, never at import time. On a GPU nothing is patched.
@@ -31,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -62,6 +70,18 @@ class CpuRngTracker:
 _TRACKER = CpuRngTracker()
 
 
+def _cpu_pos_emb_on_this_cp_rank(
+    pos_emb: torch.Tensor, seq_dim: int, cp_group: Any
+) -> torch.Tensor:
+    """rope_utils.get_pos_emb_on_this_cp_rank without its pinned CUDA index: this context
+    parallel rank's 2 of 2 x size chunks along `seq_dim`."""
+    size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - rank - 1])
+    chunked = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1 :])
+    picked = chunked.index_select(seq_dim, index)
+    return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2 :])
+
+
 @functools.lru_cache(maxsize=32)
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
@@ -76,6 +96,7 @@ def apply() -> bool:
     if _APPLIED:
         return True
     import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.core.transformer.utils as transformer_utils
@@ -98,6 +119,8 @@ def apply() -> bool:
     writer.preload_tensors = staticmethod(
         lambda buckets, non_blocking=True: preload(buckets, False)
     )  # type: ignore[method-assign]
+    # 6. RotaryEmbedding.forward: get_pos_emb_on_this_cp_rank, imported by name
+    rotary.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
     _APPLIED = True
     return True
 

@@ -18,7 +18,7 @@ Weights (`hf_to_megatron`, `megatron_to_hf`, inverse of each other):
     gate_proj, up_proj                       -> mlp.linear_fc1.weight (gate rows, then up)
     down_proj                                -> mlp.linear_fc2.weight
     model.norm.weight                        -> decoder.final_layernorm.weight
-    lm_head.weight (untied models only)      -> output_layer.weight
+    lm_head.weight (tied: embed_tokens)      -> output_layer.weight (none where tied and whole)
 
 The fused QKV is megatron's layout: per query group, that group's query heads, then its key
 head, then its value head (rows of head_dim each). Qwen3's q_norm/k_norm are the layer's
@@ -69,6 +69,8 @@ def transformer_config(
     tensor_parallel: int = 1,
     recompute: dict[str, Any] | None = None,
     sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> Any:
     """megatron's TransformerConfig for the Hugging Face config `hf`; `recompute`: Miles'
     --recompute-granularity/-method/-num-layers as TransformerConfig's recompute_* fields."""
@@ -84,6 +86,11 @@ def transformer_config(
             f"--tensor-model-parallel-size {tensor_parallel} must divide the model's "
             f"{', '.join(uneven)}: each rank holds an equal slice of them"
         )
+    if hf.num_hidden_layers % pipeline_parallel:
+        raise MillstreamError(
+            f"--pipeline-model-parallel-size {pipeline_parallel} must divide the model's "
+            f"{hf.num_hidden_layers} layers: each stage holds an equal share of them"
+        )
     if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
         raise MillstreamError(
             "the Megatron backend builds linear layers without bias but QKV's; this checkpoint "
@@ -92,7 +99,9 @@ def transformer_config(
         )
     qkv_bias = hf.model_type == "qwen2"
     try:
-        config = _transformer_config(hf, tensor_parallel, qkv_bias, recompute or {})
+        config = _transformer_config(
+            hf, tensor_parallel, qkv_bias, recompute or {}, pipeline_parallel, context_parallel
+        )
         config.sequence_parallel = sequence_parallel and tensor_parallel > 1
         return config
     except (ValueError, AssertionError) as err:  # megatron's own validation of the settings
@@ -100,8 +109,9 @@ def transformer_config(
 
 
 def _transformer_config(
-    hf: Any, tensor_parallel: int, qkv_bias: bool, recompute: dict[str, Any]
-) -> Any:
+    hf: Any, tensor_parallel: int, qkv_bias: bool, recompute: dict[str, Any],
+    pipeline_parallel: int, context_parallel: int,
+) -> Any:  # fmt: skip
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -130,6 +140,9 @@ def _transformer_config(
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=torch.float32,
         tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        pipeline_dtype=torch.float32,
+        context_parallel_size=context_parallel,
         **{f"recompute_{k}": v for k, v in recompute.items() if v is not None},
     )
 
@@ -158,17 +171,22 @@ class HeadNorm:
         return norm
 
 
-def _layer_spec(qk_layernorm: bool) -> Any:
+def _layer_spec(qk_layernorm: bool, context_parallel: bool) -> Any:
     """The local (non Transformer Engine) layer spec with our norms in it (SequenceNorm,
-    HeadNorm): the same modules megatron's torch norm builds, sequence parallel or not."""
+    HeadNorm): the same modules megatron's torch norm builds, sequence parallel or not; with
+    context parallelism, our core attention (megatron_context.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceNorm
+    attention = layer.self_attention.submodules
     if qk_layernorm:
-        attention = layer.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = HeadNorm
+    if context_parallel:
+        from .megatron_context import ContextParallelAttention
+
+        attention.core_attention = ContextParallelAttention
     return spec
 
 
@@ -177,32 +195,63 @@ def build(
     tensor_parallel: int = 1,
     recompute: dict[str, Any] | None = None,
     sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> torch.nn.Module:
     """The GPTModel for `hf` (random weights: load them with `hf_to_megatron` and `shard`).
-    Needs the default process group and megatron's parallel state with this tensor parallel
-    size (megatron_cpu.model_parallel). Its logits are the whole padded vocabulary. With
+    Needs the default process group and megatron's parallel state with these parallel sizes
+    (megatron_cpu.model_parallel). Its logits are the whole padded vocabulary. With
     `sequence_parallel` (and more than one rank), a forward's sequence length must be a
-    multiple of `tensor_parallel` (`pad_sequence`)."""
+    multiple of `tensor_parallel` (`pad_sequence`). With `pipeline_parallel` stages, this
+    rank's stage: its share of the layers (`layer_offset` says which), the embedding on the
+    first, the final norm and output layer on the last; a tied model is built untied there
+    (the two copies kept equal by the backend, as megatron's embedding group does). With
+    `context_parallel` ranks, a forward takes this rank's share of the sequence
+    (megatron_context.split)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     megatron_cpu.apply()
-    config = transformer_config(hf, tensor_parallel, recompute, sequence_parallel)
-    layer = _layer_spec(config.qk_layernorm)
+    config = transformer_config(
+        hf, tensor_parallel, recompute, sequence_parallel, pipeline_parallel, context_parallel
+    )
+    layer = _layer_spec(config.qk_layernorm, context_parallel > 1)
     spec = TransformerBlockSubmodules(
-        layer_specs=[layer] * config.num_layers, layer_norm=SequenceNorm
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=SequenceNorm
     )
     return GPTModel(
         config,
         spec,
         vocab_size=padded_vocab(hf, tensor_parallel),
         max_sequence_length=hf.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         position_embedding_type="rope",
         rotary_base=int(_rope_theta(hf)),
-        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
+        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings) and pipeline_parallel == 1,
         # every rank gets the whole vocabulary's logits: the loss code is the torch backend's
         parallel_output=False,
     )
+
+
+def layer_offset(model: torch.nn.Module) -> int:
+    """The global index of this pipeline stage's first layer (0 without pipelining)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config)
+
+
+def _global_name(name: str, offset: int) -> str:
+    """A stage's parameter name with its layer index made global: decoder.layers.1. on the
+    second of two 2-layer stages is decoder.layers.3."""
+    if not offset or not name.startswith("decoder.layers."):
+        return name
+    index, rest = name.removeprefix("decoder.layers.").split(".", 1)
+    return f"decoder.layers.{int(index) + offset}.{rest}"
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf: Any) -> torch.Tensor:
@@ -243,8 +292,9 @@ def hf_to_megatron(state: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.T
         "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
         "decoder.final_layernorm.weight": state["model.norm.weight"],
     }
-    if not hf.tie_word_embeddings:
-        out["output_layer.weight"] = state["lm_head.weight"]
+    # Tied, a pipeline's last stage holds its own copy of the embedding as the output layer.
+    out["output_layer.weight"] = state["model.embed_tokens.weight" if hf.tie_word_embeddings
+                                       else "lm_head.weight"]  # fmt: skip
     for i in range(hf.num_hidden_layers):
         h, m = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
         out.update({b: state[a] for a, b in _layer_names(hf, i)})
@@ -293,9 +343,9 @@ def shard(
 ) -> dict[str, torch.Tensor]:
     """`hf_to_megatron`'s whole weights as tensor parallel rank `rank` of `tensor_parallel`
     holds them in `model` (the vocabulary padded with zero rows first)."""
-    out = {}
+    out, offset = {}, layer_offset(model)
     for name, param in model.named_parameters():
-        value = full[name]
+        value = full[_global_name(name, offset)]
         if name in _VOCAB_ROWS and value.shape[0] < param.shape[0] * tensor_parallel:
             pad = param.shape[0] * tensor_parallel - value.shape[0]
             value = torch.cat([value, value.new_zeros(pad, *value.shape[1:])])
@@ -315,9 +365,10 @@ def unshard(
     model: torch.nn.Module, hf: Any, tensor_parallel: int, all_gather: Any
 ) -> dict[str, torch.Tensor]:
     """`shard`'s inverse over the tensor parallel group: every rank of it calls this (the same
-    parameters in the same order) and gets the whole weights in megatron's names, unpadded.
-    `all_gather(tensor) -> [each rank's tensor]`."""
-    out = {}
+    parameters in the same order) and gets the whole weights in megatron's names, unpadded
+    (a pipeline stage: its own, with global layer indices). `all_gather(tensor) -> [each
+    rank's tensor]`."""
+    out, offset = {}, layer_offset(model)
     for name, param in model.named_parameters():
         value = param.detach()
         if getattr(param, "tensor_model_parallel", False) and tensor_parallel > 1:
@@ -329,7 +380,7 @@ def unshard(
                 value = torch.cat(parts, dim=param.partition_dim)
         if name in _VOCAB_ROWS:
             value = value[: hf.vocab_size]
-        out[name] = value
+        out[_global_name(name, offset)] = value
     return out
 
 

@@ -202,6 +202,8 @@ class TorchBackend:
         # of the per-shard metric sums; the sum of a tensor (whitening statistics).
         self.rank, self.world_size = 0, 1
         self.tensor_parallel = 1  # ranks that split each layer (megatron_backend.py sets it)
+        # ranks that hold one copy of the model between them: tensor x pipeline parallel
+        self.model_parallel = 1
         self.train_model: torch.nn.Module = self.model
         self.train_critic: torch.nn.Module | None = self.critic
         # With --train-backend fsdp (DataParallel shards the actor): every forward of the actor
