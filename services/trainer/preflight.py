@@ -133,12 +133,6 @@ def check_flags(cfg: RunConfig) -> None:
             f"--context-parallel-size {cp} must divide the trainer's {ranks} rank(s): each "
             "such group of ranks holds one copy of the model between them"
         )
-    if sum(n > 1 for n in (tp, pp, cp)) > 1:
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp}, --pipeline-model-parallel-size {pp}, "
-            f"--context-parallel-size {cp}: combining them is not built yet; use one of the "
-            "three (with data parallel ranks beside it)"
-        )
     if r.custom_generate_function_path and r.rollout_function_path:
         raise ConfigError(
             "--custom-generate-function-path and --rollout-function-path both replace how a "

@@ -179,21 +179,47 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name
     assert moved > 0
 
 
-def test_four_ranks_tensor_and_data_parallel_take_the_one_rank_step(tiny_model_dir, tmp_path):
-    """--tensor-model-parallel-size 2 on four ranks: two tensor parallel groups, each training
-    half of the samples (DDP over the data parallel group: ranks 0 and 2, 1 and 3) with half of
-    every layer; clipped at a norm that binds. Rank 0 ends with the one-rank weights."""
-    flags = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
-             "--clip-grad", "0.05"]  # fmt: skip
-    mp.spawn(_rank, args=(4, _free_port(), str(tiny_model_dir), str(tmp_path), [flags]), nprocs=4)
+_MEGATRON = ["--train-backend", "megatron"]
+FOUR_RANKS = {
+    # Two tensor parallel groups, each training half of the samples (DDP over the data
+    # parallel group: ranks 0 and 2, 1 and 3) with half of every layer; clipped at a norm
+    # that binds.
+    "tp2-dp2": [*_MEGATRON, "--tensor-model-parallel-size", "2", "--clip-grad", "0.05"],
+    # The three model parallel kinds two by two on the same four ranks: two pipeline stages
+    # of two tensor parallel ranks (sequence parallel between the layers, packed, clipped);
+    # two context parallel ranks of two tensor parallel ranks (sequence parallel, packed: real
+    # tokens in every rank's slice); two pipeline stages of two context parallel ranks.
+    "tp2-pp2": [*_MEGATRON, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                "2", "--sequence-parallel", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
+                "7", "--clip-grad", "0.05"],
+    "tp2-cp2": [*_MEGATRON, "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                "--sequence-parallel", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "7"],
+    "pp2-cp2": [*_MEGATRON, "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+                "--use-dynamic-batch-size", "--max-tokens-per-gpu", "7"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("four-ranks")
+    runs = list(FOUR_RANKS.values())
+    mp.spawn(_rank, args=(4, _free_port(), str(tiny_model_dir), str(out), runs), nprocs=4)
+    return out
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_four_ranks_take_the_one_rank_step(tiny_model_dir, four_rank_runs, name):
+    """Rank 0 ends with the one-rank weights, and the metrics are the one-rank step's:
+    summed over the data parallel ranks, not over the model parallel copies."""
+    flags = FOUR_RANKS[name]
+    i = list(FOUR_RANKS).index(name)
     single = build_backend(parse_run_config([*FLAGS, *_without_megatron(flags)]),
                            str(tiny_model_dir))  # fmt: skip
     want_metrics = single.train_rollout(_samples(), 1)
-    # the metrics too: summed over the data parallel ranks, not the tensor parallel copies
-    metrics = torch.load(tmp_path / "run0-metrics.pt", weights_only=True)
-    for name in ("loss", "grad_norm", "entropy_loss", "ess_ratio", "train_rollout_kl"):
-        assert metrics[name] == pytest.approx(want_metrics[name], rel=1e-4, abs=1e-6), name
-    ranks = [torch.load(tmp_path / f"run0-rank{r}.pt", weights_only=True) for r in range(4)]
+    metrics = torch.load(four_rank_runs / f"run{i}-metrics.pt", weights_only=True)
+    for metric in ("loss", "grad_norm", "entropy_loss", "ess_ratio", "train_rollout_kl"):
+        assert metrics[metric] == pytest.approx(want_metrics[metric], rel=1e-4, abs=1e-6), metric
+    ranks = [torch.load(four_rank_runs / f"run{i}-rank{r}.pt", weights_only=True) for r in range(4)]
     assert ranks[1:] == [{}, {}, {}]  # only rank 0 keeps the gathered weights
     before = load_file(Path(tiny_model_dir) / "model.safetensors")
     moved = 0

@@ -62,13 +62,13 @@ class MegatronConfig:
     )
     pipeline_model_parallel_size: int = flag(
         1,
-        "Megatron pipeline parallelism: --train-backend megatron only (not with tensor or "
-        "context parallelism yet), under torchrun with a multiple of it as ranks",
+        "Megatron pipeline parallelism: --train-backend megatron only, under torchrun with a "
+        "multiple of it as ranks",
     )
     context_parallel_size: int = flag(
         1,
         "Megatron context parallelism (each sequence split over the ranks): --train-backend "
-        "megatron only (not with tensor or pipeline parallelism yet), under torchrun",
+        "megatron only, under torchrun with a multiple of it as ranks",
     )
     expert_model_parallel_size: int = flag(1, "Megatron expert parallelism" + _PARALLEL)
     expert_tensor_parallel_size: int = flag(1, "Megatron expert tensor parallelism" + _PARALLEL)

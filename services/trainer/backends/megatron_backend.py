@@ -1,8 +1,8 @@
 """--train-backend megatron: the torch backend's training with megatron-core's GPTModel as the
 actor (issue 15): one rank, data parallel, tensor parallel (--tensor-model-parallel-size),
 pipeline parallel (--pipeline-model-parallel-size, megatron_pipeline.py) and context parallel
-(--context-parallel-size, megatron_context.py) under torchrun; one of the three model parallel
-kinds at a time so far, with data parallel ranks beside it.
+(--context-parallel-size, megatron_context.py) under torchrun, in any combination (the world
+a multiple of TP x PP x CP, the rest data parallel).
 
 Everything but the actor is the torch backend's (torch_backend.py): the batching, the no-grad
 forwards, the advantages and the loss code are shared, not copied; the reference and teacher
@@ -84,15 +84,6 @@ class MegatronBackend(TorchBackend):
         self.pipeline_parallel = m.pipeline_model_parallel_size
         self.context_parallel = m.context_parallel_size
         self.model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-        if self.model_parallel > max(
-            self.tensor_parallel, self.pipeline_parallel, self.context_parallel
-        ):
-            raise MillstreamError(
-                f"--tensor-model-parallel-size {self.tensor_parallel}, "
-                f"--pipeline-model-parallel-size {self.pipeline_parallel}, "
-                f"--context-parallel-size {self.context_parallel}: combining them is not built "
-                "yet; use one of the three (with data parallel ranks beside it)"
-            )
         one_rank_group()
         init_model_parallel(self.tensor_parallel, self.pipeline_parallel, self.context_parallel)
         recompute = {"granularity": m.recompute_granularity, "method": m.recompute_method,
@@ -163,8 +154,11 @@ class MegatronBackend(TorchBackend):
         # Sequence parallel: each rank takes an equal slice of the sequence. Right padding
         # changes no earlier position's logits (causal), and packed, the padding is a sample
         # of its own (its positions restart at 0), which no other attends to.
-        # Context parallel: each rank takes 2 of 2 x CP equal chunks, padded the same way.
-        multiple = self.tensor_parallel if self.sequence_parallel else 2 * self.context_parallel
+        # Context parallel: each rank takes 2 of 2 x CP equal chunks, each split again over
+        # the tensor parallel ranks under sequence parallelism: padded to a multiple of both.
+        multiple = (2 * self.context_parallel if self.context_parallel > 1 else 1) * (
+            self.tensor_parallel if self.sequence_parallel else 1
+        )
         pad = -S % multiple
         ids = torch.nn.functional.pad(ids, (0, pad))
         if "position_ids" in inputs:  # packed: one row of several samples
@@ -173,21 +167,20 @@ class MegatronBackend(TorchBackend):
             mask = _block_causal_mask(positions)
         else:
             positions, mask = torch.arange(ids.shape[1])[None].expand_as(ids), None
-        if self.context_parallel > 1:
+        length = ids.shape[1]
+        if self.context_parallel > 1:  # this rank's share of the sequence
             from . import megatron_context
 
             if mask is None:  # causal by position in the whole sequence
-                mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)[
-                    None, None
-                ]
-            mine, local_positions, local_mask = megatron_context.split(ids, positions, mask)
-            logits = model(mine, local_positions, attention_mask=local_mask)
-            logits = megatron_context.gather_sequence(logits, ids.shape[1])
-        elif self.pipeline_parallel > 1:
+                mask = torch.ones(length, length, dtype=torch.bool).triu(1)[None, None]
+            ids, positions, mask = megatron_context.split(ids, positions, mask)
+        if self.pipeline_parallel > 1:
             rows = megatron_model.padded_vocab(self.hf.config, self.tensor_parallel)
             logits = megatron_pipeline.stage_logits(model, ids, positions, mask, rows)
         else:
             logits = model(ids, positions, attention_mask=mask)
+        if self.context_parallel > 1:
+            logits = megatron_context.gather_sequence(logits, length)
         return megatron_model.unpadded_logits(logits[:, :S], self.hf.config)
 
     def gather_weights(self) -> dict[str, torch.Tensor]:
@@ -218,31 +211,43 @@ class MegatronBackend(TorchBackend):
             yield name, value.detach()
 
     def clip_actor_gradients(self, max_norm: float) -> float:
-        """The actor's gradient norm, clipped to `max_norm`, as one rank would see it: a
-        tensor parallel parameter's squared norm is summed over its group's slices, a whole
-        one (the norms) counted once."""
-        if self.context_parallel > 1:
-            self._sum_over_context()
-        if self.pipeline_parallel > 1:
-            return self._clip_pipelined(max_norm)
-        if self.tensor_parallel == 1:
+        """The actor's gradient norm, clipped to `max_norm`, as one rank would see it. First
+        the gradients each rank holds only a share of are summed: context parallel ranks'
+        (their tokens' shares), tensor parallel ranks' whole norms (their heads' or sequence
+        slice's shares), a pipeline's two copies of a tied embedding. Then the squares: a
+        tensor parallel parameter's slices summed over its group, a whole one counted once,
+        the pipeline stages' summed, the tied copy left out."""
+        if self.model_parallel == 1:
             return super().clip_actor_gradients(max_norm)
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        self._sum_partial_gradients()
+        if self.context_parallel > 1:
+            self._sum_over_context()
+        if self.tensor_parallel > 1:
+            self._sum_partial_gradients()
+        copy = None
+        if self.pipeline_parallel > 1 and self.hf.config.tie_word_embeddings:
+            megatron_pipeline.sum_tied_gradients(self.model)
+            copy = self.model.output_layer.weight if self.model.post_process else None
         grads = [(p.grad, getattr(p, "tensor_model_parallel", False))
                  for p in self.model.parameters() if p.grad is not None]  # fmt: skip
         split = torch.zeros((), dtype=torch.float64)
         whole = torch.zeros((), dtype=torch.float64)
         for grad, is_split in grads:
+            if copy is not None and grad is copy.grad:
+                continue
             square = grad.detach().double().pow(2).sum()
-            if is_split:
+            if is_split and self.tensor_parallel > 1:
                 split += square
             else:
                 whole += square
-        dist.all_reduce(split, group=parallel_state.get_tensor_model_parallel_group())
-        norm = float((split + whole).sqrt())
+        if self.tensor_parallel > 1:
+            dist.all_reduce(split, group=parallel_state.get_tensor_model_parallel_group())
+        total = split + whole
+        if self.pipeline_parallel > 1:
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        norm = float(total.sqrt())
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             for grad, _ in grads:
@@ -260,26 +265,6 @@ class MegatronBackend(TorchBackend):
         dist.all_reduce(flat, group=parallel_state.get_context_parallel_group())
         for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             grad.copy_(part.view_as(grad))
-
-    def _clip_pipelined(self, max_norm: float) -> float:
-        """Pipelined: each stage holds its own parameters, so the squared norm is summed over
-        the stages; a tied model's two copies (summed first) count once, as one rank's."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        tied = bool(self.hf.config.tie_word_embeddings)
-        if tied:
-            megatron_pipeline.sum_tied_gradients(self.model)
-        copy = self.model.output_layer.weight if tied and self.model.post_process else None
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        square = sum((g.detach().double().pow(2).sum() for g in grads if g is not getattr(copy, "grad", None)),
-                     torch.zeros((), dtype=torch.float64))  # fmt: skip
-        dist.all_reduce(square, group=parallel_state.get_pipeline_model_parallel_group())
-        norm = float(square.sqrt())
-        if max_norm > 0 and (coef := max_norm / (norm + 1e-6)) < 1.0:
-            for grad in grads:
-                grad.mul_(coef)
-        return norm
 
     def _sum_partial_gradients(self) -> None:
         """Qwen3's q/k norms are whole on every tensor parallel rank, but each rank applies

@@ -13,6 +13,10 @@ logits' and carries it into the stage's own layers. So each stage's parameters g
 their gradient, in the same order of calls on every stage (sends and receives match, micro-
 batch by micro-batch).
 
+With tensor parallelism too, each tensor parallel rank of a stage talks to the same rank of
+the next (the hidden states between stages are whole on each, or under sequence parallelism
+its slice of the sequence), and the logits are whole on each already.
+
 This is megatron's "all forward, all backward" order without its 1F1B schedule: the stages
 run one after another, not overlapped, and the logits travel back to the earlier stages (the
 cost of sharing the loss code; megatron computes the loss on the last stage only). What it
@@ -62,7 +66,10 @@ def stage_logits(
     group = ps.get_pipeline_model_parallel_group()
     last = ps.get_pipeline_model_parallel_last_rank()
     if not ps.is_pipeline_first_stage():
-        hidden_in = torch.empty(S, B, gpt.config.hidden_size)  # megatron's [s, b, h]
+        # megatron's [s, b, h]; sequence parallel: this tensor parallel rank's slice of s
+        tensor_parallel = gpt.config.tensor_model_parallel_size
+        rows = S // tensor_parallel if gpt.config.sequence_parallel else S
+        hidden_in = torch.empty(rows, B, gpt.config.hidden_size)
         prev = ps.get_pipeline_model_parallel_prev_rank()
         dist.recv(hidden_in, src=prev)
         if torch.is_grad_enabled():
