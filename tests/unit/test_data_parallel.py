@@ -262,57 +262,71 @@ SHARDED = {"fsdp": ["--train-backend", "fsdp"],
            "megatron-cp2": ["--train-backend", "megatron", "--context-parallel-size", "2"]}  # fmt: skip
 
 
-def _resume_rank(rank: int, world: int, port: int, model: str, out: str, flags: list[str]) -> None:
-    """Train one rollout sharded, save (each rank its optimizer shard), build again from the
-    checkpoint as a resumed run does, train a second rollout; rank 0 keeps the weights."""
+def _resume_rank(rank: int, world: int, port: int, model: str, out: str, runs: dict) -> None:
+    """For each run (one spawn for all), in out/<name>/: train one rollout sharded, save
+    (each rank its optimizer shard), build again from the checkpoint as a resumed run does,
+    train a second rollout; rank 0 keeps the weights."""
     import torch.distributed as dist
 
-    from millstream.trainer.distributed import DataParallel, init, send_stop, shutdown
+    from millstream.trainer.distributed import init, shutdown
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
     init()
     try:
-        cfg = parse_run_config([*ADAM, *flags])
-        ckpt = Path(out) / "ckpt"
-        for resumed in (False, True):
-            backend = build_backend(cfg, model)
-            if resumed:
-                backend.load_weights(ckpt)
-            dp = DataParallel(backend)
-            if resumed:
-                dp.load(ckpt)
-            if rank == 0:
-                dp.train_rollout(_samples(), 1)
-                if not resumed:
-                    ckpt.mkdir()
-                    dp.save(ckpt)
-                send_stop()
-            else:
-                dp.follow()
-        if rank == 0:
-            torch.save(dict(dp.named_weights()), Path(out) / "resumed.pt")
-        if "megatron" in flags:
-            # The torch_dist files of the first rollout, read by one model parallel rank (two
-            # data parallel ranks): resharded, the vocabulary's padding (TP: 260 rows) undone,
-            # the stages' layers (PP) in one model.
-            one = build_backend(parse_run_config([*ADAM, "--train-backend", "megatron"]), model)
-            one.load_weights(ckpt)
-            if rank == 0:
-                torch.save(dict(one.named_weights()), Path(out) / "resharded.pt")
-        dist.barrier()
+        for name, flags in runs.items():
+            _resume_run(rank, model, Path(out) / name, flags)
+            dist.barrier()
     finally:
         shutdown()
 
 
+def _resume_run(rank: int, model: str, out: Path, flags: list[str]) -> None:
+    from millstream.trainer.distributed import DataParallel, send_stop
+
+    cfg = parse_run_config([*ADAM, *flags])
+    ckpt = out / "ckpt"
+    for resumed in (False, True):
+        backend = build_backend(cfg, model)
+        if resumed:
+            backend.load_weights(ckpt)
+        dp = DataParallel(backend)
+        if resumed:
+            dp.load(ckpt)
+        if rank == 0:
+            dp.train_rollout(_samples(), 1)
+            if not resumed:
+                ckpt.mkdir(parents=True)
+                dp.save(ckpt)
+            send_stop()
+        else:
+            dp.follow()
+    if rank == 0:
+        torch.save(dict(dp.named_weights()), out / "resumed.pt")
+    if "megatron" in flags:
+        # The torch_dist files of the first rollout, read by one model parallel rank (two
+        # data parallel ranks): resharded, the vocabulary's padding (TP: 260 rows) undone,
+        # the stages' layers (PP) in one model.
+        one = build_backend(parse_run_config([*ADAM, "--train-backend", "megatron"]), model)
+        one.load_weights(ckpt)
+        if rank == 0:
+            torch.save(dict(one.named_weights()), out / "resharded.pt")
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("resumed")
+    mp.spawn(_resume_rank, args=(2, _free_port(), str(tiny_model_dir), str(out), SHARDED),
+             nprocs=2)  # fmt: skip
+    return out
+
+
 @pytest.mark.parametrize("name", list(SHARDED))
 def test_a_sharded_run_saves_hf_weights_and_optimizer_shards_and_resumes_from_them(
-    tiny_model_dir, tmp_path, name
+    tiny_model_dir, resumed_runs, name
 ):
-    flags = SHARDED[name]
-    mp.spawn(_resume_rank, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path), flags),
-             nprocs=2)  # fmt: skip
+    flags, out = SHARDED[name], resumed_runs / name
     # One rank, from the same weights: the torch backend (megatron's equals it: above).
     cfg = parse_run_config([*ADAM, *_without_megatron(flags)])
     tol = 1e-5 if "megatron" in name else 1e-6
@@ -320,7 +334,7 @@ def test_a_sharded_run_saves_hf_weights_and_optimizer_shards_and_resumes_from_th
     single.train_rollout(_samples(), 1)
     after_one = {key: value.clone() for key, value in single.named_weights()}
     single.train_rollout(_samples(), 1)
-    ckpt = tmp_path / "ckpt"
+    ckpt = out / "ckpt"
     assert sorted(p.name for p in ckpt.glob("optimizer*")) == [
         "optimizer.rank0.pt",
         "optimizer.rank1.pt",
@@ -333,12 +347,12 @@ def test_a_sharded_run_saves_hf_weights_and_optimizer_shards_and_resumes_from_th
     # ... but the optimizer state resumes only sharded as it was saved.
     with pytest.raises(MillstreamError, match="sharded over 2 ranks"):
         reader.load(ckpt)
-    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    resumed = torch.load(out / "resumed.pt", weights_only=True)
     for key, want in single.named_weights():
         torch.testing.assert_close(resumed[key], want, atol=tol, rtol=0)
     if "megatron" in name:  # and megatron's torch_dist files beside them, which it resumed from
         assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
-        resharded = torch.load(tmp_path / "resharded.pt", weights_only=True)
+        resharded = torch.load(out / "resharded.pt", weights_only=True)
         assert set(resharded) == set(after_one)
         for key, value in resharded.items():
             torch.testing.assert_close(value, after_one[key], atol=tol, rtol=0)

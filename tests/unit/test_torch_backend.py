@@ -95,6 +95,16 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_model_dir, per_token):
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-4)
 
 
+def test_a_context_parallel_group_packs_with_its_ranks_budgets_together(tiny_model_dir):
+    """Miles' --max-tokens-per-gpu under --context-parallel-size N: each rank holds 1/N of a
+    packed row, so a row holds N times the budget (the megatron backend sets N)."""
+    backend = TorchBackend(_cfg("--use-dynamic-batch-size", "--max-tokens-per-gpu", "5"),
+                           tiny_model_dir, ref_dir=None, total_steps=1)  # fmt: skip
+    assert backend._micro_batches(_samples()) == [[0], [1], [2], [3]]
+    backend.context_parallel = 2
+    assert backend._micro_batches(_samples()) == [[0, 2], [1, 3]]
+
+
 def test_a_step_moves_probability_toward_positive_advantage(tiny_model_dir):
     backend = TorchBackend(
         _cfg("--optimizer", "sgd", "--clip-grad", "0"), tiny_model_dir, ref_dir=None, total_steps=1

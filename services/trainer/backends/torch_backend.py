@@ -202,8 +202,9 @@ class TorchBackend:
         # of the per-shard metric sums; the sum of a tensor (whitening statistics).
         self.rank, self.world_size = 0, 1
         self.tensor_parallel = 1  # ranks that split each layer (megatron_backend.py sets it)
-        # ranks that hold one copy of the model between them: tensor x pipeline parallel
-        self.model_parallel = 1
+        # ranks that hold one copy of the model between them: tensor x pipeline x context
+        # parallel; the context parallel ones share each sequence (megatron_backend.py)
+        self.model_parallel = self.context_parallel = 1
         self.train_model: torch.nn.Module = self.model
         self.train_critic: torch.nn.Module | None = self.critic
         # With --train-backend fsdp (DataParallel shards the actor): every forward of the actor
@@ -349,11 +350,14 @@ class TorchBackend:
     # -- splitting -----------------------------------------------------------------------------
 
     def _micro_batches(self, samples: list[TrainSample]) -> list[list[int]]:
-        """Indices of each micro-batch: by count, or packed by tokens (dynamic batching)."""
+        """Indices of each micro-batch: by count, or packed by tokens (dynamic batching: as in
+        Miles, a context parallel group shares its ranks' budgets, each holding a share of
+        every sequence)."""
         p = self.cfg.perf
         if p.use_dynamic_batch_size:
             assert p.max_tokens_per_gpu is not None
-            return batching.pack_by_tokens([len(s.tokens) for s in samples], p.max_tokens_per_gpu)
+            budget = p.max_tokens_per_gpu * self.context_parallel
+            return batching.pack_by_tokens([len(s.tokens) for s in samples], budget)
         size = p.micro_batch_size
         return [
             list(range(lo, min(lo + size, len(samples)))) for lo in range(0, len(samples), size)
