@@ -33,7 +33,7 @@ def _tagged(tag: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron-tp2"])
+@pytest.mark.parametrize("backend", ["fsdp", "megatron-tp2", "megatron-pp2"])
 def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_path):  # noqa: F811
     """fsdp: the actor sharded, its gathered weights synced to the engine and saved by rank 0
     with each rank's optimizer shard beside them; megatron-tp2: megatron-core's GPTModel split
@@ -43,9 +43,13 @@ def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_
     the engine before the first rollout; saved the same way plus its torch_dist files,
     against an engine and router we started (--router-url): after the run the engine's
     logprobs equal a forward pass of the saved checkpoint, so the gathered TP shards are
-    what it loaded. The ranks' numbers (DDP, FSDP, megatron DP and TP against one rank):
-    tests/unit/test_data_parallel.py; a one-rank megatron step: test_megatron_model.py."""
+    what it loaded; megatron-pp2: two pipeline stages, rank 0 the first (the loop and the
+    services), rank 1 the last. The ranks' numbers (DDP, FSDP, megatron DP, TP, PP and CP
+    against one rank): tests/unit/test_data_parallel.py; a one-rank megatron step:
+    test_megatron_model.py."""
     extra = ["--train-backend", backend]
+    if backend == "megatron-pp2":
+        extra = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2"]
     engine = router = None
     if backend == "megatron-tp2":
         from tests.support.engine_proc import EngineProcess
