@@ -33,7 +33,9 @@ last eval at or before them), the whole command's wall seconds (start-up, evals 
 included), and the overall completions/s as a ratio to the reference loop and to TRL. With
 several --seeds each (config, seed) is its own task (split, model, SFT) and the numbers are
 means over seeds; the parity table lists every peer's greedy accuracy per eval step next to
-the reference loop's. --minutes stops each peer after that many train seconds (millstream by
+the reference loop's, and the goals table issue 10's ratio goals for the config (with the
+peers they need) and whether sync's per-step accuracy stays within the eval's noise of ref's
+(mean distance over the evals against 2 standard errors of a difference). --minutes stops each peer after that many train seconds (millstream by
 SIGINT, after which its step-0 accuracy is the task's own HF greedy one: the same number).
 Results, with every step and eval of every run, go to --out as JSON.
 """
@@ -485,6 +487,44 @@ def print_parity(config: str, rows: list[dict], peers: list[str], seeds: list[in
         print(f"{row['step']:>6}" + "".join(f"{c:>16}" for c in cells))
 
 
+# Issue 10's goals per config: (ratio, numerator peer, denominator peer, at least).
+GOALS = {
+    "small": [("train-async / train", "async", "sync", 1.2), ("train / TRL", "sync", "trl", 0.9)],
+    "medium": [("train-async / train", "async", "sync", 1.3), ("train / TRL", "sync", "trl", 1.0),
+               ("train-async / TRL", "async", "trl", 1.2)],
+}  # fmt: skip
+
+
+def goal_rows(config: str, rows: dict[str, dict], par: list[dict], seeds: int) -> list[tuple]:
+    """(goal, target, measured, met) for each of the config's goals whose peers ran (overall
+    completions/s), and per-step learning: sync's mean distance to ref's accuracy over the
+    evals after step 0, against twice the standard error of such a difference."""
+    out = []
+    for name, top, bottom, target in GOALS.get(config, []):
+        a, b = rows.get(top, {}).get("overall_cps"), rows.get(bottom, {}).get("overall_cps")
+        if a and b:
+            out.append((name, f">= {target:.2f}x", f"{a / b:.2f}x", a / b >= target))
+    diffs = [r["sync"] - r["ref"] for r in par
+             if r["step"] > 0 and r.get("sync") is not None and r.get("ref") is not None]  # fmt: skip
+    if diffs:
+        level = statistics.fmean(r["ref"] for r in par if r.get("ref") is not None)
+        noise = 2 * math.sqrt(2 * level * (1 - level) / (task.EVAL_SIZE * seeds))
+        distance = statistics.fmean(abs(d) for d in diffs)
+        out.append(("train's accuracy per step, to ref", f"within {noise:.1%} (2 SE)",
+                    f"{distance:.1%} mean over {len(diffs)} evals", distance <= noise))  # fmt: skip
+    return out
+
+
+def print_goals(config: str, goals: list[tuple]) -> None:
+    if not goals:
+        return
+    print(
+        f"{config}: issue 10's goals (completions/s overall; run with --peers ref,trl,sync,async)"
+    )
+    for name, target, measured, met in goals:
+        print(f"  {name:<36} {target:>22} {measured:>28}  {'met' if met else 'NOT met'}")
+
+
 def machine_line(threads: int) -> str:
     import torch
     import transformers
@@ -559,8 +599,10 @@ def run_config(args: argparse.Namespace, config: str, peers: list[str]) -> dict:
     par = parity(traces)
     print_table(config, rows, at_steps, at_seconds)
     print_parity(config, par, peers, args.seeds)
+    goals = goal_rows(config, rows, par, len(args.seeds))
+    print_goals(config, goals)
     return {"tasks": metas, "summary": rows, "parity": par, "traces": traces,
-            "at_steps": at_steps, "at_seconds": at_seconds}  # fmt: skip
+            "at_steps": at_steps, "at_seconds": at_seconds, "goals": goals}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
