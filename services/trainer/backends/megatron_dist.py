@@ -53,6 +53,13 @@ def save(model: torch.nn.Module, directory: str | Path) -> None:
     A collective: every rank of the default process group calls it with the same dir."""
     from megatron.core import dist_checkpointing
 
+    try:  # megatron's writer imports it in its own process, where a failure hangs the save
+        import psutil  # noqa: F401
+    except ImportError:
+        raise MillstreamError(
+            "saving a torch_dist checkpoint needs psutil (megatron's writer uses it): "
+            "pip install -e '.[megatron]'"
+        ) from None
     Path(directory).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), str(directory))
 
