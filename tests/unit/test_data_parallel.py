@@ -139,14 +139,17 @@ def _without_megatron(flags: list[str]) -> list[str]:
     return out
 
 
+def _train_all(world: int, model: Path, out: Path, runs: dict[str, list[str]]) -> Path:
+    """Every run trained by `world` gloo ranks (one spawn); the weights each rank ended with
+    are in out/`run{i}-rank{r}.pt`, rank 0's metrics in `run{i}-metrics.pt`."""
+    mp.spawn(_rank, args=(world, _free_port(), str(model), str(out), list(runs.values())),
+             nprocs=world)  # fmt: skip
+    return out
+
+
 @pytest.fixture(scope="module")
 def two_rank_weights(tiny_model_dir, tmp_path_factory) -> Path:
-    """Every run of RUNS trained by two gloo ranks (one spawn); the weights each rank ended
-    with are in `run{i}-rank{r}.pt`."""
-    out = tmp_path_factory.mktemp("ranks")
-    runs = list(RUNS.values())
-    mp.spawn(_rank, args=(2, _free_port(), str(tiny_model_dir), str(out), runs), nprocs=2)
-    return out
+    return _train_all(2, tiny_model_dir, tmp_path_factory.mktemp("ranks"), RUNS)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -201,10 +204,7 @@ FOUR_RANKS = {
 
 @pytest.fixture(scope="module")
 def four_rank_runs(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("four-ranks")
-    runs = list(FOUR_RANKS.values())
-    mp.spawn(_rank, args=(4, _free_port(), str(tiny_model_dir), str(out), runs), nprocs=4)
-    return out
+    return _train_all(4, tiny_model_dir, tmp_path_factory.mktemp("four-ranks"), FOUR_RANKS)
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANKS))

@@ -68,13 +68,14 @@ def test_convert_refuses_model_flags_that_disagree_with_the_config(tiny_model_di
     assert f"--input-dir {tmp_path} holds no torch_dist checkpoint" in proc.stderr
 
 
-def _start_from_torch_dist(rank: int, port: int, model_dir: str, out: str) -> None:
+def _start_from_torch_dist(rank: int, port: int, model_dir: str, out: str, other: str) -> None:
     """Two torch_dist checkpoints of other weights (as Megatron saves one and Miles' converter
     makes one), then a backend started from them as a Miles script starts: --load and
-    --ref-load with a KL term."""
+    --ref-load with a KL term; and one of them read into another model (`other`)."""
     import torch.distributed as dist
 
     from millstream.common.config import parse_run_config
+    from millstream.common.errors import MillstreamError
     from millstream.trainer.backends import megatron_dist
     from millstream.trainer.backends.megatron_backend import MegatronBackend
 
@@ -98,19 +99,31 @@ def _start_from_torch_dist(rank: int, port: int, model_dir: str, out: str) -> No
     cfg = parse_run_config([*flags, "--load", str(Path(out) / "load"), "--ref-load",
                             str(Path(out) / "ref")])  # fmt: skip
     started = MegatronBackend(cfg, model_dir, ref_dir=model_dir, total_steps=1)
+    qwen3 = MegatronBackend(parse_run_config(flags), other, ref_dir=None, total_steps=1)
+    try:
+        megatron_dist.load(qwen3.model, started.start_checkpoint, qwen3.hf.config)
+        refused = ""
+    except MillstreamError as err:
+        refused = str(err)
     torch.save(
         {"made": made, "actor": dict(started.named_weights()),
-         "ref": started.ref.state_dict(), "start": str(started.start_checkpoint)},
+         "ref": started.ref.state_dict(), "refused": refused, "start": str(started.start_checkpoint)},
         Path(out) / "started.pt",
     )  # fmt: skip
     dist.destroy_process_group()
 
 
 def test_the_megatron_backend_starts_from_a_torch_dist_load_and_ref_load(tiny_model_dir, tmp_path):
-    mp.spawn(
-        _start_from_torch_dist, args=(_free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=1
-    )
+    """--load's weights are the actor's, --ref-load's the reference's; another model's
+    checkpoint is named as one, with the first tensors that differ."""
+    other = _qwen3_untied(tmp_path / "qwen3")
+    args = (_free_port(), str(tiny_model_dir), str(tmp_path), str(other))
+    mp.spawn(_start_from_torch_dist, args=args, nprocs=1)
     got = torch.load(tmp_path / "started.pt", weights_only=True)
+    assert got["refused"].startswith(
+        f"the torch_dist checkpoint {tmp_path / 'load' / 'iter_0000020'} is not this model's"
+    ), got["refused"]
+    assert "give the --hf-checkpoint it was made from" in got["refused"]
     made = got["made"]
     assert got["start"] == str(tmp_path / "load" / "iter_0000020")
     for key, value in made["load"].items():  # the actor: --load's

@@ -90,18 +90,19 @@ class MegatronBackend(TorchBackend):
                      "num_layers": m.recompute_num_layers}  # fmt: skip
         # Miles (Megatron-LM) turns --sequence-parallel off with one tensor parallel rank.
         self.sequence_parallel = m.sequence_parallel and self.tensor_parallel > 1
-        model = megatron_model.build(
-            self.hf.config, self.tensor_parallel, recompute, self.sequence_parallel,
-            self.pipeline_parallel, self.context_parallel,
+        layout = megatron_model.Layout(
+            self.tensor_parallel, self.pipeline_parallel, self.context_parallel,
+            self.sequence_parallel,
         )  # fmt: skip
-        hf_state = self.hf.state_dict()
-        self._load_megatron(model, hf_state)
+        model = megatron_model.build(self.hf.config, layout, recompute)
+        whole = megatron_model.hf_to_megatron(self.hf.state_dict(), self.hf.config)
+        self._load_megatron(model, whole, f"the checkpoint {actor_dir}")
         # Pipelined: every weight's shape, to gather the stages' (megatron_pipeline.py).
+        tied = self.hf.config.tie_word_embeddings
         self.megatron_shapes = {
-            name: value.shape
-            for name, value in megatron_model.hf_to_megatron(hf_state, self.hf.config).items()
-            if not (name == "output_layer.weight" and self.hf.config.tie_word_embeddings)
-        }
+            name: value.shape for name, value in whole.items()
+            if not (name == "output_layer.weight" and tied)
+        } if self.pipeline_parallel > 1 else {}  # fmt: skip
         self.model = self.train_model = model.train()
         self._start_from_torch_dist(cfg)
         # Whole on each tensor parallel rank, each rank with only a share of the gradient
@@ -120,8 +121,13 @@ class MegatronBackend(TorchBackend):
         load_dir = megatron_ckpt.torch_dist_dir(cfg.ckpt.load)
         if ref_dir is not None:
             megatron_dist.load(self.model, ref_dir, self.hf.config)
-            if self.ref is not None:
-                self.ref.load_state_dict(self.gather_weights(), strict=False)
+            if self.ref is not None:  # a tied model's lm_head is its embedding
+                missing, unexpected = self.ref.load_state_dict(self.gather_weights(), strict=False)
+                if unexpected or set(missing) - {"lm_head.weight"}:
+                    raise MillstreamError(
+                        f"--ref-load {ref_dir} does not fit the reference model: missing "
+                        f"{missing[:5]}, unexpected {unexpected[:5]}"
+                    )
         if load_dir is not None:
             megatron_dist.load(self.model, load_dir, self.hf.config)
         self.start_checkpoint = load_dir or ref_dir
@@ -131,20 +137,16 @@ class MegatronBackend(TorchBackend):
 
         return parallel_state.get_data_parallel_group() if self.model_parallel > 1 else None
 
-    def _load_megatron(self, model: torch.nn.Module, hf_state: dict[str, torch.Tensor]) -> None:
+    def _load_megatron(
+        self, model: torch.nn.Module, whole: dict[str, torch.Tensor], source: str
+    ) -> None:
+        """`whole` (hf_to_megatron's: every weight, megatron names) into `model`, this rank
+        taking its slices and its stage's layers."""
         from megatron.core import parallel_state
 
-        state = megatron_model.shard(
-            megatron_model.hf_to_megatron(hf_state, self.hf.config), model,
-            self.tensor_parallel, parallel_state.get_tensor_model_parallel_rank(),
-        )  # fmt: skip
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.endswith("_extra_state")]
-        if missing or unexpected:
-            raise MillstreamError(
-                f"the Megatron model does not match the checkpoint: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        state = megatron_model.shard(whole, model, self.tensor_parallel, rank)
+        megatron_model.load_into(model, state, source)
 
     def _logits(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         if model is not self.model and model is not self.train_model:  # reference, teacher: HF
@@ -314,7 +316,9 @@ class MegatronBackend(TorchBackend):
             return
         from safetensors.torch import load_file
 
-        self._load_megatron(self.model, load_file(str(directory / "model" / "model.safetensors")))
+        hf_state = load_file(str(directory / "model" / "model.safetensors"))
+        whole = megatron_model.hf_to_megatron(hf_state, self.hf.config)
+        self._load_megatron(self.model, whole, f"the checkpoint {directory}")
 
 
 def init_model_parallel(

@@ -108,13 +108,7 @@ def load(model: torch.nn.Module, directory: str | Path, hf: Any) -> None:
         state[name] = _load_repadded(
             directory, tensor.key, stored[tensor.key].size, hf, tp_size, tp_rank
         )
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith("_extra_state")]
-    if missing or unexpected:
-        raise MillstreamError(
-            f"the torch_dist checkpoint {directory} left {missing[:4]} unloaded "
-            f"(unexpected: {unexpected[:4]})"
-        )
+    megatron_model.load_into(model, state, f"the torch_dist checkpoint {directory}")
 
 
 def _load_repadded(

@@ -33,6 +33,7 @@ two), columns of linear_proj and linear_fc2. Norms are whole on every rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +43,18 @@ from millstream.common.errors import MillstreamError
 from . import megatron_cpu
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is split over the ranks: Megatron's parallel sizes (--tensor-model-
+    parallel-size, --pipeline-model-parallel-size, --context-parallel-size) and whether the
+    tensor parallel ranks also split the sequence between the layers (--sequence-parallel)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    sequence: bool = False
 
 
 def _rope_theta(hf: Any) -> float:
@@ -65,15 +78,12 @@ def unpadded_logits(logits: torch.Tensor, hf: Any) -> torch.Tensor:
 
 
 def transformer_config(
-    hf: Any,
-    tensor_parallel: int = 1,
-    recompute: dict[str, Any] | None = None,
-    sequence_parallel: bool = False,
-    pipeline_parallel: int = 1,
-    context_parallel: int = 1,
+    hf: Any, layout: Layout = Layout(), recompute: dict[str, Any] | None = None
 ) -> Any:
-    """megatron's TransformerConfig for the Hugging Face config `hf`; `recompute`: Miles'
-    --recompute-granularity/-method/-num-layers as TransformerConfig's recompute_* fields."""
+    """megatron's TransformerConfig for the Hugging Face config `hf` split as `layout` says;
+    `recompute`: Miles' --recompute-granularity/-method/-num-layers as TransformerConfig's
+    recompute_* fields."""
+    tensor_parallel, pipeline_parallel = layout.tensor, layout.pipeline
     if hf.model_type not in SUPPORTED:
         raise MillstreamError(
             f"the Megatron backend builds {', '.join(SUPPORTED)} models; this checkpoint is "
@@ -99,19 +109,14 @@ def transformer_config(
         )
     qkv_bias = hf.model_type == "qwen2"
     try:
-        config = _transformer_config(
-            hf, tensor_parallel, qkv_bias, recompute or {}, pipeline_parallel, context_parallel
-        )
-        config.sequence_parallel = sequence_parallel and tensor_parallel > 1
+        config = _transformer_config(hf, layout, qkv_bias, recompute or {})
+        config.sequence_parallel = layout.sequence and tensor_parallel > 1
         return config
     except (ValueError, AssertionError) as err:  # megatron's own validation of the settings
         raise MillstreamError(f"megatron-core refuses the model's settings: {err}") from None
 
 
-def _transformer_config(
-    hf: Any, tensor_parallel: int, qkv_bias: bool, recompute: dict[str, Any],
-    pipeline_parallel: int, context_parallel: int,
-) -> Any:  # fmt: skip
+def _transformer_config(hf: Any, layout: Layout, qkv_bias: bool, recompute: dict[str, Any]) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -139,10 +144,10 @@ def _transformer_config(
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=torch.float32,
-        tensor_model_parallel_size=tensor_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
         pipeline_dtype=torch.float32,
-        context_parallel_size=context_parallel,
+        context_parallel_size=layout.context,
         **{f"recompute_{k}": v for k, v in recompute.items() if v is not None},
     )
 
@@ -191,22 +196,17 @@ def _layer_spec(qk_layernorm: bool, context_parallel: bool) -> Any:
 
 
 def build(
-    hf: Any,
-    tensor_parallel: int = 1,
-    recompute: dict[str, Any] | None = None,
-    sequence_parallel: bool = False,
-    pipeline_parallel: int = 1,
-    context_parallel: int = 1,
+    hf: Any, layout: Layout = Layout(), recompute: dict[str, Any] | None = None
 ) -> torch.nn.Module:
     """The GPTModel for `hf` (random weights: load them with `hf_to_megatron` and `shard`).
-    Needs the default process group and megatron's parallel state with these parallel sizes
-    (megatron_cpu.model_parallel). Its logits are the whole padded vocabulary. With
-    `sequence_parallel` (and more than one rank), a forward's sequence length must be a
-    multiple of `tensor_parallel` (`pad_sequence`). With `pipeline_parallel` stages, this
+    Needs the default process group and megatron's parallel state with `layout`'s sizes
+    (megatron_cpu.model_parallel). Its logits are the whole padded vocabulary. Sequence
+    parallel (with more than one tensor parallel rank), a forward's sequence length must be
+    a multiple of the tensor parallel size. With pipeline stages, this
     rank's stage: its share of the layers (`layer_offset` says which), the embedding on the
     first, the final norm and output layer on the last; a tied model is built untied there
     (the two copies kept equal by the backend, as megatron's embedding group does). With
-    `context_parallel` ranks, a forward takes this rank's share of the sequence
+    context parallel ranks, a forward takes this rank's share of the sequence
     (megatron_context.split)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -216,23 +216,21 @@ def build(
     )
 
     megatron_cpu.apply()
-    config = transformer_config(
-        hf, tensor_parallel, recompute, sequence_parallel, pipeline_parallel, context_parallel
-    )
-    layer = _layer_spec(config.qk_layernorm, context_parallel > 1)
+    config = transformer_config(hf, layout, recompute)
+    layer = _layer_spec(config.qk_layernorm, layout.context > 1)
     spec = TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=SequenceNorm
     )
     return GPTModel(
         config,
         spec,
-        vocab_size=padded_vocab(hf, tensor_parallel),
+        vocab_size=padded_vocab(hf, layout.tensor),
         max_sequence_length=hf.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         position_embedding_type="rope",
         rotary_base=int(_rope_theta(hf)),
-        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings) and pipeline_parallel == 1,
+        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings) and layout.pipeline == 1,
         # every rank gets the whole vocabulary's logits: the loss code is the torch backend's
         parallel_output=False,
     )
@@ -336,6 +334,18 @@ def megatron_to_hf(state: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.T
 
 
 _VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load `state` (megatron names, this rank's slices) into `model`: an error naming
+    `source` when a parameter is left out or one is left over (megatron's _extra_state aside)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith("_extra_state")]
+    if missing or unexpected:
+        raise MillstreamError(
+            f"{source} does not match the Megatron model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
 
 
 def shard(
