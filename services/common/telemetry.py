@@ -19,14 +19,13 @@ Redis' clock in ms) to the moment a consumer takes it, so a waterfall shows wher
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -221,19 +220,6 @@ def rpc_server_span(tr: trace.Tracer, service: str, method: str, metadata: Any, 
         attributes={**rpc_attributes(service, method), **kw.pop("attributes", {})},
         **kw,
     )
-
-
-@contextlib.contextmanager
-def send_span(tr: trace.Tracer, stream: str, parent_fields: Mapping[str, str]) -> Iterator[dict]:
-    """A producer span around one XADD to `stream`, child of the span whose context
-    `parent_fields` carry; yields the trace fields to publish the entry with (its own)."""
-    with tr.start_as_current_span(
-        f"send {stream}",
-        context=context_from_fields(parent_fields),
-        kind=trace.SpanKind.PRODUCER,
-        attributes=messaging_attributes(stream, "send"),
-    ):
-        yield inject_fields()
 
 
 def entry_time_ns(entry_id: str) -> int:

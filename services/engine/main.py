@@ -83,7 +83,7 @@ def main(argv: Sequence[str]) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from millstream.common import threads
+    from millstream.common import heap, threads
     from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
     from .core import EngineCore
@@ -95,6 +95,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         core = EngineCore(config)
         core.start()
+        heap.freeze_startup_heap()
         # uvicorn re-raises the signal that stopped it once it is done; with the default
         # SIGTERM action that would kill us before the cleanup below. Installed only now, so a
         # SIGTERM while the model loads still ends the process at once.

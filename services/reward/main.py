@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from millstream.common import heap
 from millstream.common.config import RunConfig
 from millstream.common.config import store as config_store
 from millstream.common.prom import start_metrics
@@ -87,6 +88,7 @@ async def serve(wc: RewardWorkerConfig) -> None:
             cfg.reward.reward_executor,
             cfg.rollout.dynamic_sampling_filter_path,
         )
+        heap.freeze_startup_heap()
         await worker.run()
         log.info("reward worker %s: %s", name, dict(sorted(scorer.stats.items())))
     finally:

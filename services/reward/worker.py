@@ -104,8 +104,8 @@ class RewardWorker:
         scored, fields = await score_traced(
             self.scorer, group, parent, name=f"process {entry.stream}", attributes=attributes
         )
-        with telemetry.send_span(tr, self.keys.scored, fields) as fields:
-            await self.consumer.publish_and_ack(self.keys.scored, scored, fields, entry)
+        # With the process span's context, as the rollout worker's hand-off.
+        await self.consumer.publish_and_ack(self.keys.scored, scored, fields, entry)
         self.metrics.observe(scored)
 
     async def run(self) -> None:

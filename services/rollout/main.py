@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from millstream.common import heap
 from millstream.common.config import store
 from millstream.common.prom import start_metrics
 from millstream.common.redis_conn import connect, redact
@@ -46,6 +47,7 @@ async def serve(args: WorkerArgs) -> None:
                 redis_password=args.redis_password, streams=[worker.keys.prompts],
             )  # fmt: skip
         worker.stream_worker.install_signal_handlers()
+        heap.freeze_startup_heap()
         log.info(
             "rollout worker %s: run %r on %s, router %s, partial rollout %s",
             name,

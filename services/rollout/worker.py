@@ -182,12 +182,12 @@ class RolloutWorker:
                 result.timings["rollout_queue"] = queued_s
             if result.failure_reason:
                 span.set_attribute("millstream.failure_reason", result.failure_reason)
+            # The hand-off carries this span's context: the reward's wait span, which starts
+            # at the entry's XADD, is its child (no span of its own for the XADD: spans are
+            # most of a worker's CPU per group).
             fields = inject_fields()
         self.metrics.observe(result.timings)
-        with telemetry.send_span(self._tracer, self.keys.generated, fields) as fields:
-            handed_off = await self.consumer.publish_and_ack(
-                self.keys.generated, result, fields, entry
-            )
+        handed_off = await self.consumer.publish_and_ack(self.keys.generated, result, fields, entry)
         if handed_off is None:
             log.info("group %s was taken over and handed off by another worker", group.group_id)
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from millstream.common import heap
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
 from .api import build_app
@@ -33,6 +34,7 @@ def main(argv: Sequence[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         app = build_app(cfg)
+        heap.freeze_startup_heap()
         logging.getLogger("millstream.router").info(
             "router on http://%s:%d, policy %s, %d worker(s) from flags",
             cfg.host,

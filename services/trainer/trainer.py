@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from millstream.common import telemetry
+from millstream.common import heap, telemetry
 from millstream.common.config import RunConfig
 
 from . import checkpoint
@@ -82,6 +82,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        heap.freeze_startup_heap()  # the model, the optimizer, every import: built by now
         await self._first_engines()
         self._pump = asyncio.create_task(self._admission_pump(), name="admission")
         self.p.buffer.watch_feeder(self._pump)
