@@ -188,15 +188,18 @@ async def publish_many(
     messages: Iterable[Message],
     trace_fields: Mapping[str, str] | list[Mapping[str, str]] | None = None,
 ) -> list[str]:
-    """XADD many messages in one round trip (pipelined, not atomic); returns their ids.
+    """XADD many messages in one round trip and one MULTI/EXEC; returns their ids.
 
     `trace_fields` is one context for all, or a list with one per message (one trace each).
+    In a transaction, a consumer blocked on the stream wakes once, with all of them: without
+    it, Redis woke it after the first XADD, and it read the rest a round trip later (so the
+    rollout worker's batching of a batch's groups into one request needed a timer).
     """
     messages = list(messages)
     per_message = trace_fields if isinstance(trace_fields, list) else [trace_fields] * len(messages)
     if len(per_message) != len(messages):
         raise ValueError(f"{len(messages)} messages but {len(per_message)} trace contexts")
-    async with redis.pipeline(transaction=False) as pipe:
+    async with redis.pipeline(transaction=True) as pipe:
         for message, trace in zip(messages, per_message, strict=True):
             pipe.xadd(stream, entry_fields(message, trace))
         return [_str(entry_id) for entry_id in await pipe.execute()]

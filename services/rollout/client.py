@@ -14,10 +14,10 @@ Owns two things every generation request passes through:
   e.g. a prompt longer than the context) fails at once: retrying cannot help. Each attempt
   has its own `rid` (SGLang refuses a rid that is still running somewhere).
 
-* Coalescing: `/generate` calls made within `coalesce_window_s` (2 ms) of each other with
-  the same `n` go out as ONE batch request (SGLang's batch form: lists of input_ids,
-  sampling_params and rids; the answer is the flat list, prompt by prompt), and each caller
-  gets its own part back. A rollout's groups are claimed together, so the router, the HTTP
+* Coalescing: `/generate` calls made in the same event-loop turn (or within
+  `coalesce_window_s` of each other, when it is > 0; None: never) with the same `n` go out as
+  ONE batch request (SGLang's batch form: lists of input_ids, sampling_params and rids; the
+  answer is the flat list, prompt by prompt), and each caller gets its own part back. A rollout's groups are claimed together, so the router, the HTTP
   stacks and the engine's request handling see one request per claim instead of one per
   group: on a small model those per-request costs were most of the rollout (py-spy).
   Failures stay per caller: a retryable failure of the batch is each member's failed
@@ -118,7 +118,9 @@ class Slots:
         self.busy -= 1
 
 
-COALESCE_WINDOW_S = 0.002
+COALESCE_WINDOW_S = 0.0
+"""0: calls of one event-loop turn go together. The groups of a claim reach `generate` in the
+turn that started them (nothing before it suspends), so waiting longer only adds latency."""
 MAX_BATCH = 64
 
 
@@ -141,7 +143,7 @@ class RouterClient:
         retry: RetryPolicy | None = None,
         timeout_s: float = 900.0,
         transport: httpx.AsyncBaseTransport | None = None,
-        coalesce_window_s: float = COALESCE_WINDOW_S,
+        coalesce_window_s: float | None = COALESCE_WINDOW_S,
         max_batch: int = MAX_BATCH,
     ):
         self.url = url.rstrip("/")
@@ -217,14 +219,17 @@ class RouterClient:
     async def _post_once(self, body: dict[str, Any]) -> tuple[Any, str]:
         """(answer, "") or (None, why it may be retried); GenerationFailed when it must not.
         Coalesced with the other calls of the same moment (module docstring)."""
-        if self.coalesce_window_s <= 0:
+        if self.coalesce_window_s is None:
             return await self._post_single(body)
         n = int(body["sampling_params"].get("n") or 1)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         members = self._pending.setdefault(n, [])
         members.append((body, future, trace.get_current_span().get_span_context()))
-        if len(members) == 1:
-            asyncio.get_running_loop().call_later(self.coalesce_window_s, self._flush, n)
+        if len(members) == 1 and self.coalesce_window_s > 0:
+            loop.call_later(self.coalesce_window_s, self._flush, n)
+        elif len(members) == 1:
+            loop.call_soon(self._flush, n)
         elif len(members) >= self.max_batch:
             self._flush(n)
         return await future

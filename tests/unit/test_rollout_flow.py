@@ -102,7 +102,7 @@ def run_worker(engine: FakeEngine, groups: list[PromptGroup], *flags: str, attem
             max_concurrency=cfg.rollout.rollout_max_concurrency,
             retry=RetryPolicy(attempts=attempts, backoff_s=0.001),
             transport=engine.transport(),
-            coalesce_window_s=0,  # one HTTP request per call: the flows are what is tested
+            coalesce_window_s=None,  # one HTTP request per call: the flows are what is tested
         )
         redis = aioredis.Redis()  # never used: rollout() does not touch the streams
         worker = RolloutWorker(cfg, redis, client, "unit", partial_poll_s=0.01)
