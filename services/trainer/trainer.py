@@ -157,7 +157,11 @@ class Trainer:
         report = await self._watched(
             f"the weight sync to version {self.version + 1}",
             self.p.weight_sync.sync(
-                self.p.backend.named_weights, self.version + 1, join=joins, links=links
+                self.p.backend.named_weights,
+                self.version + 1,
+                join=joins,
+                links=links,
+                idle=self._nothing_generating(),
             ),
             stall=False,  # bounded by --weight-sync-timeout; cancelling it mid-way is worse
         )
@@ -216,6 +220,13 @@ class Trainer:
         if self.p.watch is None:
             return await awaitable
         return await self.p.watch.wait(what, awaitable, detail, stall=stall)
+
+    def _nothing_generating(self) -> bool:
+        """Sync mode with every admitted group back in the buffer: no generation of ours runs,
+        and none starts before the version moves (the pump admits only then)."""
+        return (
+            self.cfg.max_staleness == 0 and len(self.p.admission.in_flight) == self.p.buffer.ready
+        )
 
     async def _admission_pump(self) -> None:
         """Admit whenever the budget has room: at start, when a group ends, when V moves."""

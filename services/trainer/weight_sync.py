@@ -12,6 +12,9 @@
                 broadcast of its bytes (flattened_bucket, the default) or one per tensor
     4. serve    router /set_weight_version str(V) while every engine /continue_generation
 
+An idle sync (sync mode between two rollouts: nothing generates, nothing will before the
+sync ends) of one bucket skips the pause and the continue (`sync(idle=True)`).
+
 Invariants:
   * an engine reports version V only once it holds all of V's tensors: weight_version (and
     flush_cache) go with the last bucket only;
@@ -305,9 +308,14 @@ class WeightSync:
         *,
         join: Sequence[str] = (),
         links: Sequence[trace.Link] = (),
+        idle: bool = False,
     ) -> SyncReport:
         """Push the tensors to every engine as `version`; `join`: engines to add first;
-        `links`: the trace links of the groups whose update this sync ships."""
+        `links`: the trace links of the groups whose update this sync ships; `idle`: the
+        caller has no generation running and starts none before the sync ends (sync mode
+        between two rollouts). An idle sync of one bucket neither pauses nor continues the
+        engines: the engine applies an update between two of its steps, with its version (so
+        does SGLang), so there is nothing to stop, and two round trips less."""
         source = named_tensors() if callable(named_tensors) else named_tensors
         buckets = plan_buckets(source, self.bucket_bytes)
         if not buckets:
@@ -324,10 +332,11 @@ class WeightSync:
             "trainer.weight_sync", links=links, attributes=attributes
         ) as span:
             calls, router = self._clients()
-            engines = await self._paused_engines(calls, router, join, report)
+            pause = not (idle and len(buckets) == 1)
+            engines = await self._paused_engines(calls, router, join, report, pause)
             backend = self.backend or backend_for(buckets[0].tensors[0].device)
             engines = await self._push(calls, router, engines, buckets, backend, report)
-            await self._serve(calls, router, engines, report)
+            await self._serve(calls, router, engines, report, pause)
             report.engines = engines
             report.add_time("total", time.monotonic() - start)
             span.set_attributes(
@@ -372,32 +381,44 @@ class WeightSync:
     # -- the steps --------------------------------------------------------------------------
 
     async def _paused_engines(
-        self, calls: EngineCalls, router: RouterAdmin, join: Sequence[str], report: SyncReport
+        self,
+        calls: EngineCalls,
+        router: RouterAdmin,
+        join: Sequence[str],
+        report: SyncReport,
+        pause: bool = True,
     ) -> list[str]:
+        """The engines the router lists, paused (unless `pause` is False: an idle sync)."""
         start = time.monotonic()
         for url in join:
             await router.add(url)
 
-        def pause(_i: int, _url: str) -> dict[str, Any]:
+        def body(_i: int, _url: str) -> dict[str, Any]:
             return {"mode": self.pause_mode}
 
         # Usually the engines are the last sync's members: pause them while the router lists
         # the engines, then pause only newcomers (one round trip, not two, on the sync path).
-        known = list(self._members)
+        known = list(self._members) if pause else []
         listed, failed = await asyncio.gather(
-            router.engines(), calls.each(known, "/pause_generation", pause)
+            router.engines(), calls.each(known, "/pause_generation", body)
         )
         engines = sorted(listed)
-        failed |= await calls.each(
-            [u for u in engines if u not in known], "/pause_generation", pause
-        )
+        if pause:
+            failed |= await calls.each(
+                [u for u in engines if u not in known], "/pause_generation", body
+            )
         gone = [u for u in known if u not in engines]
         if gone:  # left routing since the last sync: do not leave them paused (best effort)
             await calls.each(gone, "/continue_generation", lambda _i, _u: {})
         failed = {u: why for u, why in failed.items() if u in engines}
         engines = await self._remove(router, engines, failed, report)
         report.add_time("pause", time.monotonic() - start)
-        log.info("weight sync v%d: paused %d engine(s)", report.version, len(engines))
+        log.info(
+            "weight sync v%d: %s %d engine(s)",
+            report.version,
+            "paused" if pause else "idle, not pausing",
+            len(engines),
+        )
         return engines
 
     async def _push(
@@ -503,7 +524,12 @@ class WeightSync:
             report.add_time("broadcast", time.monotonic() - start)
 
     async def _serve(
-        self, calls: EngineCalls, router: RouterAdmin, engines: list[str], report: SyncReport
+        self,
+        calls: EngineCalls,
+        router: RouterAdmin,
+        engines: list[str],
+        report: SyncReport,
+        paused: bool = True,
     ) -> None:
         # The router moves to V while the engines continue: every engine left holds V, so
         # none can generate with older weights; a paused engine that gets a request before
@@ -511,7 +537,7 @@ class WeightSync:
         start = time.monotonic()
         eligible, failed = await asyncio.gather(
             router.set_version(str(report.version), engines),
-            calls.each(engines, "/continue_generation", lambda _i, _u: {}),
+            calls.each(engines if paused else [], "/continue_generation", lambda _i, _u: {}),
         )
         late = [u for u in engines if u not in eligible]
         if late:

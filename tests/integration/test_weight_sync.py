@@ -287,3 +287,44 @@ def test_an_engine_failing_mid_broadcast_is_removed_and_the_group_rebuilt(
         assert versions(misfit.url) == ["default"]  # never claimed a version it lacks
     finally:
         misfit.stop()
+
+
+def paused(url: str) -> bool:
+    return httpx.get(f"{url}/get_server_info").json()["scheduler"]["paused"]
+
+
+def test_an_idle_sync_of_one_bucket_neither_pauses_nor_continues_the_engines(
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, run
+):
+    """Sync mode between rollouts (nothing generates): the update lands between two engine
+    steps with its version, so the pause and the continue are two round trips for nothing.
+    An engine left paused stays paused (no continue was sent); a sync of several buckets is
+    paused and continued even when idle (a step between two buckets would mix versions)."""
+    url = engines[0].url
+    router = router_of(url)
+    one_bucket = WeightSync(router.url, admin_token=TOKEN, timeout_s=20, group_name="idle")
+    several = WeightSync(
+        router.url, admin_token=TOKEN, timeout_s=20, group_name="idle2", bucket_bytes=BUCKET_BYTES
+    )
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        model = hf_model(tiny_model_dir, seed=4)
+        report = run(one_bucket.sync(model.named_parameters(), 11, idle=True))
+        assert report.buckets == 1 and report.engines == [url] and versions(url) == ["11"]
+        assert_engine_equals(url, model, "11")
+        assert not paused(url)
+
+        httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, headers=headers)
+        model = hf_model(tiny_model_dir, seed=5)
+        run(one_bucket.sync(model.named_parameters(), 12, idle=True))
+        assert versions(url) == ["12"] and paused(url)  # not continued: it was never paused
+        run(one_bucket.sync(model.named_parameters(), 13))  # not idle: paused and continued
+        assert versions(url) == ["13"] and not paused(url)
+
+        httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, headers=headers)
+        report = run(several.sync(model.named_parameters(), 14, idle=True))
+        assert report.buckets > 1 and versions(url) == ["14"] and not paused(url)
+        assert_engine_equals(url, model, "14")
+    finally:
+        run(one_bucket.close())
+        run(several.close())
