@@ -222,11 +222,11 @@ class Trainer:
         return await self.p.watch.wait(what, awaitable, detail, stall=stall)
 
     def _nothing_generating(self) -> bool:
-        """Sync mode with every admitted group back in the buffer: no generation of ours runs,
-        and none starts before the version moves (the pump admits only then)."""
-        return (
-            self.cfg.max_staleness == 0 and len(self.p.admission.in_flight) == self.p.buffer.ready
-        )
+        """Every admitted group is back in the buffer: no generation of ours runs, and none
+        starts before the version moves. The pump admits only when V moves or a group ends,
+        and with none in flight no group can end before the sync publishes the new V (a
+        sync-mode sync between rollouts; in async mode once the next batch is generated)."""
+        return len(self.p.admission.in_flight) == self.p.buffer.ready
 
     async def _admission_pump(self) -> None:
         """Admit whenever the budget has room: at start, when a group ends, when V moves."""

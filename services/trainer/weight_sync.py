@@ -12,8 +12,8 @@
                 broadcast of its bytes (flattened_bucket, the default) or one per tensor
     4. serve    router /set_weight_version str(V) while every engine /continue_generation
 
-An idle sync (sync mode between two rollouts: nothing generates, nothing will before the
-sync ends) of one bucket skips the pause and the continue (`sync(idle=True)`).
+An idle sync (nothing generates, nothing will before the sync ends: every admitted group is
+back) of one bucket skips the pause and the continue (`sync(idle=True)`).
 
 Invariants:
   * an engine reports version V only once it holds all of V's tensors: weight_version (and
@@ -312,8 +312,8 @@ class WeightSync:
     ) -> SyncReport:
         """Push the tensors to every engine as `version`; `join`: engines to add first;
         `links`: the trace links of the groups whose update this sync ships; `idle`: the
-        caller has no generation running and starts none before the sync ends (sync mode
-        between two rollouts). An idle sync of one bucket neither pauses nor continues the
+        caller has no generation running and starts none before the sync ends (every group
+        it admitted is back). An idle sync of one bucket neither pauses nor continues the
         engines: the engine applies an update between two of its steps, with its version (so
         does SGLang), so there is nothing to stop, and two round trips less."""
         source = named_tensors() if callable(named_tensors) else named_tensors
