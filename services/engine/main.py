@@ -89,6 +89,7 @@ def main(argv: Sequence[str]) -> int:
     from .core import EngineCore
 
     print(f"[engine] {threads.apply(config.num_threads)} compute thread(s)", flush=True)
+    heap.keep_freed_memory()  # decode steps reuse their memory (common/heap.py)
 
     provider = setup_tracing("engine", config.run_dir)
     core = None

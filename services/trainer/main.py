@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from millstream.common import debug
+from millstream.common import debug, heap
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.redis_conn import connect, redact
@@ -58,6 +58,7 @@ def _run(argv: Sequence[str], mode: str, prog: str) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _apply_cpu_budget(cfg)
+    heap.keep_freed_memory()  # train steps reuse their memory (common/heap.py)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _run_data_parallel(cfg)
     ranks = cfg.megatron.actor_num_nodes * cfg.megatron.actor_num_gpus_per_node
