@@ -9,7 +9,9 @@ random init: the bytes are what matter). Rows:
     and once more as one flat tensor: the physical floor for these bytes on this machine;
   * `WeightSync.sync` to a real `millstream engine` behind a real `millstream router`, the
     whole coordinator handshake (pause, broadcast, router version, continue), with the engine
-    idle and again while clients keep it generating (the async trainer's case).
+    idle and again while clients keep it generating (the async trainer's case); and idle
+    with `idle=True`, as the trainer says when every group it admitted is back (no pause,
+    no continue for a one-bucket sync).
 Prints the median per phase and the time beyond the raw flat broadcast of the same bytes
 (the sync sends SGLang's flattened_bucket: one broadcast per bucket): the target (issue 10)
 is <= 10 ms. "engine generating": pausing waits for the decode step under way to end.
@@ -100,7 +102,9 @@ def keep_busy(url: str, stop: threading.Event, prompt: list[int]) -> None:
                 http.post(f"{url}/generate", json=body)
 
 
-def measure_syncs(model, router_url: str, syncs: int) -> dict[str, float]:
+def measure_syncs(model, router_url: str, syncs: int, idle: bool = False) -> dict[str, float]:
+    """Median phases of `syncs` syncs; `idle`: told that nothing generates (the trainer's
+    case whenever every group it admitted is back: no pause, no continue)."""
     from millstream.trainer.weight_sync import WeightSync
 
     async def go() -> list[dict[str, float]]:
@@ -108,7 +112,7 @@ def measure_syncs(model, router_url: str, syncs: int) -> dict[str, float]:
         out = []
         try:
             for version in range(1, syncs + 2):
-                report = await ws.sync(model.named_parameters(), version)
+                report = await ws.sync(model.named_parameters(), version, idle=idle)
                 if version > 1:  # the first sync builds the update group
                     out.append(report.seconds)
         finally:
@@ -145,6 +149,7 @@ def main() -> None:
         ).wait_ready("/health")
         router = ServiceProcess("router", ["--worker-urls", engine.url], logs).wait_ready("/health")
         try:
+            told_idle = measure_syncs(model, router.url, args.syncs, idle=True)
             idle = measure_syncs(model, router.url, args.syncs)
             stop = threading.Event()
             prompt = tokenizer("12+34=")["input_ids"]
@@ -169,7 +174,12 @@ def main() -> None:
     print("|---|---|---|")
     print(f"| raw gloo broadcast, per tensor ({len(tensors)}) | {raw_tensor_s * ms:.1f} | - |")
     print(f"| raw gloo broadcast, one flat tensor | {raw_flat_s * ms:.1f} | - |")
-    for label, phases in (("engine idle", idle), ("engine generating", busy)):
+    rows = (
+        ("engine idle, `idle=True` (one bucket: no pause, no continue)", told_idle),
+        ("engine idle", idle),
+        ("engine generating", busy),
+    )
+    for label, phases in rows:
         detail = ", ".join(f"{k} {v * ms:.1f}" for k, v in phases.items() if k != "total")
         overhead = (phases["total"] - raw_flat_s) * ms
         print(
