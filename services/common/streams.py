@@ -13,8 +13,7 @@ Invariants it keeps:
   nothing, so each input yields at most one output, and at least one because nothing is acked
   before its output exists. Hand-offs a worker's jobs make in the same event-loop turn go to
   Redis in one pipeline (`TurnBatch`, acks too): one round trip for a burst of finished groups
-  (an eval's 200 of them), each script still atomic on its own. A long turn sends what it has
-  every millisecond, so the next service starts on the first groups meanwhile.
+  (an eval's 200 of them), each script still atomic on its own.
 * Nothing is lost to dead-lettering: an entry delivered more than `max_deliveries` times, or
   one that cannot be decoded, is copied to `{run}:dead` with the reason in the same script
   that acks it.
@@ -276,20 +275,15 @@ class TurnBatch:
     answer) then pays one round trip and one socket write for all their hand-offs and acks
     instead of one each: 200 hand-offs take ~7 ms instead of ~24 ms here, and less CPU. Each
     call stays what it was on its own (a script is atomic; nothing about the exactly-once
-    guard changes). A turn that runs longer than `flush_after_s` (many jobs' CPU work in a
-    row: a rollout's 16 groups are ~7 ms of it) sends what is queued at once instead of at
-    its end, so the service downstream works on the first entries while this one makes the
-    rest, instead of both taking turns. Redis that forgot a script (a restart, SCRIPT FLUSH) answers NOSCRIPT:
+    guard changes). Redis that forgot a script (a restart, SCRIPT FLUSH) answers NOSCRIPT:
     the script is loaded and those calls run again, which is safe because a NOSCRIPT call
     did nothing.
     """
 
-    def __init__(self, redis: aioredis.Redis, flush_after_s: float = 0.001):
+    def __init__(self, redis: aioredis.Redis):
         self.redis = redis
-        self.flush_after_s = flush_after_s
         self.batches = 0  # pipelines sent (tests)
         self._queued: list[tuple[tuple, AsyncScript | None, asyncio.Future]] = []
-        self._first_at = 0.0  # when the first call now queued was made
 
     async def command(self, *args: Any) -> Any:
         """One command, e.g. `command("XACK", stream, group, entry_id)`."""
@@ -304,14 +298,11 @@ class TurnBatch:
         future = loop.create_future()
         self._queued.append((args, script, future))
         if len(self._queued) == 1:  # the first of this turn: send after the others queue
-            self._first_at = time.perf_counter()
             loop.call_soon(self._send_queued)
         return await future
 
     def _send_queued(self) -> None:
         batch, self._queued = self._queued, []
-        if not batch:
-            return
         task = asyncio.ensure_future(self._send(batch))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors go to callers
 

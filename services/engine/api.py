@@ -103,8 +103,8 @@ async def generate(req: GenerateReqIn, request: Request) -> Any:
         await wait_done(core, job, request.receive)
         outputs = [output_of(core, item, job.text_in_logprobs) for item in job.items]
         span.set_attributes(_generation_usage(job, outputs))
-    # Plain JSON types already: returned as is, FastAPI would walk every value through its
-    # encoder first (7.4 ms for a GRPO rollout's 128 answers, json.dumps takes 0.7 ms).
+    # Plain JSON types already: as a JSONResponse they skip FastAPI's walk of every value
+    # through its encoder (0.65 ms of a 128-answer batch request, measured on the engine).
     return JSONResponse(outputs if job.as_list else outputs[0])
 
 

@@ -17,9 +17,10 @@ Owns two things every generation request passes through:
 * Coalescing: `/generate` calls made in the same event-loop turn (or within
   `coalesce_window_s` of each other, when it is > 0; None: never) with the same `n` go out as
   ONE batch request (SGLang's batch form: lists of input_ids, sampling_params and rids; the
-  answer is the flat list, prompt by prompt), and each caller gets its own part back. A rollout's groups are claimed together, so the router, the HTTP
-  stacks and the engine's request handling see one request per claim instead of one per
-  group: on a small model those per-request costs were most of the rollout (py-spy).
+  answer is the flat list, prompt by prompt), and each caller gets its own part back. A
+  rollout's groups are claimed together, so the router, the HTTP stacks and the engine's
+  request handling see one request per claim instead of one per group: on a small model
+  those per-request costs were most of the rollout (py-spy).
   Failures stay per caller: a retryable failure of the batch is each member's failed
   attempt; a batch rejected as bad is re-sent one request each, so only the bad one fails.
   Only prompts with the same `n` share a batch (SGLang requires one n per batch).
