@@ -10,12 +10,20 @@ import contextlib
 import faulthandler
 import gc
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from millstream.common.errors import MillstreamError
+
+# Every child a millstream process starts is forked and exec'd at once (services, Redis,
+# torchrun ranks); none runs gRPC after a fork. gRPC's fork handlers, on by default, restart
+# its pollers in the child between fork and exec, where closing the inherited descriptors
+# breaks them: one child in ~15 died that way while the parent had gRPC threads busy (the
+# trainer serves the Coordinator; a test process has clients). Read when grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": (

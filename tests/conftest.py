@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# As `millstream.cli` does for every service: this process uses gRPC and starts services
+# (fork, then exec); gRPC's fork handlers could kill such a child (services/cli.py).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from tests.support.redis_server import RedisServer
 
