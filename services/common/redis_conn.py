@@ -5,12 +5,17 @@ again on a new one, with exponential backoff, for about `RECONNECT_BUDGET_S` sec
 (`RECONNECT`), before its error reaches the caller. Commands may therefore run twice when
 a reply was lost; every write millstream makes is safe to repeat (XADD duplicates are
 dropped by group id downstream, hand-offs are guarded scripts, XACK is idempotent).
-The first PING is not retried: a wrong URL fails at once.
+The first PING is not retried unless the caller asks to wait (`wait_s`: a stream worker,
+which may start during a Redis restart and has nothing to do without it): a wrong URL given
+to the trainer fails at once; a wrong password always does.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -21,6 +26,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+WORKER_WAIT_S = 60.0
+"""How long a stream worker starting up waits for Redis to be reachable (a restart of Redis
+while a worker is replaced, as in the chaos tests, must not kill the new worker)."""
 
 RECONNECT_RETRIES = 4
 RECONNECT_BUDGET_S = 9.0
@@ -54,9 +65,15 @@ def password_for(url: str, password: str | None) -> str | None:
 
 
 async def connect(
-    url: str, password: str | None = None, timeout_s: float = 5.0, max_connections: int = 64
+    url: str,
+    password: str | None = None,
+    timeout_s: float = 5.0,
+    max_connections: int = 64,
+    wait_s: float = 0.0,
 ) -> aioredis.Redis:
-    """An async client that has answered PING; ServiceUnavailable otherwise."""
+    """An async client that has answered PING; ServiceUnavailable otherwise. `wait_s`: keep
+    trying that long while Redis cannot be reached (refused, timed out, still loading its
+    AOF after a restart)."""
     password = password_for(url, password)
 
     def client(**retries: object) -> aioredis.Redis:
@@ -78,18 +95,31 @@ async def connect(
         probe = client(retry=Retry(ExponentialBackoff(), 0))
     except ValueError as err:
         raise ServiceUnavailable(f"bad Redis URL {redact(url)!r}: {err}") from None
+    start = said = time.monotonic()
     try:
-        await probe.ping()
-    except (AuthenticationError, ResponseError) as err:
-        raise ServiceUnavailable(
-            f"Redis at {redact(url)} refused us: {err} (check the password: in --redis-url, "
-            "--redis-password, --redis-password-file or REDIS_PASSWORD)"
-        ) from None
-    except (RedisError, OSError) as err:
-        raise ServiceUnavailable(
-            f"cannot reach Redis at {redact(url)}: {str(err).rstrip('.')}. Is redis-server running there? "
-            "Without --redis-url, `millstream train` starts its own."
-        ) from None
+        while True:
+            try:
+                await probe.ping()
+                break
+            except (AuthenticationError, ResponseError) as err:
+                raise ServiceUnavailable(
+                    f"Redis at {redact(url)} refused us: {err} (check the password: in "
+                    "--redis-url, --redis-password, --redis-password-file or REDIS_PASSWORD)"
+                ) from None
+            except (RedisError, OSError) as err:
+                if time.monotonic() - start >= wait_s:
+                    raise ServiceUnavailable(
+                        f"cannot reach Redis at {redact(url)}: {str(err).rstrip('.')}. Is "
+                        "redis-server running there? Without --redis-url, `millstream train` "
+                        "starts its own."
+                    ) from None
+                if time.monotonic() - said >= 5.0:
+                    said = time.monotonic()
+                    log.warning(
+                        "Redis at %s unreachable for %.0f s (%s); waiting up to %.0f s",
+                        redact(url), said - start, err, wait_s,
+                    )  # fmt: skip
+                await asyncio.sleep(0.5)
     finally:
         await probe.aclose()
     return client(

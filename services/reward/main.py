@@ -21,7 +21,7 @@ from millstream.common import heap
 from millstream.common.config import RunConfig
 from millstream.common.config import store as config_store
 from millstream.common.prom import start_metrics
-from millstream.common.redis_conn import connect, redact
+from millstream.common.redis_conn import WORKER_WAIT_S, connect, redact
 from millstream.common.streams import default_consumer_name
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
@@ -42,7 +42,7 @@ def _setup_logging(level: str) -> None:
 async def load_run_config(
     redis_url: str, run_id: str, password: str | None, wait_s: float
 ) -> RunConfig:
-    redis = await connect(redis_url, password)
+    redis = await connect(redis_url, password, wait_s=WORKER_WAIT_S)
     try:
         return await config_store.load(
             redis, run_id, wait_s=wait_s, on_wait=lambda msg: log.info("%s", msg)
@@ -57,7 +57,7 @@ async def serve(wc: RewardWorkerConfig) -> None:
     from .scorer import GroupScorer
     from .worker import RewardWorker, build_executor
 
-    redis = await connect(wc.redis_url, wc.redis_password)
+    redis = await connect(wc.redis_url, wc.redis_password, wait_s=WORKER_WAIT_S)
     executor = server = provider = metrics = None
     try:
         cfg = await config_store.load(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from millstream.common import heap
 from millstream.common.config import store
 from millstream.common.prom import start_metrics
-from millstream.common.redis_conn import connect, redact
+from millstream.common.redis_conn import WORKER_WAIT_S, connect, redact
 from millstream.common.streams import default_consumer_name
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
@@ -32,7 +32,7 @@ CONFIG_WAIT_S = 600.0
 
 async def serve(args: WorkerArgs) -> None:
     assert args.redis_url and args.run_id  # WorkerArgs checked both
-    redis = await connect(args.redis_url, args.redis_password)
+    redis = await connect(args.redis_url, args.redis_password, wait_s=WORKER_WAIT_S)
     provider = client = metrics = None
     try:
         cfg = await store.load(redis, args.run_id, wait_s=CONFIG_WAIT_S, on_wait=log.info)

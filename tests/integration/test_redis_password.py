@@ -9,6 +9,7 @@ neither the Redis password nor the admin token.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,3 +165,36 @@ def test_the_published_config_has_no_redis_password_and_no_admin_token(
         assert loaded.rollout == cfg.rollout  # everything else as the trainer resolved it
         written = config_store.write_file(cfg, tmp_path / run_id).read_text()
         assert PASSWORD not in written and "adm1n-t0ken" not in written
+
+
+def test_a_worker_starting_while_redis_restarts_waits_for_it(tmp_path: Path):
+    """A stream worker's first connect (`wait_s`) outlasts a Redis restart instead of exiting
+    (the chaos run replaces a worker and restarts Redis in the same minute); without a wait,
+    or past it, it fails at once naming the URL; a wrong password never waits."""
+    server = RedisServer(tmp_path, password=PASSWORD)
+    url = f"redis://127.0.0.1:{server.port}/0"
+    server.proc.terminate()
+    server.proc.wait(timeout=10)
+
+    async def scenario() -> float:
+        with pytest.raises(ServiceUnavailable, match=f"cannot reach Redis at {url}"):
+            await connect(url, PASSWORD, timeout_s=1)
+        started = asyncio.get_running_loop().time()
+        restarting = asyncio.get_running_loop().run_in_executor(
+            None, lambda: (time.sleep(1.5), server.start())
+        )
+        client = await connect(url, PASSWORD, timeout_s=1, wait_s=30)
+        waited = asyncio.get_running_loop().time() - started
+        assert await client.ping()
+        await client.aclose()
+        await restarting
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(ServiceUnavailable, match="refused us"):
+            await connect(url, WRONG, timeout_s=1, wait_s=30)
+        assert asyncio.get_running_loop().time() - t0 < 5
+        return waited
+
+    try:
+        assert 1.4 < asyncio.run(scenario()) < 20
+    finally:
+        server.stop()
