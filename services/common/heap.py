@@ -34,7 +34,7 @@ def keep_freed_memory() -> bool:
     same activations every time; by default blocks past glibc's mmap threshold are unmapped
     on free and the top of the heap trimmed, so every step faulted its memory in again: 2,300
     minor faults (9 MB) and 15-20% of a core in the kernel per step of the small peer
-    benchmark's train step; ~30 with this. Allocations under 256 MB come from the heap, and
+    benchmark's train step; ~30 with this when it runs alone, ~400 inside `millstream train`. Allocations under 256 MB come from the heap, and
     up to 1 GB of free memory at its top is kept. False where malloc is not glibc's."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
