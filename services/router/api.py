@@ -76,7 +76,13 @@ class Router:
             self.registry, self.client, cfg.health_check_interval, cfg.health_check_timeout
         )
         self.proxy = Proxy(
-            self.registry, self.policy, self.client, self.metrics, cfg.max_retries, tracer
+            self.registry,
+            self.policy,
+            self.client,
+            self.metrics,
+            cfg.max_retries,
+            tracer,
+            version_wait_s=cfg.version_wait_timeout,
         )
         for url in cfg.worker_urls:
             self.registry.add(url)
@@ -265,7 +271,7 @@ async def set_weight_version(request: Request):
         for url in vouched:
             worker = r.registry.get(url.rstrip("/"))
             if worker is not None and worker.healthy:
-                worker.weight_version = str(version)
+                r.registry.vouch(worker, str(version))
                 known.add(worker.url)
     await asyncio.gather(*(r.health.check(w) for w in r.registry.all() if w.url not in known))
     eligible = [w.url for w in r.registry.eligible()]

@@ -62,6 +62,11 @@ class RouterConfig:
     request_timeout: float = flag(
         600.0, "seconds a proxied request may wait for its worker's next bytes (then 504)"
     )
+    version_wait_timeout: float = flag(
+        30.0,
+        "seconds a request waits for a worker while every healthy one is still loading the "
+        "expected weight version (a weight sync under way), then 503; 0: 503 at once",
+    )
     admin_token: str | None = flag(
         None, f"bearer token required by mutating endpoints (or {ADMIN_TOKEN_ENV})"
     )
@@ -96,6 +101,10 @@ class RouterConfig:
                 raise ConfigError(f"{_opt(name)} must be > 0 (got {getattr(self, name)})")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535 (got {self.port})")
+        if self.version_wait_timeout < 0:
+            raise ConfigError(
+                f"--version-wait-timeout must be >= 0 (got {self.version_wait_timeout})"
+            )
         if self.max_retries < 0:
             raise ConfigError(f"--max-retries must be >= 0 (got {self.max_retries})")
         if not 0.0 <= self.cache_threshold <= 1.0:

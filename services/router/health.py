@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import httpx
 
@@ -42,6 +43,7 @@ class HealthChecker:
         # worker up and says its version, in one round trip (a weight sync waits on it).
         gated = self.registry.expected_version is not None
         path = "/get_weight_version" if gated else "/health"
+        probed_at = time.monotonic()
         try:
             response = await self.client.get(worker.url + path, timeout=self.timeout)
         except httpx.HTTPError as err:
@@ -55,7 +57,7 @@ class HealthChecker:
             else:
                 self.registry.record_success(worker)
                 if gated:
-                    self._record_version(worker, response)
+                    self._record_version(worker, response, probed_at)
         if worker.status != was:
             log.warning(
                 "router: worker %s is now %s%s",
@@ -64,7 +66,7 @@ class HealthChecker:
                 "" if worker.status == HEALTHY else f" ({worker.last_error})",
             )
 
-    def _record_version(self, worker: Worker, response: httpx.Response) -> None:
+    def _record_version(self, worker: Worker, response: httpx.Response, probed_at: float) -> None:
         try:
             version = response.json()["weight_version"]
         except (ValueError, KeyError, TypeError) as err:
@@ -72,7 +74,7 @@ class HealthChecker:
                 worker, f"/get_weight_version failed: {type(err).__name__}: {err}"
             )
             return
-        worker.weight_version = None if version is None else str(version)
+        self.registry.record_version(worker, None if version is None else str(version), probed_at)
 
     async def check_all(self) -> None:
         workers = self.registry.all()

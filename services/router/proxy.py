@@ -11,7 +11,13 @@ broken connection, or a 5xx. A non-streaming body is read whole before the calle
 anything, so a worker dying mid-request is retried; a streaming body (SSE, NDJSON, chunked)
 is relayed chunk by chunk after its first chunk arrived, and an error after that aborts the
 caller's connection rather than pretending the stream ended. A read timeout is not retried
-(the worker may still be working on it): the caller gets 504. No eligible worker: 503 at once.
+(the worker may still be working on it): the caller gets 504.
+
+No eligible worker: 503 at once, unless a version change is under way (healthy workers not
+yet confirmed at the expected weight version: a weight sync between its gate and its last
+bucket, or an engine that rejoined and is being synced). Then the request waits for a worker
+to become eligible, up to `version_wait_s`, instead of making its caller back off and retry;
+the wait is the span's `millstream.router.wait_ms`.
 """
 
 from __future__ import annotations
@@ -148,8 +154,10 @@ class Proxy:
         metrics: RouterMetrics,
         max_retries: int,
         tracer: trace.Tracer | None = None,
+        version_wait_s: float = 0.0,
     ):
         self.registry = registry
+        self.version_wait_s = version_wait_s
         self.policy = policy
         self.client = client
         self.metrics = metrics
@@ -171,6 +179,21 @@ class Proxy:
         fresh = [w for w in eligible if w not in tried]
         candidates = fresh or [w for w in eligible if w.id not in broken]
         return self.policy.choose(candidates, key) if candidates else None
+
+    async def _wait_for_version(self, key, span: trace.Span) -> Worker | None:
+        """No worker is eligible: while a version change is under way, wait for one."""
+        if not self.registry.version_pending():
+            return None
+        start = time.monotonic()
+        deadline, worker = start + self.version_wait_s, None
+        while worker is None and self.registry.version_pending():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await self.registry.wait_for_change(left)
+            worker = self._pick([], set(), key)
+        span.set_attribute("millstream.router.wait_ms", (time.monotonic() - start) * 1e3)
+        return worker
 
     async def handle(self, request: Request) -> Response:
         start = time.perf_counter()
@@ -199,6 +222,8 @@ class Proxy:
         fallback: tuple[str, Response] | None = None  # the last 5xx, passed on if all fail
         for _ in range(1 + self.max_retries):
             worker = self._pick(tried, broken, key)
+            if worker is None and not tried:
+                worker = await self._wait_for_version(key, span)
             if worker is None:
                 break
             if failed is not None:

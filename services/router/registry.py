@@ -11,13 +11,18 @@ Invariants:
     (after `failure_threshold` consecutive failures) it needs `success_threshold` passed
     checks in a row to come back;
   * in-flight counts go up and down in pairs (`begin`/`end`) and never below zero,
-    also for a worker removed while its requests were still running.
+    also for a worker removed while its requests were still running;
+  * a version the caller vouched for (`vouch`) is not undone by a health probe that was
+    sent before the vouch (it may have read the version from before the update).
 
-Pure state, no I/O: the health checker and the proxy report outcomes into it.
+Pure state, no I/O: the health checker and the proxy report outcomes into it. Every change
+that can make a worker eligible wakes the requests waiting for one (`wait_for_change`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +39,7 @@ class Worker:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     weight_version: str | None = None
+    vouched_at: float = 0.0  # time.monotonic() of the last vouch for weight_version
     last_error: str | None = None
     last_check: float | None = None
     served: int = 0
@@ -50,6 +56,7 @@ class Registry:
         self.success_threshold = success_threshold
         self.expected_version: str | None = None
         self._workers: dict[str, Worker] = {}  # by url, in registration order
+        self._change = asyncio.Event()
 
     # -- membership -------------------------------------------------------------------------
 
@@ -59,9 +66,11 @@ class Registry:
             return self._workers[url], False
         worker = Worker(url=url, info=dict(info or {}))
         self._workers[url] = worker
+        self._changed()
         return worker, True
 
     def remove(self, url: str) -> Worker | None:
+        self._changed()
         return self._workers.pop(url, None)
 
     def get(self, url: str) -> Worker | None:
@@ -88,6 +97,21 @@ class Registry:
 
     def eligible(self) -> list[Worker]:
         return [w for w in self._workers.values() if self.is_eligible(w)]
+
+    def version_pending(self) -> bool:
+        """A version change is under way: a worker is healthy but not yet at the expected
+        version (a weight sync that gated ahead of its update). A request that finds no
+        eligible worker may wait for it instead of failing."""
+        return any(w.healthy and not self.version_ok(w) for w in self._workers.values())
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Return when a worker may have become eligible, or after `timeout` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._change.wait(), timeout)
+
+    def _changed(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
 
     def why_none(self) -> str:
         """Why no worker is eligible, for the 503 message."""
@@ -126,6 +150,7 @@ class Registry:
             worker.status == UNHEALTHY and worker.consecutive_successes >= self.success_threshold
         ):
             worker.status = HEALTHY
+        self._changed()
 
     def record_failure(self, worker: Worker, error: str) -> None:
         """A failed check or a refused/broken connection while proxying."""
@@ -135,11 +160,29 @@ class Registry:
         worker.last_error = error
         if worker.consecutive_failures >= self.failure_threshold:
             worker.status = UNHEALTHY
+        self._changed()
+
+    def record_version(self, worker: Worker, version: str | None, probed_at: float) -> None:
+        """The version a health probe sent at `probed_at` (time.monotonic()) read. A probe
+        sent before the last vouch may have read the version from before the update: then
+        the vouched version stays."""
+        if probed_at >= worker.vouched_at:
+            worker.weight_version = version
+            self._changed()
+
+    def vouch(self, worker: Worker, version: str) -> None:
+        """The caller (a weight sync that heard the worker confirm it) says `worker` holds
+        `version` now."""
+        worker.weight_version = version
+        worker.vouched_at = time.monotonic()
+        self._changed()
 
     def record_version_unknown(self, worker: Worker, error: str) -> None:
         """Healthy, but its weight version could not be read: gated until it can."""
         worker.weight_version = None
         worker.last_error = error
+        self._changed()
 
     def set_expected_version(self, version: str | None) -> None:
         self.expected_version = version
+        self._changed()

@@ -218,7 +218,7 @@ def test_admin_token_is_enforced(engines, router_factory):
 
 def test_version_gating(engines, router_factory):
     a, b = engines["a"], engines["b"]
-    router = router_factory("--worker-urls", a.url, b.url)
+    router = router_factory("--worker-urls", a.url, b.url, "--version-wait-timeout", "0")
     r = httpx.post(router.url + "/set_weight_version", json={"weight_version": "v2"}, timeout=10)
     assert r.json() == {"weight_version": "v2", "eligible": [b.url]}
     assert httpx.get(router.url + "/get_weight_version").json() == {"weight_version": "v2"}
@@ -235,6 +235,43 @@ def test_version_gating(engines, router_factory):
     httpx.post(router.url + "/set_weight_version", json={"weight_version": None}, timeout=10)
     responses = asyncio.run(burst(router.url, [generate_body(i) for i in range(8)]))
     assert {r.headers[WORKER] for r in responses} == {a.url, b.url}
+
+
+def test_a_request_waits_for_the_version_a_sync_gated_on(engines, router_factory):
+    """Gated on a version no worker holds yet (a weight sync gates ahead of its update), a
+    request waits in the router instead of failing, and goes out once a worker has it; with
+    nobody to bring the version, it fails with 503 after --version-wait-timeout."""
+    a, b = engines["a"], engines["b"]
+    router = router_factory("--worker-urls", a.url, b.url, "--version-wait-timeout", "1.5")
+    r = httpx.post(router.url + "/set_weight_version", json={"weight_version": "v3"}, timeout=10)
+    assert r.json()["eligible"] == []
+
+    async def wait_then_vouch() -> tuple[httpx.Response, float, float]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            start = time.monotonic()
+            request = asyncio.create_task(
+                client.post(router.url + "/generate", json=generate_body())
+            )
+            await asyncio.sleep(0.5)
+            assert not request.done(), request.result().text
+            vouched = time.monotonic()
+            await client.post(
+                router.url + "/set_weight_version",
+                json={"weight_version": "v3", "workers_at_version": [a.url]},
+            )
+            response = await request
+            return response, vouched - start, time.monotonic() - start
+
+    response, vouched_after, answered_after = asyncio.run(wait_then_vouch())
+    assert response.status_code == 200, response.text
+    assert response.headers[WORKER] == a.url
+    assert 0.5 <= vouched_after <= answered_after < 1.5  # sent when vouched, not on a timeout
+
+    httpx.post(router.url + "/set_weight_version", json={"weight_version": "v4"}, timeout=10)
+    start = time.monotonic()
+    r = httpx.post(router.url + "/generate", json=generate_body(), timeout=10)
+    assert r.status_code == 503 and "weight version 'v4'" in r.json()["error"]["message"]
+    assert 1.5 <= time.monotonic() - start < 5
 
 
 def test_no_worker_is_a_503_json_error(router_factory):

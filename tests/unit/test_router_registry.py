@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,6 +62,39 @@ def test_version_gating():
     assert reg.eligible() == []
     reg.set_expected_version(None)
     assert reg.eligible() == [a, b]
+
+
+def test_a_probe_sent_before_a_vouch_does_not_undo_it():
+    reg = Registry()
+    w, _ = reg.add("http://a:1")
+    reg.record_success(w, weight_version="1")
+    reg.set_expected_version("2")
+    assert reg.version_pending() and reg.eligible() == []
+    probed_at = time.monotonic()  # a health probe goes out and reads the old version...
+    reg.vouch(w, "2")  # ...while the weight sync confirms the new one
+    reg.record_version(w, "1", probed_at)
+    assert w.weight_version == "2" and reg.eligible() == [w] and not reg.version_pending()
+    reg.record_version(w, "3", time.monotonic())  # a later probe is believed
+    assert w.weight_version == "3" and reg.eligible() == []
+
+
+def test_waiters_wake_on_a_change_and_time_out_without_one():
+    async def scenario() -> tuple[float, float]:
+        reg = Registry()
+        w, _ = reg.add("http://a:1")
+        reg.record_success(w, weight_version="1")
+        reg.set_expected_version("2")
+        start = time.monotonic()
+        await reg.wait_for_change(0.2)
+        timed_out = time.monotonic() - start
+        asyncio.get_running_loop().call_later(0.05, reg.vouch, w, "2")
+        start = time.monotonic()
+        await reg.wait_for_change(5.0)
+        return timed_out, time.monotonic() - start
+
+    timed_out, woken = asyncio.run(scenario())
+    assert 0.2 <= timed_out < 1.0
+    assert woken < 1.0
 
 
 def test_in_flight_pairs_and_removed_workers_are_not_eligible():
