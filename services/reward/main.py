@@ -51,6 +51,19 @@ async def load_run_config(
         await redis.aclose()
 
 
+def needs_warm_up(cfg: RunConfig) -> bool:
+    """Whether to import math-verify before serving. Not when the run's reward is an instant
+    rule (`exact`, `f1`: no math): sympy's import is most of a worker's start-up CPU, spent
+    while the engines load beside it. A sample whose metadata asks for a math rule then
+    imports it on first use, in its thread (under a second, against --reward-timeout)."""
+    from .rm_hub import INSTANT_RULES, split_rm_type
+
+    r = cfg.reward
+    return (
+        bool(r.custom_rm_path) or not r.rm_type or split_rm_type(r.rm_type)[1] not in INSTANT_RULES
+    )
+
+
 async def serve(wc: RewardWorkerConfig) -> None:
     from .grpc_service import start_server
     from .math_utils import warm_up
@@ -66,7 +79,7 @@ async def serve(wc: RewardWorkerConfig) -> None:
         provider = setup_tracing("reward", wc.run_dir or cfg.run_dir)
         executor = build_executor(cfg, wc.redis_url, wc.redis_password)
         scorer = GroupScorer(cfg, executor)
-        if cfg.reward.reward_executor == "inline":
+        if cfg.reward.reward_executor == "inline" and needs_warm_up(cfg):
             await asyncio.to_thread(warm_up)
         name = wc.consumer_name or default_consumer_name("reward")
         worker = RewardWorker(redis, cfg, scorer, name)
@@ -116,7 +129,8 @@ def celery_worker(argv: Sequence[str]) -> int:
     cc = parse_celery_args(argv)
     _setup_logging(cc.log_level)
     cfg = asyncio.run(load_run_config(cc.redis_url, cc.run_id, cc.redis_password, cc.config_wait))
-    warm_up()
+    if needs_warm_up(cfg):
+        warm_up()
     app = make_celery_app(cc.redis_url, cfg.run_id, cc.redis_password)
     runtime = CeleryRuntime(cfg)
     register_tasks(app, runtime)

@@ -229,7 +229,7 @@ def _plain_number(text: str) -> bool:
 
 def warm_up() -> None:
     """Import math-verify (and sympy) now and run it once, so the first sample's
-    `--reward-timeout` is not spent on imports."""
+    `--reward-timeout` is not spent on imports (see `needs_warm_up`)."""
     try:
         import math_verify  # noqa: F401
     except ImportError as err:

@@ -24,7 +24,7 @@ from .registry import HEALTHY, Registry, Worker
 
 log = logging.getLogger("millstream.router")
 
-FAST_INTERVAL_S = 0.2
+FAST_INTERVAL_S = 0.05
 
 
 class HealthChecker:

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,7 +46,7 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
 @functools.cache
 def _tokenizer(path: str) -> Any:
-    """Loaded once per process: `preload` loads it while the engines start, the build reuses it."""
+    """Loaded once per process (the data sources and the build share it)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
@@ -60,23 +61,6 @@ def master_address(cfg: RunConfig) -> str:
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
     return host_address()
-
-
-def preload(cfg: RunConfig) -> None:
-    """Import the code building the trainer needs: transformers' tokenizer and model modules
-    cost seconds of CPU, spent here (in a thread) while the engines load, not after.
-    Best effort: a failure here is raised again, with its context, by the real build."""
-    path = cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load
-    if not path or not Path(path, "config.json").is_file():
-        return
-    try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        load_tokenizer(cfg)
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]  # the lazy import
-    except Exception as err:
-        log.debug("preload failed (the build reports it): %s", err)
 
 
 def data_sources(
@@ -163,12 +147,21 @@ def lend_idle_cores(
     return lender
 
 
-async def build_trainer(
-    cfg: RunConfig, redis: Any, budget: threads.CpuBudget | None = None
-) -> tuple[Trainer, list[Closer]]:
-    """The trainer and what to close after it; `budget`: the local launcher's CPU split, when
-    it started the engines here (lend_idle_cores)."""
-    keys = RunKeys(cfg.run_id)
+@dataclass
+class Prepared:
+    """The parts of the trainer that cost seconds of CPU and need no service: made by
+    `prepare`, in a thread while the engines load their model."""
+
+    source: PromptDataSource | PluginDataSource
+    eval_sources: dict[str, PromptDataSource]
+    total: int  # rollouts in the run
+    resume_from: int | None  # the --load iteration to resume, if any
+    state: dict[str, Any] | None  # the trainer state saved there
+    backend: TorchBackend | DataParallel
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Tokenizer, data, the resume point and the backend with its model and optimizer."""
     tokenizer = load_tokenizer(cfg)
     source, eval_sources = data_sources(cfg, tokenizer)
     total = num_rollouts(cfg, source)
@@ -180,6 +173,21 @@ async def build_trainer(
         if state is not None and cfg.ckpt.train_backend == "fsdp":  # before sharding
             backend.load_weights(checkpoint.iter_dir(cfg.ckpt.load, resume_from))  # type: ignore[arg-type]
         backend = DataParallel(backend)
+    return Prepared(source, eval_sources, total, resume_from, state, backend)
+
+
+async def build_trainer(
+    cfg: RunConfig,
+    redis: Any,
+    budget: threads.CpuBudget | None = None,
+    prepared: Prepared | None = None,
+) -> tuple[Trainer, list[Closer]]:
+    """The trainer and what to close after it; `budget`: the local launcher's CPU split, when
+    it started the engines here (lend_idle_cores); `prepared`: `prepare(cfg)`, made already."""
+    keys = RunKeys(cfg.run_id)
+    p = prepared or prepare(cfg)
+    source, eval_sources, total, backend = p.source, p.eval_sources, p.total, p.backend
+    resume_from, state = p.resume_from, p.state
 
     r = cfg.rollout
     slack = (r.over_sampling_batch_size - r.rollout_batch_size) if r.over_sampling_batch_size else 0

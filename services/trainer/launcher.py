@@ -61,6 +61,7 @@ from .procs import (
 HOST = "127.0.0.1"
 TAIL_LINES = 20
 PROGRESS_EVERY_S = 15.0
+HEALTH_POLL_S = 0.05  # a start-up wait polls this often: each round is a refused connect or a GET
 TORCHRUN_ENV = frozenset(
     [
         "RANK",
@@ -225,15 +226,16 @@ class LocalCluster:
         if self.starts_anything:
             self.say(self.budget.describe())
         try:
-            redis_url = self.cfg.connection.redis_url or await self._start_redis()
             engine_urls: tuple[str, ...] = ()
             router_url = given_router_url(self.cfg)
             if router_url is None:
-                # Engines and router start together: the router's readiness already waits
-                # for an engine, and the engines' model loading is most of the start-up.
+                # Engines and router start together, and first (they need no Redis): the
+                # router's readiness already waits for an engine, and the engines' model
+                # loading is most of the start-up.
                 engine_urls, engines_ready = self._spawn_engines()
                 router_url, router_ready = self._spawn_router(engine_urls)
                 self._infra_waits = lambda client: [*engines_ready(client), router_ready(client)]
+            redis_url = self.cfg.connection.redis_url or await self._start_redis()
         except BaseException:
             self.stop()
             raise
@@ -555,7 +557,7 @@ class LocalCluster:
             if now >= next_progress:
                 self.say(f"still waiting for {child.name} ({now - start:.0f}s of {timeout_s:.0f}s)")
                 next_progress += PROGRESS_EVERY_S
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(HEALTH_POLL_S)
         elapsed = time.monotonic() - start
         at = f" at {redact(where)}" if where else ""
         self.say(f"{child.name} healthy{at} ({elapsed:.1f}s)")

@@ -19,9 +19,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from millstream.common import debug, heap
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
@@ -34,6 +34,7 @@ from .evaluate import format_accuracies
 if TYPE_CHECKING:  # the heavy modules load only when a run starts
     from redis.asyncio import Redis
 
+    from .build import Prepared
     from .launcher import LocalCluster
     from .trainer import Trainer
 
@@ -176,37 +177,56 @@ async def train_with_cluster(cfg: RunConfig) -> int:
     try:
         urls = await cluster.spawn_infra()
         cfg = urls.apply(cfg)
-        # The trainer's imports run while the engines load (both are seconds of CPU).
-        preloading = asyncio.create_task(asyncio.to_thread(_preload, cfg))
-        redis = await connect(cfg.connection.redis_url, cfg.connection.redis_password)  # type: ignore[arg-type]
+        # The trainer's imports and model build run while the engines load (both are
+        # seconds of CPU): in a thread, so this loop keeps watching the services start.
+        preparing = asyncio.create_task(asyncio.to_thread(_prepare, cfg))
         try:
-            await config_store.publish(redis, cfg)
-            config_store.write_file(cfg, cfg.run_dir)
-            await cluster.finish_start()
-            await preloading
-            return await train_loop(cfg, redis, cluster)
+            redis = await connect(cfg.connection.redis_url, cfg.connection.redis_password)  # type: ignore[arg-type]
+            try:
+                await config_store.publish(redis, cfg)
+                config_store.write_file(cfg, cfg.run_dir)
+                await _first_failure(cluster.finish_start(), preparing)
+                return await train_loop(cfg, redis, cluster, preparing.result())
+            finally:
+                await redis.aclose()
         finally:
-            await redis.aclose()
+            preparing.cancel()  # when something else failed first (the thread runs to its end)
+            await asyncio.gather(preparing, return_exceptions=True)
     finally:
         cluster.stop()
 
 
-def _preload(cfg: RunConfig) -> None:
+async def _first_failure(*waits: Awaitable[Any]) -> None:
+    """Wait for all; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _prepare(cfg: RunConfig) -> Prepared:
     from millstream.common import threads
 
-    from .build import preload  # torch and transformers: imported here, in the thread
+    from .build import prepare  # torch and transformers: imported here, in the thread
 
     # torch sized its intra-op pool from the environment (_apply_cpu_budget); the rest of
     # the budget (one inter-op thread) only once it is imported.
     threads.apply(int(os.environ["OMP_NUM_THREADS"]))
-    preload(cfg)
+    return prepare(cfg)
 
 
-async def train_loop(cfg: RunConfig, redis: Redis, cluster: LocalCluster) -> int:
+async def train_loop(
+    cfg: RunConfig, redis: Redis, cluster: LocalCluster, prepared: Prepared | None = None
+) -> int:
     from .build import build_trainer, close_all
 
     debug.dump_tasks_on_sigusr2()  # `kill -USR2`: where each coroutine waits
-    trainer, closers = await build_trainer(cfg, redis, cluster.budget)
+    trainer, closers = await build_trainer(cfg, redis, cluster.budget, prepared)
     try:
         run = asyncio.create_task(trainer.run(), name="trainer")
         watch = asyncio.create_task(cluster.watch(), name="watchdog")
