@@ -130,7 +130,10 @@ class Deployment:
             "--redis-url", self.redis.url, "--router-url", self.router.url, "--run-id", self.run_id,
             "--coordinator-port", str(self.coordinator_port), "--run-dir", str(self.run_dir),
             "--claim-idle-ms", str(CLAIM_IDLE_MS), "--max-deliveries", "3",
-            "--trim-interval", "2", "--stall-timeout", "60", "--log-level", "warning", *extra,
+            "--trim-interval", "2", "--stall-timeout", "60", "--log-level", "warning",
+            # An engine killed inside a sync leaves its peer waiting in the broken group for
+            # the whole timeout (120 s by default); the tiny model's sync takes milliseconds.
+            "--weight-sync-timeout", "20", *extra,
         ]  # fmt: skip
 
     def start_trainer(self, num_rollout: int, *extra: str) -> subprocess.Popen:
