@@ -13,11 +13,11 @@ is relayed chunk by chunk after its first chunk arrived, and an error after that
 caller's connection rather than pretending the stream ended. A read timeout is not retried
 (the worker may still be working on it): the caller gets 504.
 
-No eligible worker: 503 at once, unless a version change is under way (healthy workers not
-yet confirmed at the expected weight version: a weight sync between its gate and its last
-bucket, or an engine that rejoined and is being synced). Then the request waits for a worker
-to become eligible, up to `version_wait_s`, instead of making its caller back off and retry;
-the wait is the span's `millstream.router.wait_ms`.
+No eligible worker: 503 at once, unless a version change is under way (a healthy worker
+not yet confirmed at the expected weight version: the version was set ahead of the update,
+or an engine rejoined and is being synced). Then the request waits for a worker to become
+eligible, up to `version_wait_s`, instead of making its caller back off and retry; the wait
+is the span's `millstream.router.wait_ms`.
 """
 
 from __future__ import annotations

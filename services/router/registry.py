@@ -99,9 +99,9 @@ class Registry:
         return [w for w in self._workers.values() if self.is_eligible(w)]
 
     def version_pending(self) -> bool:
-        """A version change is under way: a worker is healthy but not yet at the expected
-        version (a weight sync that gated ahead of its update). A request that finds no
-        eligible worker may wait for it instead of failing."""
+        """A version change is under way: a worker is healthy but not yet confirmed at the
+        expected version (set ahead of the update, or a rejoined engine being synced). A
+        request that finds no eligible worker may wait for it instead of failing."""
         return any(w.healthy and not self.version_ok(w) for w in self._workers.values())
 
     async def wait_for_change(self, timeout: float) -> None:
