@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .model_runner import cache_kwarg
 from .sequence import Sequence
 
 
@@ -103,7 +104,7 @@ class RunningBatch:
             input_ids=input_ids_B1,
             attention_mask=self.mask_BT,
             position_ids=position_ids_B1,
-            past_key_values=self.cache,
             use_cache=True,
+            **{cache_kwarg(model): self.cache},
         )
         return out.logits[:, -1, :]

@@ -10,6 +10,8 @@ between cache columns (kv_batch.py), which sliding-window caches do not allow.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,18 @@ from millstream.common.errors import MillstreamError
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_kwarg(model: Any) -> str:
+    """The model forward's name for the KV cache: `cache` from transformers 5.24 on (where
+    `past_key_values` still works but warns, once per call site), `past_key_values` before."""
+    return _cache_kwarg(type(model))
+
+
+@functools.cache
+def _cache_kwarg(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -60,6 +74,7 @@ class ModelRunner:
         except OSError as err:
             raise MillstreamError(f"--model-path {model_path}: cannot load: {err}") from err
         self.model = model.eval().requires_grad_(False)
+        self.cache_kwarg = cache_kwarg(self.model)
         self._cache_class = DynamicCache
         probe = DynamicCache(config=self.model.config)
         if any(getattr(layer, "is_sliding", False) for layer in probe.layers):
@@ -111,8 +126,8 @@ class ModelRunner:
             input_ids=input_ids_BT,
             attention_mask=mask_BT if padded else None,
             position_ids=(mask_BT.cumsum(-1) - 1).clamp_(min=0) if padded else None,
-            past_key_values=cache,
             use_cache=True,
+            **{self.cache_kwarg: cache},
             logits_to_keep=logits_to_keep,
         )
         if padded:
