@@ -3,7 +3,8 @@
 #   1. a .venv with Python 3.11
 #   2. torch==2.13.0 FIRST (any other pin, or an unpinned torch pulled in by another package,
 #      drags in gigabytes of CUDA packages)
-#   3. millstream in editable mode with its extras, re-installed only when pyproject.toml changes
+#   3. millstream in editable mode with its extras, at the versions of scripts/constraints.txt
+#      (what make test was last green with), re-installed only when either file changes
 #   4. a redis-server binary (Debian's package when none is on PATH)
 # A second call checks each step and skips what is already there.
 set -euo pipefail
@@ -28,11 +29,12 @@ if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2
   "$PY" -m pip install -q --disable-pip-version-check "$TORCH_PIN"
 fi
 
-STAMP="$VENV/.millstream-$(sha256sum pyproject.toml | cut -c1-16)"
+CONSTRAINTS=scripts/constraints.txt
+STAMP="$VENV/.millstream-$(cat pyproject.toml "$CONSTRAINTS" | sha256sum | cut -c1-16)"
 if [ ! -f "$STAMP" ]; then
-  say "installing millstream (editable) with extras [all,dev]"
+  say "installing millstream (editable) with extras [all,dev], versions from $CONSTRAINTS"
   # Naming the torch pin again keeps pip's resolver from replacing it.
-  "$PY" -m pip install -q --disable-pip-version-check -e '.[all,dev]' "$TORCH_PIN"
+  "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e '.[all,dev]' "$TORCH_PIN"
   rm -f "$VENV"/.millstream-*
   touch "$STAMP"
 fi
