@@ -74,7 +74,6 @@ class ModelRunner:
         except OSError as err:
             raise MillstreamError(f"--model-path {model_path}: cannot load: {err}") from err
         self.model = model.eval().requires_grad_(False)
-        self.cache_kwarg = cache_kwarg(self.model)
         self._cache_class = DynamicCache
         probe = DynamicCache(config=self.model.config)
         if any(getattr(layer, "is_sliding", False) for layer in probe.layers):
@@ -127,7 +126,7 @@ class ModelRunner:
             attention_mask=mask_BT if padded else None,
             position_ids=(mask_BT.cumsum(-1) - 1).clamp_(min=0) if padded else None,
             use_cache=True,
-            **{self.cache_kwarg: cache},
+            **{cache_kwarg(self.model): cache},
             logits_to_keep=logits_to_keep,
         )
         if padded:

@@ -70,8 +70,9 @@ class Registry:
         return worker, True
 
     def remove(self, url: str) -> Worker | None:
+        worker = self._workers.pop(url, None)
         self._changed()
-        return self._workers.pop(url, None)
+        return worker
 
     def get(self, url: str) -> Worker | None:
         return self._workers.get(url)

@@ -249,7 +249,7 @@ class LocalCluster:
             return
         try:
             async with make_client(httpx.Timeout(2.0)) as client:
-                await _all(waits(client))
+                await run_all(waits(client))
         except BaseException:
             self.stop()
             raise
@@ -279,7 +279,7 @@ class LocalCluster:
     async def finish_start(self) -> None:
         """`wait_infra` and `start_workers` together (after the run config is published):
         workers need only Redis to start, so they do while the engines load their model."""
-        await _all([self.wait_infra(), self.start_workers()])
+        await run_all([self.wait_infra(), self.start_workers()])
 
     async def __aenter__(self) -> LocalCluster:
         return self
@@ -527,7 +527,7 @@ class LocalCluster:
 
             return ready
 
-        await _all(
+        await run_all(
             self._wait_healthy(child, beating(key, child), self.timeouts.worker_s, "")
             for child, key in started
         )
@@ -563,7 +563,7 @@ class LocalCluster:
         self.say(f"{child.name} healthy{at} ({elapsed:.1f}s)")
 
 
-async def _all(waits: Iterable[Coroutine[Any, Any, None]]) -> None:
+async def run_all(waits: Iterable[Awaitable[Any]]) -> None:
     """Run the waits together; the first failure cancels the rest and is raised as is."""
     tasks = [asyncio.ensure_future(w) for w in waits]
     try:

@@ -19,9 +19,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from millstream.common import debug, heap
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
@@ -171,7 +171,7 @@ def train_async(argv: Sequence[str]) -> int:
 
 
 async def train_with_cluster(cfg: RunConfig) -> int:
-    from .launcher import LocalCluster
+    from .launcher import LocalCluster, run_all
 
     cluster = LocalCluster(cfg)
     try:
@@ -185,7 +185,7 @@ async def train_with_cluster(cfg: RunConfig) -> int:
             try:
                 await config_store.publish(redis, cfg)
                 config_store.write_file(cfg, cfg.run_dir)
-                await _first_failure(cluster.finish_start(), preparing)
+                await run_all([cluster.finish_start(), preparing])
                 return await train_loop(cfg, redis, cluster, preparing.result())
             finally:
                 await redis.aclose()
@@ -194,19 +194,6 @@ async def train_with_cluster(cfg: RunConfig) -> int:
             await asyncio.gather(preparing, return_exceptions=True)
     finally:
         cluster.stop()
-
-
-async def _first_failure(*waits: Awaitable[Any]) -> None:
-    """Wait for all; the first failure cancels the others and is raised."""
-    tasks = [asyncio.ensure_future(w) for w in waits]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            task.result()
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _prepare(cfg: RunConfig) -> Prepared:

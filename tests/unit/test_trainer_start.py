@@ -1,5 +1,5 @@
 """The trainer's start: its own build runs beside the services' start, and the first failure
-of either ends both at once (`main._first_failure`)."""
+of either ends both at once (`launcher.run_all`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from millstream.trainer.main import _first_failure
+from millstream.trainer.launcher import run_all
 
 
 def test_all_waits_finish():
@@ -19,7 +19,7 @@ def test_all_waits_finish():
 
     async def scenario() -> None:
         task = asyncio.create_task(job("task", 0.02))
-        await _first_failure(job("coroutine", 0.01), task)
+        await run_all([job("coroutine", 0.01), task])
 
     asyncio.run(scenario())
     assert sorted(done) == ["coroutine", "task"]
@@ -41,7 +41,7 @@ def test_the_first_failure_cancels_the_rest_and_is_raised():
 
     async def scenario() -> None:
         with pytest.raises(ValueError, match="cannot load"):
-            await asyncio.wait_for(_first_failure(services_start(), build()), 10)
+            await asyncio.wait_for(run_all([services_start(), build()]), 10)
         assert cancelled.is_set()
 
     asyncio.run(scenario())
