@@ -26,6 +26,9 @@ from pathlib import Path
 
 import redis
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proctree import children, name_of
+
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = ("prompts", "generated", "scored", "dead")
 
@@ -34,38 +37,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    """Every descendant of `pid`, from /proc."""
-    parent_of = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent_of[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parent_of.items() if pp == p]
-        found += kids
-        frontier += kids
-    return found
-
-
-def name_of(pid: int) -> str:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return "?"
-    script = [i for i, a in enumerate(argv) if a == "millstream.cli" or a.endswith("/millstream")]
-    if script:
-        if "--consumer-name" in argv:
-            return argv[argv.index("--consumer-name") + 1]
-        return argv[script[0] + 1]  # the command: train-async, engine, router...
-    return Path(argv[0]).name
 
 
 def rss_mb(pid: int) -> float | None:

@@ -43,6 +43,7 @@ Results, with every step and eval of every run, go to --out as JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -62,6 +63,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peers_task as task  # noqa: E402
+from proctree import MACHINE, STEAL, CpuSampler  # noqa: E402
 
 PEERS = {
     "ref": "reference loop",
@@ -110,11 +112,12 @@ class Recorder:
         self._eval()
         self._last = time.perf_counter()
 
-    def step(self, reward: float) -> None:
+    def step(self, reward: float, **parts: float) -> None:
+        """A step ended now; `parts`: its rollout_s and train_s where the peer knows them."""
         now = time.perf_counter()
         self.seconds += now - self._last
         self.steps.append({"step": len(self.steps) + 1, "step_s": now - self._last,
-                           "seconds": self.seconds, "reward": reward})  # fmt: skip
+                           "seconds": self.seconds, "reward": reward, **parts})  # fmt: skip
         if len(self.steps) % self.spec.eval_every == 0:
             self._eval()
         self._last = time.perf_counter()
@@ -159,10 +162,12 @@ def response_mask(response, eos_id: int):
     return ((is_eos.cumsum(dim=1) - is_eos) == 0).float()
 
 
-def grpo_step(model, tokenizer, opt, batch: list[dict]) -> float:
-    """One rollout (n samples per prompt, T=1) and one Adam step; returns the mean reward."""
+def grpo_step(model, tokenizer, opt, batch: list[dict]) -> tuple[float, dict[str, float]]:
+    """One rollout (n samples per prompt, T=1) and one Adam step; returns the mean reward and
+    the seconds of the rollout (generate and reward) and of the update."""
     import torch
 
+    start = time.perf_counter()
     prompts = [r["prompt"] for r in batch for _ in range(SAMPLES)]
     model.eval()
     ids, width = task.generate(
@@ -174,6 +179,7 @@ def grpo_step(model, tokenizer, opt, batch: list[dict]) -> float:
     groups = rewards.view(-1, SAMPLES)
     adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)
     mask = response_mask(ids[:, width:], tokenizer.eos_token_id)
+    rolled_out = time.perf_counter()
     # Every prompt has the same length here (no left padding), so positions need no offsets.
     model.train()
     logits = model(input_ids=ids).logits[:, width - 1 : -1]
@@ -183,7 +189,9 @@ def grpo_step(model, tokenizer, opt, batch: list[dict]) -> float:
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return rewards.mean().item()
+    reward = rewards.mean().item()
+    end = time.perf_counter()
+    return reward, {"rollout_s": rolled_out - start, "train_s": end - rolled_out}
 
 
 def run_reference(spec: Spec) -> dict:
@@ -198,7 +206,8 @@ def run_reference(spec: Spec) -> dict:
     rec = Recorder(spec, lambda: task.greedy_accuracy(model, tokenizer, eval_rows))
     rec.start()
     while not rec.done():
-        rec.step(grpo_step(model, tokenizer, opt, prompts.take(PROMPTS)))
+        reward, parts = grpo_step(model, tokenizer, opt, prompts.take(PROMPTS))
+        rec.step(reward, **parts)
     return rec.trace()
 
 
@@ -318,23 +327,26 @@ def run_millstream(spec: Spec) -> dict:
     run_dir.mkdir(parents=True)
     log_path = Path(spec.out_dir) / "millstream.log"
     stopped = False
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             millstream_argv(spec, run_dir), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
         )
+        cpu = CpuSampler(proc.pid).start()
         while proc.poll() is None:
             time.sleep(0.5)
             if not stopped and spec.seconds and train_seconds(run_dir) >= spec.seconds:
                 proc.send_signal(signal.SIGINT)  # the launcher stops every service
                 stopped = True
         wall = time.perf_counter() - start
+        cpu.stop()
     if proc.returncode != 0 and not stopped:
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(
             f"{spec.peer} exited with {proc.returncode}; tail of {log_path}:\n{tail}"
         )
-    return millstream_trace(run_dir, wall, stopped)
+    trace = millstream_trace(run_dir, wall, stopped)
+    return trace | {"cpu": cpu_profile(run_dir, cpu, started_at)}
 
 
 def millstream_trace(run_dir: Path, wall: float, stopped: bool) -> dict:
@@ -347,12 +359,62 @@ def millstream_trace(run_dir: Path, wall: float, stopped: bool) -> dict:
     for row in read_metrics(run_dir):
         seconds += row["total_time"]
         steps.append({"step": row["step"], "step_s": row["total_time"], "seconds": seconds,
-                      "reward": row.get("raw_reward")})  # fmt: skip
+                      "reward": row.get("raw_reward"), "rollout_s": row.get("rollout_time"),
+                      "train_s": row.get("train_time"), "sync_s": row.get("sync_time")})  # fmt: skip
         if f"eval/{EVAL_NAME}" in row:
             evals.append({"step": row["step"], "seconds": seconds, "accuracy": row[f"eval/{EVAL_NAME}"],
                           "eval_s": row.get(f"eval/{EVAL_NAME}_seconds")})  # fmt: skip
     return {"steps": steps, "evals": evals, "wall_s": wall, "stopped_by_sigint": stopped,
             "summary": summary, "run_dir": str(run_dir)}  # fmt: skip
+
+
+def first_request(run_dir: Path, lines: int = 5000) -> float | None:
+    """When the trainer first asked for rollouts (time.time()): the start of its first eval or
+    prompt hand-off span, from its trace file (None with tracing off)."""
+    starts = []
+    for path in (run_dir / "traces").glob("trainer-*.jsonl"):
+        with path.open() as f:
+            for _, line in zip(range(lines), f, strict=False):
+                try:
+                    span = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                name = span["name"]
+                if name == "trainer.eval" or (
+                    name.startswith("send ") and name.endswith(":prompts")
+                ):
+                    starts.append(span["start_ns"] / 1e9)
+    return min(starts, default=None)
+
+
+def cpu_profile(run_dir: Path, cpu: CpuSampler, started_at: float) -> dict:
+    """Where the cores went: CPU seconds per role (trainer, engine, router, rollout, reward,
+    redis) per step, over the steps whose rows are back to back (no eval or start-up between
+    them), and by the first rollout request, which is `start_s` after the command started."""
+    rows = read_metrics(run_dir)
+    used: dict[str, float] = {}
+    clean, wall = 0, 0.0
+    for prev, row in itertools.pairwise(rows):
+        gap = row["time"] - prev["time"]
+        if gap - row["total_time"] > 0.02:  # the step ended with an eval (or a save)
+            continue
+        for role, seconds in cpu.between(prev["time"], row["time"]).items():
+            used[role] = used.get(role, 0.0) + seconds
+        clean, wall = clean + 1, wall + gap
+    machine, steal = used.pop(MACHINE, 0.0), used.pop(STEAL, 0.0)
+    first = first_request(run_dir)
+    start_cpu = cpu.between(started_at, first) if first else {}
+    start_cpu.pop(MACHINE, None), start_cpu.pop(STEAL, None)
+    return {
+        "steps": clean,
+        "step_wall_s": wall / clean if clean else None,
+        "step_cpu_s": {r: v / clean for r, v in used.items()} if clean else {},
+        # anything else on the machine meanwhile, and what the hypervisor took
+        "step_other_s": (machine - sum(used.values())) / clean if clean else None,
+        "step_steal_s": steal / clean if clean else None,
+        "start_s": first - started_at if first else None,
+        "start_cpu_s": start_cpu,
+    }
 
 
 # -- running the peers ----------------------------------------------------------------------
@@ -402,8 +464,17 @@ def mean(values: list) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def median_of(key: str, rows: list[dict]) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+PARTS = ("rollout_s", "train_s", "sync_s", "step_s")  # of a step, where a peer records them
+
+
 def summarise(traces: list[dict], at_steps: list[int], at_seconds: list[float]) -> dict:
     step_s = [s["step_s"] for t in traces for s in t["steps"]]
+    steps = [s for t in traces for s in t["steps"]]
     completions = BATCH * len(step_s)
     seconds = sum(t["steps"][-1]["seconds"] for t in traces if t["steps"])
     return {
@@ -412,6 +483,7 @@ def summarise(traces: list[dict], at_steps: list[int], at_seconds: list[float]) 
         "wall_s": mean([t["wall_s"] for t in traces]),
         "median_step_cps": BATCH / statistics.median(step_s) if step_s else None,
         "overall_cps": completions / seconds if seconds else None,
+        "parts_s": {k: median_of(k, steps) for k in PARTS},
         "start_accuracy": mean([accuracy_at(t, "step", 0) for t in traces]),
         "acc_at_step": {s: mean([accuracy_at(t, "step", s) for t in traces]) for s in at_steps},
         "acc_at_seconds": {
@@ -487,23 +559,107 @@ def print_parity(config: str, rows: list[dict], peers: list[str], seeds: list[in
         print(f"{row['step']:>6}" + "".join(f"{c:>16}" for c in cells))
 
 
+def profile(traces: list[dict]) -> dict | None:
+    """A millstream peer's step and start-up, mean over seeds: the wall and CPU per role of a
+    step between two evals (cpu_profile), the start-up, and the eval's median."""
+    profiles = [t["cpu"] for t in traces if t.get("cpu", {}).get("steps")]
+    if not profiles:
+        return None
+    roles = sorted({r for p in profiles for r in p["step_cpu_s"]})
+    start_roles = sorted({r for p in profiles for r in p["start_cpu_s"]})
+    return {
+        "step_wall_s": mean([p["step_wall_s"] for p in profiles]),
+        "step_cpu_s": {r: mean([p["step_cpu_s"].get(r, 0.0) for p in profiles]) for r in roles},
+        "step_other_s": mean([p["step_other_s"] for p in profiles]),
+        "step_steal_s": mean([p["step_steal_s"] for p in profiles]),
+        "start_s": mean([p["start_s"] for p in profiles]),
+        "start_cpu_s": {
+            r: mean([p["start_cpu_s"].get(r, 0.0) for p in profiles if p["start_s"]])
+            for r in start_roles
+        },
+        "eval_s": median_of("eval_s", [e for t in traces for e in t["evals"] if e["step"] > 0]),
+    }
+
+
+def print_cores(config: str, profiles: dict[str, dict]) -> None:
+    """Per millstream peer: a step's wall, the cores it kept busy and each service's share."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not profiles:
+        return
+    roles = sorted({r for p in profiles.values() for r in p["step_cpu_s"]})
+    table = Table(title=f"{config}: where the {CORES} cores go, per step between two evals (/proc)")
+    columns = ["peer", "step ms", "cores busy", *(f"{r} ms" for r in roles), "all ms"]
+    for col in [*columns, "not ours ms", "stolen ms"]:
+        table.add_column(col, justify="left" if col == "peer" else "right")
+    for peer, p in profiles.items():
+        total = sum(p["step_cpu_s"].values())
+        table.add_row(
+            PEERS[peer], f"{p['step_wall_s'] * 1e3:.0f}", f"{total / p['step_wall_s']:.2f}",
+            *(f"{p['step_cpu_s'].get(r, 0.0) * 1e3:.0f}" for r in roles), f"{total * 1e3:.0f}",
+            f"{p['step_other_s'] * 1e3:.0f}", f"{p['step_steal_s'] * 1e3:.0f}",
+        )  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
 # Issue 10's goals per config: (ratio, numerator peer, denominator peer, at least).
 GOALS = {
     "small": [("train-async / train", "async", "sync", 1.2), ("train / TRL", "sync", "trl", 0.9)],
     "medium": [("train-async / train", "async", "sync", 1.3), ("train / TRL", "sync", "trl", 1.0),
                ("train-async / TRL", "async", "trl", 1.2)],
 }  # fmt: skip
+START_GOAL_S, EVAL_GOAL_S = 5.0, 0.3
+CORES = os.cpu_count() or 1
 
 
-def goal_rows(config: str, rows: dict[str, dict], par: list[dict], seeds: int) -> list[tuple]:
-    """(goal, target, measured, met) for each of the config's goals whose peers ran (overall
-    completions/s), and per-step learning: sync's mean distance to ref's accuracy over the
-    evals after step 0, against twice the standard error of such a difference."""
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+def steps_line(rows: dict[str, dict], peer: str) -> str:
+    """A peer's median step and the medians of its parts."""
+    if peer not in rows:
+        return f"({peer} did not run)"
+    parts = rows[peer]["parts_s"]
+    names = {"rollout_s": "rollout", "train_s": "train", "sync_s": "weight sync"}
+    known = [f"{names[k]} {ms(parts[k])}" for k in names if parts.get(k) is not None]
+    return f"{peer}'s step {ms(parts['step_s'])} (medians: {', '.join(known)})"
+
+
+def limit_note(name: str, rows: dict[str, dict], profiles: dict[str, dict]) -> str | None:
+    """The measurement that bounds a ratio goal on this machine, or says where the step goes."""
+    sync, asyn = profiles.get("sync"), profiles.get("async")
+    trl_step = BATCH / rows["trl"]["median_step_cps"] if rows.get("trl") else None
+    if name == "train-async / train" and sync and asyn:
+        w, c = sync["step_wall_s"], sum(sync["step_cpu_s"].values())
+        wa, ca = asyn["step_wall_s"], sum(asyn["step_cpu_s"].values())
+        return (
+            f"limit: a sync step is {ms(c)} of CPU work in {ms(w)}; {CORES} cores need at "
+            f"least {ms(c / CORES)} for it, so async/sync <= {CORES * w / c:.2f}x with sync's "
+            f"work; async's step did {ms(ca)} in {ms(wa)} ({ca / wa:.2f} of {CORES} cores "
+            f"busy): <= {CORES * w / ca:.2f}x with its own work"
+        )
+    if name == "train / TRL" and rows.get("sync"):
+        return f"{steps_line(rows, 'sync')}; {steps_line(rows, 'ref')}; TRL's step {ms(trl_step)}"
+    if name == "train-async / TRL" and rows.get("async"):
+        return f"{steps_line(rows, 'async')}; TRL's step {ms(trl_step)}"
+    return None
+
+
+def goal_rows(
+    config: str, rows: dict[str, dict], par: list[dict], seeds: int, profiles: dict[str, dict]
+) -> list[tuple]:
+    """(goal, target, measured, met, limit or None) for each of the config's goals whose peers
+    ran (overall completions/s); per-step learning: sync's mean distance to ref's accuracy
+    over the evals after step 0, against twice the standard error of such a difference; and
+    sync's start-up (the first rollout request after the command) and eval (median)."""
     out = []
     for name, top, bottom, target in GOALS.get(config, []):
         a, b = rows.get(top, {}).get("overall_cps"), rows.get(bottom, {}).get("overall_cps")
         if a and b:
-            out.append((name, f">= {target:.2f}x", f"{a / b:.2f}x", a / b >= target))
+            note = limit_note(name, rows, profiles)
+            out.append((name, f">= {target:.2f}x", f"{a / b:.2f}x", a / b >= target, note))
     diffs = [r["sync"] - r["ref"] for r in par
              if r["step"] > 0 and r.get("sync") is not None and r.get("ref") is not None]  # fmt: skip
     if diffs:
@@ -511,7 +667,21 @@ def goal_rows(config: str, rows: dict[str, dict], par: list[dict], seeds: int) -
         noise = 2 * math.sqrt(2 * level * (1 - level) / (task.EVAL_SIZE * seeds))
         distance = statistics.fmean(abs(d) for d in diffs)
         out.append(("train's accuracy per step, to ref", f"within {noise:.1%} (2 SE)",
-                    f"{distance:.1%} mean over {len(diffs)} evals", distance <= noise))  # fmt: skip
+                    f"{distance:.1%} mean over {len(diffs)} evals", distance <= noise, None))  # fmt: skip
+    sync = profiles.get("sync")
+    if sync and sync["start_s"] is not None:
+        used = sync["start_cpu_s"]
+        total = sum(used.values())
+        shares = ", ".join(f"{r} {v:.1f}" for r, v in sorted(used.items(), key=lambda kv: -kv[1]))
+        note = (
+            f"limit: by then the processes had used {total:.1f} s of CPU ({shares}): at least "
+            f"{total / CORES:.1f} s on {CORES} cores"
+        )
+        out.append(("train's first rollout request", f"<= {START_GOAL_S:.1f} s",
+                    f"{sync['start_s']:.1f} s after the command", sync["start_s"] <= START_GOAL_S, note))  # fmt: skip
+    if sync and sync["eval_s"] is not None:
+        out.append((f"train's {task.EVAL_SIZE}-problem eval", f"<= {EVAL_GOAL_S:.2f} s",
+                    f"{sync['eval_s']:.2f} s (median)", sync["eval_s"] <= EVAL_GOAL_S, None))  # fmt: skip
     return out
 
 
@@ -521,8 +691,10 @@ def print_goals(config: str, goals: list[tuple]) -> None:
     print(
         f"{config}: issue 10's goals (completions/s overall; run with --peers ref,trl,sync,async)"
     )
-    for name, target, measured, met in goals:
+    for name, target, measured, met, note in goals:
         print(f"  {name:<36} {target:>22} {measured:>28}  {'met' if met else 'NOT met'}")
+        if note:
+            print(f"      {note}")
 
 
 def machine_line(threads: int) -> str:
@@ -599,9 +771,11 @@ def run_config(args: argparse.Namespace, config: str, peers: list[str]) -> dict:
     par = parity(traces)
     print_table(config, rows, at_steps, at_seconds)
     print_parity(config, par, peers, args.seeds)
-    goals = goal_rows(config, rows, par, len(args.seeds))
+    profiles = {p: prof for p in ("sync", "async") if p in traces and (prof := profile(traces[p]))}
+    print_cores(config, profiles)
+    goals = goal_rows(config, rows, par, len(args.seeds), profiles)
     print_goals(config, goals)
-    return {"tasks": metas, "summary": rows, "parity": par, "traces": traces,
+    return {"tasks": metas, "summary": rows, "parity": par, "traces": traces, "profiles": profiles,
             "at_steps": at_steps, "at_seconds": at_seconds, "goals": goals}  # fmt: skip
 
 

@@ -1,0 +1,76 @@
+"""The peer bench's CPU accounting (bench/proctree.py): a real process tree, real /proc."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from proctree import MACHINE, STEAL, CpuSampler, children, role_of
+
+# A parent that starts a child which spins for BURN_S of CPU, then both sleep: the sampler must
+# find the grandchild and charge its CPU to the tree.
+BURN_S = 0.6
+TREE = f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import time
+end = time.process_time() + {BURN_S}
+while time.process_time() < end:
+    pass
+print("burnt", flush=True)
+time.sleep(30)
+'''])
+time.sleep(30)
+"""
+
+
+@pytest.fixture
+def tree():
+    proc = subprocess.Popen([sys.executable, "-c", TREE])
+    yield proc
+    for pid in children(proc.pid):
+        subprocess.run(["kill", str(pid)], check=False)
+    proc.kill()
+    proc.wait()
+
+
+def test_sampler_charges_a_grandchilds_cpu_to_the_tree(tree):
+    sampler = CpuSampler(tree.pid, every_s=0.05).start()
+    start = time.time()
+    deadline = start + 20
+    while time.time() < deadline:  # until the grandchild has burnt its CPU
+        tree_cpu = sampler.between(start, time.time())
+        if tree_cpu.get("python3", 0.0) + tree_cpu.get("python", 0.0) >= BURN_S:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)
+    idle_from = time.time()
+    time.sleep(0.5)
+    sampler.stop()
+    assert len(children(tree.pid)) == 1
+    used = sampler.between(start, idle_from)
+    ours = sum(v for role, v in used.items() if role not in (MACHINE, STEAL))
+    assert BURN_S * 0.9 <= ours <= BURN_S + 1.0  # the spin, plus two interpreters' start
+    assert used[MACHINE] >= ours * 0.9  # the whole machine did at least what the tree did
+    idle = sampler.between(idle_from + 0.1, time.time() - 0.1)
+    assert sum(v for role, v in idle.items() if role not in (MACHINE, STEAL)) < 0.05
+
+
+def test_at_interpolates_between_samples_and_clamps_outside():
+    sampler = CpuSampler(1)
+    sampler.times = [10.0, 20.0]
+    sampler.samples = [{"engine": 1.0}, {"engine": 3.0, "router": 1.0}]
+    assert sampler.at(15.0) == {"engine": 2.0, "router": 0.5}
+    assert sampler.at(5.0) == {"engine": 1.0}
+    assert sampler.at(25.0) == {"engine": 3.0, "router": 1.0}
+    assert sampler.between(10.0, 20.0) == {"engine": 2.0, "router": 1.0}
+
+
+def test_role_of_names_a_plain_executable(tree):
+    deadline = time.monotonic() + 20
+    while not children(tree.pid) and time.monotonic() < deadline:  # it has exec'd by then
+        time.sleep(0.05)
+    assert role_of(tree.pid).startswith("python")
