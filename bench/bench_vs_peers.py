@@ -2,7 +2,7 @@
 plain HF + torch and TRL's GRPOTrainer, one after another on this machine.
 
     .venv/bin/python bench/bench_vs_peers.py [--configs small,medium] [--steps 100 | --minutes 5]
-        [--peers ref,trl,sync,async] [--seeds 0,1,2] [--lr 3e-5] [--eval-every 20]
+        [--peers ref,trl,sync,async] [--seeds 0,1,2] [--rounds 2] [--lr 3e-5] [--eval-every 20]
         [--out runs/bench_vs_peers.json]
 
 The task (bench/peers_task.py, built once per config and seed and cached under
@@ -32,11 +32,15 @@ completions / train seconds), greedy accuracy at fixed steps and at fixed train 
 last eval at or before them), the whole command's wall seconds (start-up, evals and shutdown
 included), and the overall completions/s as a ratio to the reference loop and to TRL. With
 several --seeds each (config, seed) is its own task (split, model, SFT) and the numbers are
-means over seeds; the parity table lists every peer's greedy accuracy per eval step next to
-the reference loop's, and the goals table issue 10's ratio goals for the config (with the
-peers they need) and whether sync's per-step accuracy stays within the eval's noise of ref's
-(mean distance over the evals against 2 standard errors of a difference). --minutes stops each peer after that many train seconds (millstream by
-SIGINT, after which its step-0 accuracy is the task's own HF greedy one: the same number).
+means over seeds; --rounds 2 runs every peer twice per seed in ABBA order (ref trl sync async
+async sync trl ref) and averages: this machine's speed drifts by 10-30% over minutes, and the
+order keeps a drift from favouring the peers that ran in the faster part of the run; the parity
+table lists every peer's greedy accuracy per eval step next to the reference loop's, and the
+goals table issue 10's ratio goals for the config (with the peers they need) and whether sync's
+per-step accuracy stays within the eval's noise of ref's (mean distance over the evals against
+2 standard errors of a difference). --minutes stops each peer after that many train seconds
+(millstream by SIGINT, after which its step-0 accuracy is the task's own HF greedy one: the
+same number).
 Results, with every step and eval of every run, go to --out as JSON.
 """
 
@@ -609,7 +613,8 @@ GOALS = {
     "medium": [("train-async / train", "async", "sync", 1.3), ("train / TRL", "sync", "trl", 1.0),
                ("train-async / TRL", "async", "trl", 1.2)],
 }  # fmt: skip
-START_GOAL_S, EVAL_GOAL_S = 5.0, 0.3
+START_GOAL_S = 5.0
+EVAL_GOAL_S = {"small": 0.3}  # issue 10 measured the eval (~2 s) on the 0.79M model
 CORES = os.cpu_count() or 1
 
 
@@ -653,7 +658,8 @@ def goal_rows(
     """(goal, target, measured, met, limit or None) for each of the config's goals whose peers
     ran (overall completions/s); per-step learning: sync's mean distance to ref's accuracy
     over the evals after step 0, against twice the standard error of such a difference; and
-    sync's start-up (the first rollout request after the command) and eval (median)."""
+    sync's start-up (the first rollout request after the command) and eval (median; the goal
+    is for the small model's)."""
     out = []
     for name, top, bottom, target in GOALS.get(config, []):
         a, b = rows.get(top, {}).get("overall_cps"), rows.get(bottom, {}).get("overall_cps")
@@ -679,9 +685,10 @@ def goal_rows(
         )
         out.append(("train's first rollout request", f"<= {START_GOAL_S:.1f} s",
                     f"{sync['start_s']:.1f} s after the command", sync["start_s"] <= START_GOAL_S, note))  # fmt: skip
-    if sync and sync["eval_s"] is not None:
-        out.append((f"train's {task.EVAL_SIZE}-problem eval", f"<= {EVAL_GOAL_S:.2f} s",
-                    f"{sync['eval_s']:.2f} s (median)", sync["eval_s"] <= EVAL_GOAL_S, None))  # fmt: skip
+    eval_goal = EVAL_GOAL_S.get(config)
+    if sync and sync["eval_s"] is not None and eval_goal:
+        out.append((f"train's {task.EVAL_SIZE}-problem eval", f"<= {eval_goal:.2f} s",
+                    f"{sync['eval_s']:.2f} s (median)", sync["eval_s"] <= eval_goal, None))  # fmt: skip
     return out
 
 
@@ -724,6 +731,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--peers", default=",".join(PEERS), help="comma list of: " + ", ".join(PEERS)
     )
     parser.add_argument("--seeds", default="0", help="comma list; each seed is its own task")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="runs per peer and seed, in ABBA order (2: ref trl sync async async sync trl ref)",
+    )  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-5, help="RL learning rate, every peer")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of in-process peers")
@@ -742,27 +753,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_order(peers: list[str], rounds: int) -> list[tuple[str, int]]:
+    """(peer, round) in the order they run: forward, then backward, and so on (ABBA), so that
+    a machine slowing down or speeding up through the run favours no peer."""
+    order = []
+    for r in range(rounds):
+        order += [(p, r) for p in (peers if r % 2 == 0 else reversed(peers))]
+    return order
+
+
 def run_config(args: argparse.Namespace, config: str, peers: list[str]) -> dict:
     traces: dict[str, list[dict]] = {p: [] for p in peers}
     metas = {}
     for seed in args.seeds:
         t = task.build_task(config, seed, args.cache)
         metas[seed] = t.meta
-        for peer in peers:
+        for peer, round_ in run_order(peers, args.rounds):
             spec = Spec(
                 peer=peer, config=config, seed=seed, model_dir=str(t.model_dir),
                 train_path=str(t.train_path), eval_path=str(t.eval_path), lr=args.lr,
                 eval_every=args.eval_every, steps=args.steps,
                 seconds=args.minutes * 60 if args.minutes else None, threads=args.threads,
-                out_dir=str(args.cache / "runs" / f"{config}-seed{seed}" / peer),
+                out_dir=str(args.cache / "runs" / f"{config}-seed{seed}" / f"{peer}{round_ or ''}"),
             )  # fmt: skip
-            print(f"[{config} seed {seed}] {PEERS[peer]} ...", flush=True)
+            print(f"[{config} seed {seed} round {round_ + 1}] {PEERS[peer]} ...", flush=True)
             trace = run_peer(spec)
             if not any(e["step"] == 0 for e in trace["evals"]):  # millstream stopped by SIGINT
                 start = {"step": 0, "seconds": 0.0, "accuracy": t.meta["start_accuracy"]}
                 trace["evals"].insert(0, start | {"from": "task meta (HF greedy)"})
             last = trace["evals"][-1] if trace["evals"] else {}
-            print(f"[{config} seed {seed}] {PEERS[peer]}: {len(trace['steps'])} steps, "
+            print(f"[{config} seed {seed} round {round_ + 1}] {PEERS[peer]}: {len(trace['steps'])} steps, "
                   f"{trace['steps'][-1]['seconds']:.1f} train s, {trace['wall_s']:.1f} wall s, "
                   f"last eval {fmt(last.get('accuracy'), '.1%')} at step {last.get('step')}", flush=True)  # fmt: skip
             traces[peer].append(trace)
