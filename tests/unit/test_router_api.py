@@ -355,7 +355,8 @@ def test_health_rounds_come_fast_while_no_worker_can_serve():
 
 def test_version_gating_routes_only_to_the_expected_version():
     up = Upstream(versions={A: "1", B: "2"})
-    with make_client(up, worker_urls=[A, B]) as client:
+    # No engine at version 3 below: the request waits this long for one, then gets its 503.
+    with make_client(up, worker_urls=[A, B], version_wait_timeout=0.2) as client:
         assert client.get("/get_weight_version").json() == {"weight_version": None}
         r = client.post("/set_weight_version", json={"weight_version": "2"})
         assert r.json() == {"weight_version": "2", "eligible": [B]}
