@@ -407,8 +407,10 @@ def cpu_profile(run_dir: Path, cpu: CpuSampler, started_at: float) -> dict:
         clean, wall = clean + 1, wall + gap
     machine, steal = used.pop(MACHINE, 0.0), used.pop(STEAL, 0.0)
     first = first_request(run_dir)
-    start_cpu = cpu.between(started_at, first) if first else {}
-    start_cpu.pop(MACHINE, None), start_cpu.pop(STEAL, None)
+    start_cpu = {
+        r: v for r, v in (cpu.between(started_at, first) if first else {}).items()
+        if r not in (MACHINE, STEAL)
+    }  # fmt: skip
     return {
         "steps": clean,
         "step_wall_s": wall / clean if clean else None,
