@@ -20,6 +20,21 @@ A service given `--num-threads N` uses N; 0 or nothing means "decide from the ma
 (the launcher passes its split to the services it starts). `apply(n)` sets torch's pools
 once per process and returns what was set, for the start-up line.
 
+One thread computes (`compute`). torch's OpenMP pool belongs to the thread that calls it, and
+once a process's pools hold more threads than it has cores, libgomp cuts every pool's wait
+between two parallel regions from a spin to ~100 spins (its "throttled" spin): each op then
+wakes its workers from sleep. A second pool is easy to make by accident: `asyncio.to_thread`
+may run the model build, the train step and the weight broadcast on three different threads
+of the default executor. In the small peer benchmark's trainer (2 threads on 2 cores) one
+stray pool made the train step 7-12% slower. So the trainer runs its torch work through
+`compute`, on one thread that lives as long as the process.
+
+That spin is bounded (`spin_env`): libgomp's default, 300,000 rounds, keeps a pool thread
+spinning on a core for milliseconds after a train step ends, while the weight sync that
+follows needs that core for the engine (the small benchmark's sync: 11.5 -> 14 ms). 10,000
+rounds covers the gaps between the ops of a step, not the gaps between steps; 1,000 was too
+few (train 55-58 ms -> 58-61 ms).
+
 Cores idle in async mode are lent, not left idle (`BorrowedCores`): with a bounded staleness
 the engines finish the next batch early in a long train step and then have nothing to
 generate; for the rest of the step the trainer computes with every core, and goes back to
@@ -28,11 +43,17 @@ its share as soon as a group is in flight again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
+import functools
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # Native thread pools a library may start on its own, capped for a service's process.
 POOL_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -77,9 +98,22 @@ def split_cores(
     return CpuBudget(cores=cores, trainer=trainer, engine=engine, engines=engines)
 
 
+# How long an idle OpenMP pool thread spins before it sleeps (module docstring).
+SPIN_COUNT = "10000"
+
+
 def pool_env(threads: int) -> dict[str, str]:
     """Environment that caps native thread pools of a child process at `threads`."""
-    return {name: str(threads) for name in POOL_ENV_VARS} | {"TOKENIZERS_PARALLELISM": "false"}
+    env = {name: str(threads) for name in POOL_ENV_VARS} | {"TOKENIZERS_PARALLELISM": "false"}
+    return env | spin_env()
+
+
+def spin_env() -> dict[str, str]:
+    """libgomp's spin before an idle pool thread sleeps, unless the environment chose one;
+    read once, when torch loads libgomp."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": SPIN_COUNT}
 
 
 def apply(threads: int | None) -> int:
@@ -93,6 +127,19 @@ def apply(threads: int | None) -> int:
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
     return torch.get_num_threads()
+
+
+_compute_thread: ThreadPoolExecutor | None = None
+
+
+async def compute(fn: Callable[..., T], /, *args: Any) -> T:
+    """`fn(*args)` on this process's one compute thread (module docstring), awaited from the
+    event loop like `asyncio.to_thread`, context variables (the current span) included."""
+    global _compute_thread
+    if _compute_thread is None:
+        _compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_compute_thread, call)
 
 
 class BorrowedCores:

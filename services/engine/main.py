@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 from collections.abc import Sequence
@@ -86,6 +87,7 @@ def main(argv: Sequence[str]) -> int:
     from millstream.common import heap, threads
     from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
+    os.environ.update(threads.spin_env())  # before torch loads libgomp, which reads it
     from .core import EngineCore
 
     print(f"[engine] {threads.apply(config.num_threads)} compute thread(s)", flush=True)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from millstream.common import debug, heap
+from millstream.common import debug, heap, threads
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.redis_conn import connect, redact
@@ -96,8 +96,6 @@ def _shown(argv: Sequence[str]) -> str:
 
 def _apply_cpu_budget(cfg: RunConfig) -> None:
     """The trainer's share of the cores (launcher.cpu_budget), split among local ranks."""
-    from millstream.common import threads
-
     from .launcher import cpu_budget
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -178,8 +176,9 @@ async def train_with_cluster(cfg: RunConfig) -> int:
         urls = await cluster.spawn_infra()
         cfg = urls.apply(cfg)
         # The trainer's imports and model build run while the engines load (both are
-        # seconds of CPU): in a thread, so this loop keeps watching the services start.
-        preparing = asyncio.create_task(asyncio.to_thread(_prepare, cfg))
+        # seconds of CPU): on the compute thread that will train the model (threads.compute),
+        # so this loop keeps watching the services start.
+        preparing = asyncio.create_task(threads.compute(_prepare, cfg))
         try:
             redis = await connect(cfg.connection.redis_url, cfg.connection.redis_password)  # type: ignore[arg-type]
             try:
@@ -197,8 +196,6 @@ async def train_with_cluster(cfg: RunConfig) -> int:
 
 
 def _prepare(cfg: RunConfig) -> Prepared:
-    from millstream.common import threads
-
     from .build import prepare  # torch and transformers: imported here, in the thread
 
     # torch sized its intra-op pool from the environment (_apply_cpu_budget); the rest of

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from millstream.common import heap, telemetry
+from millstream.common import heap, telemetry, threads
 from millstream.common.config import RunConfig
 
 from . import checkpoint
@@ -149,7 +149,7 @@ class Trainer:
             if self.p.teacher is not None:
                 samples = await self.p.teacher.score(samples)
             steps = self.cfg.rollout.num_steps_per_rollout
-            train = await asyncio.to_thread(
+            train = await threads.compute(
                 self.p.backend.train_rollout, samples, steps, self.iteration
             )
         t2 = time.monotonic()

@@ -58,7 +58,7 @@ from typing import Any
 import httpx
 from opentelemetry import trace
 
-from millstream.common import telemetry
+from millstream.common import telemetry, threads
 from millstream.common.auth import bearer_headers
 from millstream.common.errors import MillstreamError, ServiceUnavailable
 from millstream.common.http_pool import make_client
@@ -565,7 +565,7 @@ class WeightSync:
         is rebuilt without the engine (a broadcast is never abandoned: its group is in use)."""
         # A rendezvous may be abandoned: it runs in a daemon thread of its own, since
         # asyncio.run waits at exit for every thread of the loop's executor.
-        rank0_task = _in_daemon_thread(rank0) if early_out else asyncio.to_thread(rank0)
+        rank0_task = _in_daemon_thread(rank0) if early_out else threads.compute(rank0)
         rank0_task = asyncio.ensure_future(rank0_task)
         try:
             failed = await calls.each(engines, path, body)

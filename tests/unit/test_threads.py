@@ -56,10 +56,45 @@ def test_the_launcher_budget_follows_the_flags(monkeypatch):
     assert "trainer 8 thread(s)" in cpu_budget(cfg).describe()
 
 
-def test_child_pools_are_capped():
+def test_child_pools_are_capped_and_their_spin_bounded(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     env = threads.pool_env(1)
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
     assert env["TOKENIZERS_PARALLELISM"] == "false"
+    assert env["GOMP_SPINCOUNT"] == threads.SPIN_COUNT
+    # What the user chose stays: either variable sets the spin.
+    for name, value in (("GOMP_SPINCOUNT", "300000"), ("OMP_WAIT_POLICY", "PASSIVE")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert "GOMP_SPINCOUNT" not in threads.pool_env(1) and threads.spin_env() == {}
+
+
+def test_compute_runs_every_call_on_one_thread_with_the_callers_context():
+    import asyncio
+    import contextvars
+    import threading
+
+    current = contextvars.ContextVar("current", default="unset")
+
+    def where(tag: str) -> tuple[int, str, str]:
+        return threading.get_ident(), tag, current.get()
+
+    def fail() -> None:
+        raise ValueError("inside")
+
+    async def calls(loop_tag: str) -> list[tuple[int, str, str]]:
+        current.set(loop_tag)
+        out = await asyncio.gather(*(threads.compute(where, f"{loop_tag}{k}") for k in range(4)))
+        with pytest.raises(ValueError, match="inside"):
+            await threads.compute(fail)
+        return out
+
+    # Two event loops one after the other (the trainer's, a test's): still the one thread.
+    seen = asyncio.run(calls("a")) + asyncio.run(calls("b"))
+    assert len({ident for ident, _, _ in seen}) == 1
+    assert seen[0][0] != threading.get_ident()
+    assert [(tag, ctx) for _, tag, ctx in seen] == [(f"{t}{k}", t) for t in "ab" for k in range(4)]
 
 
 def test_borrowed_cores_follow_the_engines_idleness_layer_by_layer():
