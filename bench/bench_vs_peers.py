@@ -38,7 +38,9 @@ order keeps a drift from favouring the peers that ran in the faster part of the 
 table lists every peer's greedy accuracy per eval step next to the reference loop's, and the
 goals table issue 10's ratio goals for the config (with the peers they need) and whether sync's
 per-step accuracy stays within the eval's noise of ref's (mean distance over the evals against
-2 standard errors of a difference). --minutes stops each peer after that many train seconds
+2 standard errors of a difference). Under each ratio the bound that the measurements set: the
+CPU work of a step over the cores (async), or sync's rollout split into the engine's
+generation and the hand-offs between the services, from the traces (sync against TRL). --minutes stops each peer after that many train seconds
 (millstream by SIGINT, after which its step-0 accuracy is the task's own HF greedy one: the
 same number).
 Results, with every step and eval of every run, go to --out as JSON.
@@ -391,6 +393,36 @@ def first_request(run_dir: Path, lines: int = 5000) -> float | None:
     return min(starts, default=None)
 
 
+def read_spans(run_dir: Path, service: str) -> list[dict]:
+    spans = []
+    for path in (run_dir / "traces").glob(f"{service}-*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                spans.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line being written
+    return spans
+
+
+def engine_generation(run_dir: Path) -> float | None:
+    """The median seconds per step the engines spent generating while the trainer waited
+    for its batch: the union of the engines' generation spans inside each of the trainer's
+    batch waits (None without traces). The rest of a sync step's rollout is hand-offs."""
+    waits = [(s["start_ns"], s["end_ns"]) for s in read_spans(run_dir, "trainer")
+             if s["name"] == "trainer.batch_wait"]  # fmt: skip
+    gens = sorted((s["start_ns"], s["end_ns"]) for s in read_spans(run_dir, "engine")
+                  if s["name"].startswith("text_completion"))  # fmt: skip
+    per_step = []
+    for start, end in waits:
+        busy, reach = 0, start
+        for a, b in gens:
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                busy, reach = busy + b - a, b
+        per_step.append(busy / 1e9)
+    return statistics.median(per_step) if per_step else None
+
+
 def cpu_profile(run_dir: Path, cpu: CpuSampler, started_at: float) -> dict:
     """Where the cores went: CPU seconds per role (trainer, engine, router, rollout, reward,
     redis) per step, over the steps whose rows are back to back (no eval or start-up between
@@ -420,6 +452,7 @@ def cpu_profile(run_dir: Path, cpu: CpuSampler, started_at: float) -> dict:
         "step_steal_s": steal / clean if clean else None,
         "start_s": first - started_at if first else None,
         "start_cpu_s": start_cpu,
+        "generation_s": engine_generation(run_dir),
     }
 
 
@@ -648,9 +681,32 @@ def limit_note(name: str, rows: dict[str, dict], profiles: dict[str, dict]) -> s
             f"busy): <= {CORES * w / ca:.2f}x with its own work"
         )
     if name == "train / TRL" and rows.get("sync"):
-        return f"{steps_line(rows, 'sync')}; {steps_line(rows, 'ref')}; TRL's step {ms(trl_step)}"
+        note = f"{steps_line(rows, 'sync')}; {steps_line(rows, 'ref')}; TRL's step {ms(trl_step)}"
+        parts = rows["sync"]["parts_s"]
+        gen = sync.get("generation_s") if sync else None
+        if gen is None or parts.get("rollout_s") is None or not (rows.get("ref") and trl_step):
+            return note
+        # The train step is compute both loops share; the rest is the services' own: the
+        # engine's generation, the hand-offs between the services around it, the weight sync.
+        ref_train = rows["ref"]["parts_s"].get("train_s")
+        if ref_train is None:
+            return note
+        handoffs, weights = max(0.0, parts["rollout_s"] - gen), parts.get("sync_s") or 0.0
+        best = parts["rollout_s"] + ref_train + weights
+        return (
+            f"{note}. limit: sync's rollout is {ms(gen)} of generation and {ms(handoffs)} of "
+            f"hand-offs between the services; with a train step as fast as ref's, it and the "
+            f"weight sync make a {ms(best)} step: train/TRL <= {trl_step / best:.2f}x"
+        )
     if name == "train-async / TRL" and rows.get("async"):
-        return f"{steps_line(rows, 'async')}; TRL's step {ms(trl_step)}"
+        note = f"{steps_line(rows, 'async')}; TRL's step {ms(trl_step)}"
+        if not (asyn and trl_step):
+            return note
+        work = sum(asyn["step_cpu_s"].values())
+        return (
+            f"{note}. limit: async's step is {ms(work)} of CPU work, at least "
+            f"{ms(work / CORES)} on {CORES} cores: async/TRL <= {trl_step * CORES / work:.2f}x"
+        )
     return None
 
 
