@@ -617,6 +617,7 @@ def profile(traces: list[dict]) -> dict | None:
             for r in start_roles
         },
         "eval_s": median_of("eval_s", [e for t in traces for e in t["evals"] if e["step"] > 0]),
+        "generation_s": mean([p.get("generation_s") for p in profiles]),
     }
 
 
@@ -798,6 +799,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of in-process peers")
     parser.add_argument("--cache", type=Path, default=REPO_ROOT / "runs" / "bench_peers")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "bench_vs_peers.json")
+    parser.add_argument(
+        "--report", type=Path, metavar="FILE",
+        help="print the tables of a saved run (an --out file) again, running nothing",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps is None and args.minutes is None:
         args.steps = 100
@@ -844,17 +849,34 @@ def run_config(args: argparse.Namespace, config: str, peers: list[str]) -> dict:
                   f"{trace['steps'][-1]['seconds']:.1f} train s, {trace['wall_s']:.1f} wall s, "
                   f"last eval {fmt(last.get('accuracy'), '.1%')} at step {last.get('step')}", flush=True)  # fmt: skip
             traces[peer].append(trace)
-    at_steps, at_seconds = checkpoints(traces, args.eval_every)
+    return {"tasks": metas} | report_config(config, traces, args.seeds, args.eval_every)
+
+
+def report_config(
+    config: str, traces: dict[str, list[dict]], seeds: list[int], eval_every: int
+) -> dict:
+    """Print a config's tables from its peers' traces (a run's, or a saved run's: --report)."""
+    at_steps, at_seconds = checkpoints(traces, eval_every)
     rows = {p: summarise(ts, at_steps, at_seconds) for p, ts in traces.items()}
     par = parity(traces)
     print_table(config, rows, at_steps, at_seconds)
-    print_parity(config, par, peers, args.seeds)
+    print_parity(config, par, list(traces), seeds)
     profiles = {p: prof for p in ("sync", "async") if p in traces and (prof := profile(traces[p]))}
     print_cores(config, profiles)
-    goals = goal_rows(config, rows, par, len(args.seeds), profiles)
+    goals = goal_rows(config, rows, par, len(seeds), profiles)
     print_goals(config, goals)
-    return {"tasks": metas, "summary": rows, "parity": par, "traces": traces, "profiles": profiles,
+    return {"summary": rows, "parity": par, "traces": traces, "profiles": profiles,
             "at_steps": at_steps, "at_seconds": at_seconds, "goals": goals}  # fmt: skip
+
+
+def report(path: Path) -> None:
+    """The tables of a saved run (its --out file), printed again by this version's code."""
+    saved = json.loads(path.read_text())
+    settings = saved["settings"]
+    print(saved["machine"])
+    print(f"(from {path})")
+    for config, result in saved["configs"].items():
+        report_config(config, result["traces"], settings["seeds"], settings["eval_every"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -862,6 +884,9 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(Path(sys.argv[2]))
         return
     args = parse_args(argv)
+    if args.report:
+        report(args.report)
+        return
     peers = list(args.peers)
     if "trl" in peers and trl_version() is None:
         print("trl: skipped (not importable; pip install -e '.[peers]')")

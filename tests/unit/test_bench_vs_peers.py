@@ -95,3 +95,24 @@ def test_each_ratio_goal_prints_the_bound_the_cpu_work_sets():
     assert (measured, met) == ("1.00x", False)
     assert "280 ms of CPU work" in note
     assert f"async/TRL <= {0.16 * bench.CORES / 0.28:.2f}x" in note
+
+
+def test_report_prints_a_saved_runs_tables_again(tmp_path: Path, capsys):
+    def trace(step_s: float) -> dict:
+        steps = [{"step": k, "step_s": step_s, "seconds": k * step_s, "train_s": step_s / 2}
+                 for k in range(1, 5)]  # fmt: skip
+        evals = [{"step": k, "seconds": k * step_s, "accuracy": 0.5, "eval_s": 0.1}
+                 for k in (0, 2, 4)]  # fmt: skip
+        return {"steps": steps, "evals": evals, "wall_s": 10.0}
+
+    saved = {"machine": "machine: test", "settings": {"seeds": [0], "eval_every": 2},
+             "configs": {"small": {"traces": {"ref": [trace(0.1)], "sync": [trace(0.2)]}}}}  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(saved))
+    bench.main(["--report", str(path)])
+    out = capsys.readouterr().out
+    assert "machine: test" in out and f"(from {path})" in out
+    # 128 completions a step: 1280/s for ref, 640/s for sync, which is 0.50x ref
+    lines = [line for line in out.splitlines() if "1280" in line or "640" in line]
+    assert any("reference loop" in line for line in lines)
+    assert any("millstream train" in line and "0.50" in line for line in lines)
