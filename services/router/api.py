@@ -254,8 +254,11 @@ async def set_weight_version(request: Request):
     """Gate on a version. Every worker's version is read again before answering, except
     those in `workers_at_version`: the caller (the trainer, which just updated them and
     heard each one confirm the version) vouches for them, which saves the weight sync a
-    round trip to each; the next health round reads them as usual."""
-    body = await _json_object(request, {"weight_version", "workers_at_version"})
+    round trip to each; the next health round reads them as usual. `"read_versions": false`
+    reads none: the caller knows no worker holds the version yet (a weight sync about to
+    ship it), so each keeps its last known version, and no request goes to it until it is
+    vouched for or the next health round reads the new one."""
+    body = await _json_object(request, {"weight_version", "workers_at_version", "read_versions"})
     if "weight_version" not in body:
         raise ApiError(400, "field 'weight_version' is required (a string, or null to stop gating)")
     version = body["weight_version"]
@@ -273,7 +276,11 @@ async def set_weight_version(request: Request):
             if worker is not None and worker.healthy:
                 r.registry.vouch(worker, str(version))
                 known.add(worker.url)
-    await asyncio.gather(*(r.health.check(w) for w in r.registry.all() if w.url not in known))
+    read = body.get("read_versions", True)
+    if not isinstance(read, bool):
+        raise ApiError(400, f"field 'read_versions' must be true or false, got {read!r}")
+    if read:
+        await asyncio.gather(*(r.health.check(w) for w in r.registry.all() if w.url not in known))
     eligible = [w.url for w in r.registry.eligible()]
     return {"weight_version": r.registry.expected_version, "eligible": eligible}
 

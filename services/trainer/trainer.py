@@ -72,6 +72,9 @@ class Trainer:
         self.num_rollout = num_rollout
         self.iteration = iteration
         self.version = version
+        # The version admission budgets for: ahead of `version` while an idle weight sync
+        # ships it (`_admit_ahead`), equal otherwise.
+        self._admit_version = version
         self.completions = 0
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
@@ -162,6 +165,8 @@ class Trainer:
                 join=joins,
                 links=links,
                 idle=self._nothing_generating(),
+                # Sync mode only: async rollouts run ahead of the sync already.
+                on_gated=self._admit_ahead if self.cfg.max_staleness == 0 else None,
             ),
             stall=False,  # bounded by --weight-sync-timeout; cancelling it mid-way is worse
         )
@@ -231,16 +236,24 @@ class Trainer:
     async def _admission_pump(self) -> None:
         """Admit whenever the budget has room: at start, when a group ends, when V moves."""
         while True:
-            await self.p.admission.fill(self.version)
+            await self.p.admission.fill(self._admit_version)
             await self._wake.wait()
             self._wake.clear()
+
+    def _admit_ahead(self) -> None:
+        """The router now routes only to engines that hold version V+1, and none does yet: an
+        idle sync of V+1 has started. The next rollouts can be handed out now; they wait at
+        the router for the engines to hold V+1 instead of for the sync to end, so their way
+        through the workers overlaps the broadcast."""
+        self._admit_version = self.version + 1
+        self._wake.set()
 
     def on_terminal(self, gid: str, state: str) -> None:
         self.p.admission.terminal(gid, state)
         self._wake.set()
 
     def _publish_version(self, version: int) -> None:
-        self.version = version
+        self.version = self._admit_version = version
         if self.p.coordinator is not None:
             self.p.coordinator.publish_version(version)
         self._wake.set()

@@ -13,7 +13,12 @@
     4. serve    router /set_weight_version str(V) while every engine /continue_generation
 
 An idle sync (nothing generates, nothing will before the sync ends: every admitted group is
-back) of one bucket skips the pause and the continue (`sync(idle=True)`).
+back) of one bucket skips the pause and the continue (`sync(idle=True)`). Instead, beside
+listing the engines, it gates the router on V (`/set_weight_version` with `read_versions:
+false`: no engine holds V yet, so none is routed to), and then tells the caller, which in sync
+mode hands out the next rollouts at once (`on_gated`): their requests wait at the router
+while V ships, and step 4 lets them through. On the small peer benchmark that hides ~7 ms of
+the next rollout's way to the router behind the broadcast: a sync step of 109 -> 105 ms.
 
 Invariants:
   * an engine reports version V only once it holds all of V's tensors: weight_version (and
@@ -249,6 +254,12 @@ class RouterAdmin:
         )
         return list(body.get("eligible", []))
 
+    async def gate(self, version: str) -> None:
+        """Serve `version` only, which no engine holds yet: the router asks none of them."""
+        await self._call(
+            "POST", "/set_weight_version", json={"weight_version": version, "read_versions": False}
+        )
+
 
 class WeightSync:
     """Pushes the trainer's weights to every engine behind the router (module docstring)."""
@@ -309,13 +320,17 @@ class WeightSync:
         join: Sequence[str] = (),
         links: Sequence[trace.Link] = (),
         idle: bool = False,
+        on_gated: Callable[[], None] | None = None,
     ) -> SyncReport:
         """Push the tensors to every engine as `version`; `join`: engines to add first;
         `links`: the trace links of the groups whose update this sync ships; `idle`: the
         caller has no generation running and starts none before the sync ends (every group
         it admitted is back). An idle sync of one bucket neither pauses nor continues the
         engines: the engine applies an update between two of its steps, with its version (so
-        does SGLang), so there is nothing to stop, and two round trips less."""
+        does SGLang), so there is nothing to stop, and two round trips less. It gates the
+        router on `version` first, beside listing the engines (no engine holds `version`
+        yet, so nothing is routed until the sync ends), and then calls `on_gated`: requests
+        the caller starts from then on wait at the router, and get `version`'s weights."""
         source = named_tensors() if callable(named_tensors) else named_tensors
         buckets = plan_buckets(source, self.bucket_bytes)
         if not buckets:
@@ -333,7 +348,10 @@ class WeightSync:
         ) as span:
             calls, router = self._clients()
             pause = not (idle and len(buckets) == 1)
-            engines = await self._paused_engines(calls, router, join, report, pause)
+            gate = str(version) if on_gated is not None and not pause else None
+            engines = await self._paused_engines(calls, router, join, report, pause, gate)
+            if gate is not None and on_gated is not None:
+                on_gated()
             backend = self.backend or backend_for(buckets[0].tensors[0].device)
             engines = await self._push(calls, router, engines, buckets, backend, report)
             await self._serve(calls, router, engines, report, pause)
@@ -387,8 +405,10 @@ class WeightSync:
         join: Sequence[str],
         report: SyncReport,
         pause: bool = True,
+        gate: str | None = None,
     ) -> list[str]:
-        """The engines the router lists, paused (unless `pause` is False: an idle sync)."""
+        """The engines the router lists, paused (unless `pause` is False: an idle sync);
+        `gate`: the version the router serves only, from now on."""
         start = time.monotonic()
         for url in join:
             await router.add(url)
@@ -399,8 +419,10 @@ class WeightSync:
         # Usually the engines are the last sync's members: pause them while the router lists
         # the engines, then pause only newcomers (one round trip, not two, on the sync path).
         known = list(self._members) if pause else []
-        listed, failed = await asyncio.gather(
-            router.engines(), calls.each(known, "/pause_generation", body)
+        listed, failed, *_ = await asyncio.gather(
+            router.engines(),
+            calls.each(known, "/pause_generation", body),
+            *([router.gate(gate)] if gate is not None else []),
         )
         engines = sorted(listed)
         if pause:

@@ -87,6 +87,11 @@ def _check_traces(run_dir: Path) -> None:
     assert sorted(run.evals) == [0, 3]
     services = {s.service for s in spans}
     assert services == {"trainer", "rollout", "router", "engine", "reward"}  # compose's names
+    # Sync mode hands out the next iteration's prompts while the idle sync ships their weights
+    # (the router holds their requests until the engines have them).
+    syncs = sorted((s.start, s.end) for s in spans if s.name == "trainer.weight_sync")
+    sends = [s.start for s in spans if s.name.startswith("send ") and s.name.endswith(":prompts")]
+    assert len(syncs) == 3 and all(any(a <= t <= b for t in sends) for a, b in syncs[:2])
     gid = min(run.trained_in)
     stages = [s.stage for s in trace_cli.group_timeline(run, gid)]
     assert stages[0] == "admit" and stages[-2:] == ["train_step", "weight_sync"]

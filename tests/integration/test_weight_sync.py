@@ -328,3 +328,37 @@ def test_an_idle_sync_of_one_bucket_neither_pauses_nor_continues_the_engines(
     finally:
         run(one_bucket.close())
         run(several.close())
+
+
+def test_an_idle_sync_gates_the_router_first_and_early_requests_get_the_new_weights(
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, run
+):
+    """`on_gated`: the trainer hands out the next rollouts while an idle sync ships their
+    weights. When it is called the router already serves only the new version, which no
+    engine holds yet; a request sent then waits at the router and is generated with the new
+    weights. A sync that pauses (not idle) does not call it."""
+    url = engines[0].url
+    router = router_of(url)
+    ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=20, group_name="gated")
+    early: list[Any] = []
+    pool = ThreadPoolExecutor(1)
+
+    def gated() -> None:
+        seen = (
+            httpx.get(f"{router.url}/get_weight_version").json()["weight_version"],
+            versions(url),
+        )
+        early.append((seen, pool.submit(served_version, router.url)))
+
+    try:
+        model = hf_model(tiny_model_dir, seed=6)
+        run(ws.sync(model.named_parameters(), 21, idle=True, on_gated=gated))
+        ((router_version, engine_versions), request) = early.pop()
+        assert router_version == "21" and engine_versions != ["21"]
+        assert request.result(timeout=30) == "21"
+        assert_engine_equals(url, model, "21")
+        run(ws.sync(model.named_parameters(), 22, on_gated=gated))  # pauses: no early start
+        assert not early and versions(url) == ["22"]
+    finally:
+        run(ws.close())
+        pool.shutdown()

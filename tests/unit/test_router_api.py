@@ -393,6 +393,24 @@ def test_a_version_vouched_for_is_not_asked_again():
         assert bad.status_code == 400 and "workers_at_version" in error_message(bad)
 
 
+def test_a_gate_without_reading_versions_asks_no_worker_and_routes_to_none_at_the_old_one():
+    """A weight sync about to ship V gates on it first: the router asks no worker (none holds
+    V yet), keeps their last known versions, and routes to none until one is vouched for."""
+    up = Upstream(versions={A: "1", B: "1"})
+    with make_client(up, worker_urls=[A, B]) as client:
+        assert client.post("/set_weight_version", json={"weight_version": "1"}).json()[
+            "eligible"
+        ] == [A, B]
+        asked = len(up.probes)
+        r = client.post("/set_weight_version", json={"weight_version": "2", "read_versions": False})
+        assert r.json() == {"weight_version": "2", "eligible": []} and up.probes[asked:] == []
+        r = client.post("/set_weight_version", json={"weight_version": "2",
+                                                     "workers_at_version": [B]})  # fmt: skip
+        assert r.json()["eligible"] == [B]
+        bad = client.post("/set_weight_version", json={"weight_version": "2", "read_versions": 0})
+        assert bad.status_code == 400 and "read_versions" in error_message(bad)
+
+
 def test_trace_context_is_continued_and_injected():
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
