@@ -172,8 +172,10 @@ def unflatten_bytes(
         size = torch.Size(shape).numel() * dtype.itemsize
         if start + size > flat.numel():
             raise RequestError(f"flattened bucket: {flat.numel()} bytes, too few for {name}")
-        # clone: a view at an offset that is not a multiple of the item size is refused
-        out.append((name, flat[start : start + size].clone().view(dtype).reshape(shape)))
+        piece = flat[start : start + size]
+        if start % dtype.itemsize:  # a view at such an offset is refused: copy those bytes
+            piece = piece.clone()
+        out.append((name, piece.view(dtype).reshape(shape)))
         start += size
     return out
 
