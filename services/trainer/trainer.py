@@ -165,8 +165,13 @@ class Trainer:
                 join=joins,
                 links=links,
                 idle=self._nothing_generating(),
-                # Sync mode only: async rollouts run ahead of the sync already.
-                on_gated=self._admit_ahead if self.cfg.max_staleness == 0 else None,
+                # Sync mode only (async rollouts run ahead of the sync already), and not after
+                # the last iteration: nothing would train that batch.
+                on_gated=(
+                    self._admit_ahead
+                    if self.cfg.max_staleness == 0 and it < self.num_rollout
+                    else None
+                ),
             ),
             stall=False,  # bounded by --weight-sync-timeout; cancelling it mid-way is worse
         )
@@ -234,9 +239,12 @@ class Trainer:
         return len(self.p.admission.in_flight) == self.p.buffer.ready
 
     async def _admission_pump(self) -> None:
-        """Admit whenever the budget has room: at start, when a group ends, when V moves."""
+        """Admit whenever the budget has room: at start, when a group ends, when V moves.
+        Never past the budget of version num_rollout - 1 - s, which holds every batch the
+        run trains: more would be generated only to be dropped when it ends."""
+        last = max(0, self.num_rollout - 1 - self.cfg.max_staleness)
         while True:
-            await self.p.admission.fill(self._admit_version)
+            await self.p.admission.fill(min(self._admit_version, last))
             await self._wake.wait()
             self._wake.clear()
 

@@ -154,6 +154,9 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
         )
         _check_traces(run_dir)
         _check_curves_tensorboard_and_profile(run_dir)
+        # The batch after the last one is never handed out (the sync ships nothing to wait for).
+        counts = summary["counts"]
+        assert counts["admitted"] == counts["trained"] == 6 and counts["dropped_at_end"] == 0
     versions = [r["version"] for r in _records(run_dir)]
     assert versions == [1, 2, 3]
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
