@@ -310,8 +310,9 @@ def millstream_argv(spec: Spec, run_dir: Path) -> list[str]:
     return argv
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+def read_written(path: Path) -> list[dict]:
+    """The rows of a JSONL file a running service writes, up to the line being written
+    (task.read_jsonl is for finished files)."""
     if not path.exists():
         return []
     rows = []
@@ -321,6 +322,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             break  # a line being written
     return rows
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return read_written(run_dir / "metrics.jsonl")
 
 
 def train_seconds(run_dir: Path) -> float:
@@ -394,14 +399,7 @@ def first_request(run_dir: Path, lines: int = 5000) -> float | None:
 
 
 def read_spans(run_dir: Path, service: str) -> list[dict]:
-    spans = []
-    for path in (run_dir / "traces").glob(f"{service}-*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                spans.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line being written
-    return spans
+    return [s for p in (run_dir / "traces").glob(f"{service}-*.jsonl") for s in read_written(p)]
 
 
 def engine_generation(run_dir: Path) -> float | None:
