@@ -22,6 +22,11 @@ Prints tokens/s of the best of --repeats rollouts (real tokens, padding not coun
 rank's peak RSS (the process's high-water mark: the model, its gradients and Adam state,
 activations), and the ratio to the first row. The one-rank Megatron row runs in a process of its
 own (megatron's process group and CPU patches).
+
+Where torch sees a GPU the backends train on it (NCCL between ranks, one GPU per rank): the
+memory column is then each rank's peak GPU memory allocated, and with one GPU only the
+one-rank rows run (NCCL refuses two ranks on one device: "Duplicate GPU detected"). On a GPU
+try `--samples 256 --hidden 1024 --layers 8 --max-tokens 8192`.
 """
 
 from __future__ import annotations
@@ -40,34 +45,54 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 FLAGS = ["--n-samples-per-prompt", "1", "--disable-grpo-std-normalization", "--lr", "1e-6",
-         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"]  # fmt: skip
+         "--use-dynamic-batch-size"]  # fmt: skip
+MAX_TOKENS = ["--max-tokens-per-gpu", os.environ.get("BENCH_MAX_TOKENS", "1024")]
 
 
-def _peak_rss_mb() -> float:
+def _peak_mb() -> float:
+    """This rank's peak memory: GPU memory allocated on a GPU, else the process's RSS."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak() -> None:
+    """On a GPU, the peak from here on: training's, not the model's conversion at the start."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _best_seconds(train_rollout, samples: list, repeats: int) -> float:  # type: ignore[no-untyped-def]
     """The fastest of `repeats` one-step rollouts of `samples`, after a small warm-up one."""
-    train_rollout(samples[:8], 1)
-    best = float("inf")
-    for _ in range(repeats):
+    import torch
+
+    def timed() -> float:
         start = time.perf_counter()
         train_rollout(samples, 1)
-        best = min(best, time.perf_counter() - start)
-    return best
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    train_rollout(samples[:8], 1)
+    return min(timed() for _ in range(repeats))
 
 
 def _config(samples: int, backend: str = "torch"):
-    """`backend`: torch, fsdp, megatron, megatron-tp2 or megatron-pp2 (megatron, tensor or
-    pipeline parallel 2)."""
+    """`backend`: torch, fsdp, megatron, megatron-tp2, megatron-pp2 (megatron, tensor or
+    pipeline parallel 2) or megatron-distopt (--use-distributed-optimizer)."""
     from millstream.common.config import parse_run_config
 
     name, _, parallel = backend.partition("-")
     kind = {"tp2": "tensor", "pp2": "pipeline"}.get(parallel)
     extra = [f"--{kind}-model-parallel-size", "2"] if kind else []
+    if parallel == "distopt":
+        extra = ["--use-distributed-optimizer"]
     return parse_run_config(["--rollout-batch-size", str(samples), "--train-backend", name,
-                             *extra, *FLAGS])  # fmt: skip
+                             *extra, *FLAGS, *MAX_TOKENS])  # fmt: skip
 
 
 def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
@@ -77,7 +102,8 @@ def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tupl
 
     torch.set_num_threads(threads)
     backend = TorchBackend(_config(len(samples)), model_dir, ref_dir=None, total_steps=repeats + 2)
-    return _best_seconds(backend.train_rollout, samples, repeats), [_peak_rss_mb()]
+    _reset_peak()
+    return _best_seconds(backend.train_rollout, samples, repeats), [_peak_mb()]
 
 
 def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, repeats: int,
@@ -90,7 +116,7 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
 
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))  # fmt: skip
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # fmt: skip
     init()
     try:
         cls = TorchBackend
@@ -102,12 +128,13 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
             _config(len(samples), backend_name), model_dir, ref_dir=None, total_steps=repeats + 2
         )
         dp = DataParallel(backend)
+        _reset_peak()
         if rank == 0:
             out["seconds"] = _best_seconds(dp.train_rollout, samples, repeats)
             send_stop()
         else:
             dp.follow()
-        rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64)
+        rss = torch.tensor([_peak_mb()], dtype=torch.float64)
         gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(gathered, rss)
         if rank == 0:
@@ -117,14 +144,15 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
 
 
 def _megatron_rank(rank: int, model_dir: str, samples: list, repeats: int, threads: int,
-                   out: dict) -> None:  # fmt: skip
+                   name: str, out: dict) -> None:  # fmt: skip
     from millstream.trainer.backends.megatron_backend import MegatronBackend
 
     torch_threads(threads)
-    cfg = _config(len(samples), "megatron")
+    cfg = _config(len(samples), name)
     backend = MegatronBackend(cfg, model_dir, ref_dir=None, total_steps=repeats + 2)
+    _reset_peak()
     out["seconds"] = _best_seconds(backend.train_rollout, samples, repeats)
-    out["rss"] = [_peak_rss_mb()]
+    out["rss"] = [_peak_mb()]
 
 
 def torch_threads(n: int) -> None:
@@ -133,13 +161,16 @@ def torch_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def megatron(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
+def megatron(
+    model_dir: Path, samples: list, repeats: int, threads: int, name: str = "megatron"
+) -> tuple[float, list]:
     """One rank in a process of its own (megatron's process group and CPU patches)."""
     import torch.multiprocessing as mp
 
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_megatron_rank, args=(str(model_dir), samples, repeats, threads, out), nprocs=1)
+        mp.spawn(_megatron_rank, args=(str(model_dir), samples, repeats, threads, name, out),
+                 nprocs=1)  # fmt: skip
         return out["seconds"], list(out["rss"])
 
 
@@ -165,7 +196,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--max-tokens", type=int, default=1024, help="--max-tokens-per-gpu")
     args = parser.parse_args()
+    os.environ["BENCH_MAX_TOKENS"] = str(args.max_tokens)  # the spawned ranks read it too
+    MAX_TOKENS[1] = str(args.max_tokens)
+
+    import torch
+
+    gpus = torch.cuda.device_count()
 
     from bench_train_step import make_samples
 
@@ -173,27 +211,51 @@ def main() -> None:
 
     samples = make_samples(args.samples)
     real = sum(len(s.tokens) for s in samples)
+    where = f"{torch.cuda.get_device_name()}, fp32" if gpus else f"{args.threads} threads in all"
     print(f"{args.samples} samples, {real} tokens; model hidden {args.hidden}, {args.layers} "
-          f"layers; {args.threads} threads in all")  # fmt: skip
+          f"layers; max {args.max_tokens} tokens per micro-batch; {where}")  # fmt: skip
+    heads = max(4, args.hidden // 64)
+    link = "nccl" if gpus else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp), hidden_size=args.hidden, num_layers=args.layers)
+        model_dir = build_tiny_model(Path(tmp), hidden_size=args.hidden, num_layers=args.layers,
+                                     num_heads=heads, num_kv_heads=heads // 2)  # fmt: skip
         rows = [
-            ("torch, 1 rank", *one_rank(model_dir, samples, args.repeats, args.threads)),
-            ("torch DDP, 2 ranks (gloo)", *ddp(model_dir, samples, args.repeats, args.threads)),
-            ("torch FSDP2, 2 ranks (gloo)",
-             *ddp(model_dir, samples, args.repeats, args.threads, "fsdp")),
-            ("megatron TP=1, 1 rank", *megatron(model_dir, samples, args.repeats, args.threads)),
-            ("megatron TP=2, 2 ranks (gloo)",
-             *ddp(model_dir, samples, args.repeats, args.threads, "megatron-tp2")),
-            ("megatron PP=2, 2 ranks (gloo)",
-             *ddp(model_dir, samples, args.repeats, args.threads, "megatron-pp2")),
+            ("torch, 1 rank", lambda: one_rank(model_dir, samples, args.repeats, args.threads)),
+            (f"torch DDP, 2 ranks ({link})",
+             lambda: ddp(model_dir, samples, args.repeats, args.threads)),
+            (f"torch FSDP2, 2 ranks ({link})",
+             lambda: ddp(model_dir, samples, args.repeats, args.threads, "fsdp")),
+            ("megatron TP=1, 1 rank",
+             lambda: megatron(model_dir, samples, args.repeats, args.threads)),
+            ("megatron TP=1, distributed opt.",
+             lambda: megatron(model_dir, samples, args.repeats, args.threads, "megatron-distopt")),
+            (f"megatron TP=2, 2 ranks ({link})",
+             lambda: ddp(model_dir, samples, args.repeats, args.threads, "megatron-tp2")),
+            (f"megatron PP=2, 2 ranks ({link})",
+             lambda: ddp(model_dir, samples, args.repeats, args.threads, "megatron-pp2")),
         ]  # fmt: skip
-    base = real / rows[0][1]
-    print(f"{'backend':<28} {'tokens/s':>10} {'ratio':>7}  peak RSS per rank (MB)")
-    for name, seconds, rss in rows:
+        results = []
+        for name, measure in rows:
+            if gpus == 1 and "2 ranks" in name:
+                results.append((name, None, []))  # NCCL: one GPU per rank
+                continue
+            if not gpus and "distributed opt." in name:
+                continue  # megatron's distributed optimizer runs on GPUs only
+            try:
+                results.append((name, *measure()))
+            except Exception as err:  # one row's failure leaves the others' numbers
+                results.append((name, None, [f"failed: {type(err).__name__}: {err}"]))
+    memory = "peak GPU memory" if gpus else "peak RSS"
+    base = real / results[0][1]
+    print(f"{'backend':<28} {'tokens/s':>10} {'ratio':>7}  {memory} per rank (MB)")
+    for name, seconds, peaks in results:
+        if seconds is None:
+            why = peaks[0] if peaks else "needs 2 GPUs (NCCL: one GPU per rank)"
+            print(f"{name:<28} {'-':>10} {'-':>7}  {why}")
+            continue
         rate = real / seconds
         print(f"{name:<28} {rate:>10.0f} {rate / base:>6.2f}x  "
-              f"{', '.join(f'{r:.0f}' for r in rss)}")  # fmt: skip
+              f"{', '.join(f'{r:.0f}' for r in peaks)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ class DataParallel:
         if self.sharded:
             _fully_shard(backend)
             backend.lockstep = self._max_across_ranks
-        elif backend.world_size > 1:
+        elif backend.world_size > 1 and not backend.sums_own_gradients:
             backend.train_model = _summing_ddp(backend.model, self.group)
         self._gather_weights()
         if backend.critic is not None:  # the critic is never sharded
@@ -274,7 +274,7 @@ class DataParallel:
                 dist.broadcast(path, src=0)
                 directory = Path(bytes(path.tolist()).decode())
                 if self.backend.collective_save:
-                    self.backend.save_shards(directory)
+                    self.backend.save_shards(directory, save_optimizer=bool(num_steps))
                 self._save_shard(directory, bool(num_steps))
                 continue
             shapes = [((n, INTS), torch.int64), ((n_tokens,), torch.int64), ((n_masks,), torch.int64),

@@ -133,6 +133,14 @@ def check_flags(cfg: RunConfig) -> None:
             f"--context-parallel-size {cp} must divide the trainer's {ranks} rank(s): each "
             "such group of ranks holds one copy of the model between them"
         )
+    if cfg.megatron.use_distributed_optimizer and tp * pp * cp > 1:
+        raise ConfigError(
+            "--use-distributed-optimizer with --tensor-model-parallel-size, "
+            "--pipeline-model-parallel-size or --context-parallel-size > 1 is not built yet "
+            "(the backend sums those ranks' partial gradients itself, outside megatron's "
+            "gradient buffers): drop it, and the ranks of each model parallel group keep "
+            "optimizer state for their own slices"
+        )
     if r.custom_generate_function_path and r.rollout_function_path:
         raise ConfigError(
             "--custom-generate-function-path and --rollout-function-path both replace how a "

@@ -319,6 +319,11 @@ BACKEND_ONLY: dict[str, tuple[str, str]] = {
         "sequence parallelism splits the sequence over the tensor parallel ranks); the torch "
         "backend has no such split",
     ),
+    "use_distributed_optimizer": (
+        "megatron",
+        "needs --train-backend megatron (megatron-core's distributed optimizer); the torch "
+        "backend shards its optimizer state with --train-backend fsdp",
+    ),
     "recompute_granularity": ("megatron", _NO_RECOMPUTE),
     "recompute_method": ("megatron", _NO_RECOMPUTE),
     "recompute_num_layers": ("megatron", _NO_RECOMPUTE),

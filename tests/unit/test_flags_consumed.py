@@ -434,3 +434,20 @@ def test_every_unknown_flag_is_named_in_one_message(capsys):
     assert "error: --lora-rank is LoRA" in err
     assert "also: --debug-train-only is Miles' own test and debug tooling" in err
     assert "also: --zzz is not a flag millstream knows" in err
+
+
+def test_use_distributed_optimizer_is_the_megatron_backends_without_model_parallelism():
+    """--use-distributed-optimizer (Miles' OPTIMIZER_ARGS often carry it): megatron's, so the
+    torch backend refuses it by name; with tensor parallelism it is not built, and says so."""
+    torch_cfg = parse_run_config(["--rollout-batch-size", "2", "--use-distributed-optimizer"])
+    assert list(refusals.refused(torch_cfg)) == ["--use-distributed-optimizer"]
+    assert "--train-backend fsdp" in refusals.refused(torch_cfg)["--use-distributed-optimizer"]
+    megatron = ["--rollout-batch-size", "2", "--train-backend", "megatron",
+                "--use-distributed-optimizer"]  # fmt: skip
+    assert refusals.refused(parse_run_config(megatron)) == {}
+    tp2 = parse_run_config([*megatron, "--tensor-model-parallel-size", "2",
+                            "--actor-num-gpus-per-node", "2", "--hf-checkpoint", "m",
+                            "--prompt-data", "p.jsonl", "--rm-type", "math",
+                            "--num-rollout", "1"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^--use-distributed-optimizer with --tensor-model"):
+        preflight.check_flags(tp2)

@@ -61,9 +61,10 @@ def _check_one(model_dir: str) -> None:
 
     from millstream.trainer.backends import megatron_model
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a GPU run too
     hf_config = AutoConfig.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model = megatron_model.build(hf_config).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
+    model = megatron_model.build(hf_config).eval().to(device)
     state = megatron_model.shard(
         megatron_model.hf_to_megatron(hf.state_dict(), hf_config), model, 1, 0
     )
@@ -71,7 +72,7 @@ def _check_one(model_dir: str) -> None:
     assert [m for m in missing if not m.endswith("_extra_state")] == [] and not unexpected
     ids = torch.randint(
         0, hf_config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)
-    )
+    ).to(device)
     with torch.no_grad():
         want = hf(input_ids=ids).logits
         got = megatron_model.logits(model, ids)
@@ -144,7 +145,7 @@ def _backend_step(rank: int, model_dir: str, out: str) -> None:
                 assert granularity == name.removeprefix("recompute-"), granularity
             before = backend.logprobs(_samples())
             backend.train_rollout(_samples(), 1)
-            pair[kind] = (before, {k: v.clone() for k, v in backend.named_weights()})
+            pair[kind] = (before, {k: v.cpu().clone() for k, v in backend.named_weights()})
         results[name] = pair
         if name == "padded":
             ckpt = Path(out) / "ckpt"
@@ -152,7 +153,7 @@ def _backend_step(rank: int, model_dir: str, out: str) -> None:
             backend.save(ckpt)
             reread = MegatronBackend(cfg, model_dir, ref_dir=None, total_steps=2)
             reread.load(ckpt)
-            results["reread"] = {k: v.clone() for k, v in reread.named_weights()}
+            results["reread"] = {k: v.cpu().clone() for k, v in reread.named_weights()}
     torch.save(results, Path(out) / "results.pt")
 
 
@@ -197,3 +198,93 @@ def test_a_model_with_output_projection_or_mlp_bias_is_refused_not_built_without
         config = LlamaConfig(hidden_size=64, num_attention_heads=4, **bias)
         with pytest.raises(MillstreamError, match=r"attention_bias .* or mlp_bias"):
             megatron_model.transformer_config(config)
+
+
+# -- --use-distributed-optimizer: megatron's optimizer on a GPU, the plain one on CPU ------------
+
+DIST_OPT_FLAGS = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--lr", "1e-2",
+                  "--clip-grad", "0.05", "--lr-warmup-iters", "2", "--weight-decay", "0.1",
+                  "--use-distributed-optimizer"]  # fmt: skip
+
+
+def _distributed_optimizer_steps(rank: int, model_dir: str, out: str) -> None:
+    """In its own process: two rollouts on the torch backend, on the Megatron backend with
+    megatron's distributed optimizer, and on one that resumes from the latter's checkpoint
+    after the first; every actor's weights after each rollout, and the logged step rows."""
+    from millstream.common.config import parse_run_config
+    from millstream.trainer.backends import megatron_optimizer
+    from millstream.trainer.backends.megatron_backend import MegatronBackend
+    from millstream.trainer.backends.torch_backend import TorchBackend
+    from tests.unit.test_torch_backend import _samples
+
+    cfg = parse_run_config(DIST_OPT_FLAGS)
+    results: dict = {}
+    backends = {"torch": TorchBackend(cfg, model_dir, ref_dir=None, total_steps=4),
+                "megatron": MegatronBackend(cfg, model_dir, ref_dir=None, total_steps=4)}  # fmt: skip
+    assert isinstance(backends["megatron"].optimizer, megatron_optimizer.Optimizer)
+    for rollout in range(2):
+        for kind, backend in list(backends.items()):
+            metrics = backend.train_rollout(_samples(), 1)
+            weights = {k: v.detach().cpu().clone() for k, v in backend.named_weights()}
+            results[f"{kind}/{rollout}"] = (metrics, weights)
+        if rollout == 0:
+            ckpt = Path(out) / "ckpt"
+            ckpt.mkdir()
+            backends["megatron"].save(ckpt)
+            resumed = MegatronBackend(cfg, model_dir, ref_dir=None, total_steps=4)
+            resumed.load(ckpt)
+            backends["resumed"] = resumed
+    torch.save(results, Path(out) / "results.pt")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="megatron's distributed optimizer needs a GPU"
+)
+def test_the_distributed_optimizer_takes_the_torch_backends_steps_and_resumes(
+    tiny_model_dir, tmp_path
+):
+    """On a GPU: megatron's DistributedDataParallel and distributed optimizer take the torch
+    backend's AdamW steps (weight decay on every parameter, the warmup schedule, the clipped
+    norm), and a backend resumed from its checkpoint (Adam's moments and the schedule) takes
+    the same second step."""
+    mp.spawn(_distributed_optimizer_steps, args=(str(tiny_model_dir), str(tmp_path)), nprocs=1)
+    results = torch.load(tmp_path / "results.pt", weights_only=True)
+    differences = {}  # each run's largest weight difference from the torch backend's
+    for rollout in range(2):
+        want_metrics, want = results[f"torch/{rollout}"]
+        for kind in ("megatron", "resumed") if rollout else ("megatron",):
+            metrics, got = results[f"{kind}/{rollout}"]
+            assert set(got) == set(want)
+            differences[f"{kind}/{rollout}"] = max(
+                float((got[key] - value).abs().max()) for key, value in want.items()
+            )
+            for name in ("grad_norm", "lr", "loss"):
+                assert metrics[name] == pytest.approx(want_metrics[name], rel=1e-4), (kind, name)
+    assert max(differences.values()) < 1e-5, differences
+    assert results["torch/0"][0]["grad_norm"] > 0.05  # so the step was clipped
+    assert results["torch/0"][0]["lr"] < results["torch/1"][0]["lr"]  # warming up
+
+
+def test_use_distributed_optimizer_on_cpu_keeps_the_plain_optimizer(tiny_model_dir):
+    """Without a GPU the flag is taken and said to do nothing here, not refused: a Miles
+    script that passes it runs on this CPU with the plain optimizer (the same step)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path")
+    mp.spawn(_plain_optimizer_on_cpu, args=(str(tiny_model_dir),), nprocs=1)
+
+
+def _plain_optimizer_on_cpu(rank: int, model_dir: str) -> None:
+    import logging
+
+    from millstream.common.config import parse_run_config
+    from millstream.trainer.backends.megatron_backend import MegatronBackend
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("millstream.trainer.backends.megatron_backend").addHandler(handler)
+    backend = MegatronBackend(parse_run_config(DIST_OPT_FLAGS), model_dir, ref_dir=None,
+                              total_steps=2)  # fmt: skip
+    assert not backend.distributed_optimizer
+    assert isinstance(backend.optimizer, torch.optim.AdamW)
+    assert any("needs a GPU" in r.getMessage() for r in records), records

@@ -77,6 +77,12 @@ class MegatronConfig:
         "Megatron sequence parallelism over the tensor parallel ranks (--train-backend "
         "megatron; off with one tensor parallel rank, as in Megatron-LM)",
     )
+    use_distributed_optimizer: bool = flag(
+        False,
+        "--train-backend megatron on GPUs: megatron's DistributedDataParallel and distributed "
+        "optimizer (Adam's state sharded over the data parallel ranks); on CPU the plain torch "
+        "optimizer takes the same step. Not with tensor, pipeline or context parallelism yet",
+    )
     recompute_granularity: str | None = flag(None, _RECOMPUTE, choices=("full", "selective"))
     recompute_method: str | None = flag(None, _RECOMPUTE, choices=("uniform", "block"))
     recompute_num_layers: int | None = flag(None, _RECOMPUTE)

@@ -8,8 +8,9 @@ Everything but the actor is the torch backend's (torch_backend.py): the batching
 forwards, the advantages and the loss code are shared, not copied; the reference and teacher
 models stay Hugging Face models (forward only), and so does PPO's critic (the torch backend's
 value model, trained whole on every rank: tensor parallelism does not split it). The actor is built from the checkpoint's
-config.json and weights (megatron_model.py) and trained with the same plain torch optimizer
-(megatron's distributed optimizer is for GPUs). Its forward gets right-padded rows with
+config.json and weights (megatron_model.py) and trained with the same plain torch optimizer,
+or on GPUs with --use-distributed-optimizer under megatron's DistributedDataParallel with its
+distributed optimizer (megatron_optimizer.py). Its forward gets right-padded rows with
 megatron's default causal mask (padding only follows a row's tokens, so it changes nothing
 the loss reads), or, packed (--use-dynamic-batch-size), one row with a block-diagonal causal
 mask built from the position ids. Weights leave in Hugging Face names and layouts
@@ -29,6 +30,7 @@ syncs and checkpoints (`gather_weights`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,16 +41,19 @@ from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.trainer import megatron_ckpt
 
-from . import megatron_dist, megatron_model, megatron_pipeline
+from . import megatron_dist, megatron_model, megatron_optimizer, megatron_pipeline
 from .torch_backend import TorchBackend
+
+log = logging.getLogger(__name__)
 
 
 def one_rank_group() -> None:
     """The default process group megatron's parallel state hangs on, for a bare process."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not dist.is_initialized():  # with a GPU, NCCL for its tensors (megatron's gradients)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -56,7 +61,7 @@ def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     restart at 0 at each sample: causal, and never across samples."""
     sample_of = torch.cumsum((position_ids[0] == 0).long(), dim=0)
     S = sample_of.numel()
-    future = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
+    future = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).triu(1)
     other = sample_of[:, None] != sample_of[None, :]
     return (future | other)[None, None]
 
@@ -86,6 +91,12 @@ class MegatronBackend(TorchBackend):
         self.model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         one_rank_group()
         init_model_parallel(self.tensor_parallel, self.pipeline_parallel, self.context_parallel)
+        if self.device.type == "cuda":
+            # megatron's attention forks its CUDA RNG tracker, which needs its states (on a
+            # CPU-only torch megatron_cpu.py stands in for it)
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(cfg.ckpt.seed)
         recompute = {"granularity": m.recompute_granularity, "method": m.recompute_method,
                      "num_layers": m.recompute_num_layers}  # fmt: skip
         # Miles (Megatron-LM) turns --sequence-parallel off with one tensor parallel rank.
@@ -94,9 +105,12 @@ class MegatronBackend(TorchBackend):
             self.tensor_parallel, self.pipeline_parallel, self.context_parallel,
             self.sequence_parallel,
         )  # fmt: skip
-        model = megatron_model.build(self.hf.config, layout, recompute)
+        # our norms (megatron_model.SequenceNorm) are built on the CPU, megatron's layers on
+        # the GPU when there is one: all of it where the trainer computes
+        model = megatron_model.build(self.hf.config, layout, recompute).to(self.device)
         whole = megatron_model.hf_to_megatron(self.hf.state_dict(), self.hf.config)
         self._load_megatron(model, whole, f"the checkpoint {actor_dir}")
+        self.hf.to("cpu")  # a GPU holds the actor once: the skeleton is for config and saving
         # Pipelined: every weight's shape, to gather the stages' (megatron_pipeline.py).
         tied = self.hf.config.tie_word_embeddings
         self.megatron_shapes = {
@@ -105,13 +119,35 @@ class MegatronBackend(TorchBackend):
         } if self.pipeline_parallel > 1 else {}  # fmt: skip
         self.model = self.train_model = model.train()
         self._start_from_torch_dist(cfg)
+        # --use-distributed-optimizer: megatron's gradient buffers and optimizer (on a GPU;
+        # megatron_optimizer.py says why not on CPU, where the plain optimizer steps the same)
+        self.distributed_optimizer = m.use_distributed_optimizer and self.device.type == "cuda"
+        if m.use_distributed_optimizer and not self.distributed_optimizer:
+            log.warning(
+                "--use-distributed-optimizer: megatron's distributed optimizer needs a GPU; "
+                "on this CPU the actor trains with the plain torch optimizer (the same step)"
+            )
         # Whole on each tensor parallel rank, each rank with only a share of the gradient
         # (megatron_model.SequenceNorm, HeadNorm): summed over the group before each step.
         self.partial_params = [
             p for p in model.parameters()
             if getattr(p, "sequence_parallel", False) or getattr(p, "partial_over_heads", False)
         ]  # fmt: skip
-        self.make_actor_optimizer()
+        if self.distributed_optimizer:
+            self.train_model = megatron_optimizer.wrap(model)
+            self.sums_own_gradients = True
+            self.optimizer = megatron_optimizer.Optimizer(self.train_model, cfg)  # type: ignore[assignment]
+            self.scheduler = megatron_optimizer.Schedule(self.optimizer, cfg, total_steps)  # type: ignore[assignment]
+        else:
+            self.make_actor_optimizer()
+
+    def actor_step(self, max_norm: float) -> dict[str, float]:
+        if not self.distributed_optimizer:
+            return super().actor_step(max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = self.optimizer.step()  # reduces, clips (to --clip-grad) and steps
+        self.scheduler.step()
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def _start_from_torch_dist(self, cfg: RunConfig) -> None:
         """Miles' start: a torch_dist --ref-load is the reference model and, unless a
@@ -163,18 +199,21 @@ class MegatronBackend(TorchBackend):
         )
         pad = -S % multiple
         ids = torch.nn.functional.pad(ids, (0, pad))
+        device = ids.device
         if "position_ids" in inputs:  # packed: one row of several samples
             positions = inputs["position_ids"]
-            positions = torch.cat([positions, torch.arange(pad)[None].expand(len(ids), -1)], 1)
+            tail = torch.arange(pad, device=device)[None].expand(len(ids), -1)
+            positions = torch.cat([positions, tail], 1)
             mask = _block_causal_mask(positions)
         else:
-            positions, mask = torch.arange(ids.shape[1])[None].expand_as(ids), None
+            positions, mask = torch.arange(ids.shape[1], device=device)[None].expand_as(ids), None
         length = ids.shape[1]
         if self.context_parallel > 1:  # this rank's share of the sequence
             from . import megatron_context
 
             if mask is None:  # causal by position in the whole sequence
-                mask = torch.ones(length, length, dtype=torch.bool).triu(1)[None, None]
+                mask = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+                mask = mask[None, None]
             ids, positions, mask = megatron_context.split(ids, positions, mask)
         if self.pipeline_parallel > 1:
             rows = megatron_model.padded_vocab(self.hf.config, self.tensor_parallel)
@@ -234,8 +273,8 @@ class MegatronBackend(TorchBackend):
             copy = self.model.output_layer.weight if self.model.post_process else None
         grads = [(p.grad, getattr(p, "tensor_model_parallel", False))
                  for p in self.model.parameters() if p.grad is not None]  # fmt: skip
-        split = torch.zeros((), dtype=torch.float64)
-        whole = torch.zeros((), dtype=torch.float64)
+        split = torch.zeros((), dtype=torch.float64, device=self.device)
+        whole = torch.zeros((), dtype=torch.float64, device=self.device)
         for grad, is_split in grads:
             if copy is not None and grad is copy.grad:
                 continue
@@ -292,8 +331,9 @@ class MegatronBackend(TorchBackend):
     ) -> None:
         """The checkpoint's Hugging Face files, as the torch backend's (rank 0: the base class
         writes the HF skeleton with the gathered weights in HF names as its state dict, and
-        the optimizer), then the weights as megatron's torch_dist files beside them: a
-        collective, which the other ranks join through `save_shards`."""
+        the optimizer; the distributed optimizer's state is a collective), then the weights as
+        megatron's torch_dist files beside them: a collective, which the other ranks join
+        through `save_shards`."""
         gathered = self.full_weights
         weights = gathered if gathered is not None else self.gather_weights()
         self.full_weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
@@ -302,10 +342,14 @@ class MegatronBackend(TorchBackend):
             super().save(directory, save_optimizer, actor_optimizer=actor_optimizer)
         finally:
             self.model, self.full_weights = saved_model, gathered
-        self.save_shards(directory)
+        megatron_dist.save(self.model, directory)
 
-    def save_shards(self, directory: Path) -> None:
-        """The weights in megatron's torch_dist format, into `directory` (every rank)."""
+    def save_shards(self, directory: Path, save_optimizer: bool = True) -> None:
+        """The other ranks' part of rank 0's `save`, in its order: the distributed
+        optimizer's state gathered to rank 0 (which writes it), then the weights in
+        megatron's torch_dist format (every rank its slices)."""
+        if save_optimizer and self.distributed_optimizer:
+            self.optimizer.state_dict()
         megatron_dist.save(self.model, directory)
 
     def load_weights(self, directory: Path) -> None:

@@ -195,6 +195,15 @@ def _layer_spec(qk_layernorm: bool, context_parallel: bool) -> Any:
     return spec
 
 
+def _seed_cuda_rng_tracker(seed: int = 0) -> None:
+    """On a GPU megatron initialises its layers' weights (and runs attention dropout) under
+    its CUDA RNG tracker, which needs its states; the backend seeds it first with --seed."""
+    from megatron.core import tensor_parallel
+
+    if not tensor_parallel.get_cuda_rng_tracker().get_states():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
 def build(
     hf: Any, layout: Layout = Layout(), recompute: dict[str, Any] | None = None
 ) -> torch.nn.Module:
@@ -215,7 +224,8 @@ def build(
         get_num_layers_to_build,
     )
 
-    megatron_cpu.apply()
+    if not megatron_cpu.apply():
+        _seed_cuda_rng_tracker()
     config = transformer_config(hf, layout, recompute)
     layer = _layer_spec(config.qk_layernorm, layout.context > 1)
     spec = TransformerBlockSubmodules(

@@ -56,6 +56,14 @@ def load_causal_lm(path: str | Path) -> torch.nn.Module:
     return model
 
 
+def train_device() -> torch.device:
+    """Where the trainer computes: this process's GPU when torch sees one (torchrun's
+    LOCAL_RANK picks it, distributed.py), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def lr_factor(step: int, cfg: RunConfig, total_steps: int) -> float:
     """Megatron-style schedule as a factor of --lr: linear warmup, then constant/linear/cosine decay."""
     o = cfg.optimizer
@@ -180,17 +188,22 @@ class TorchBackend:
         torch.manual_seed(cfg.ckpt.seed)
         self.cfg = cfg
         self.temperature = cfg.rollout.logprob_temperature
-        self.model = load_causal_lm(actor_dir)
+        # The models and every forward's inputs live here; what `prepare` keeps between the
+        # forwards (logprobs, advantages) stays on the CPU, moved in per micro-batch.
+        self.device = train_device()
+        self.model = load_causal_lm(actor_dir).to(self.device)
         self.model.train()
-        self.ref = load_causal_lm(ref_dir).eval().requires_grad_(False) if ref_dir else None
-        self.teacher = (
-            load_causal_lm(teacher_dir).eval().requires_grad_(False) if teacher_dir else None
-        )
+        self.ref = None
+        if ref_dir:
+            self.ref = load_causal_lm(ref_dir).to(self.device).eval().requires_grad_(False)
+        self.teacher = None
+        if teacher_dir:
+            self.teacher = load_causal_lm(teacher_dir).to(self.device).eval().requires_grad_(False)
         self.total_steps = total_steps
         self.make_actor_optimizer()
         self.critic: ValueModel | None = None
         if critic_dir is not None:
-            self.critic = load_value_model(critic_dir)
+            self.critic = load_value_model(critic_dir).to(self.device)
             self.critic.train()
             self.critic_optimizer, self.critic_scheduler = make_optimizer(
                 list(self.critic.parameters()), cfg, cfg.algo.critic_lr or cfg.optimizer.lr,
@@ -206,6 +219,9 @@ class TorchBackend:
         # parallel; the context parallel ones share each sequence (megatron_backend.py)
         self.model_parallel = self.context_parallel = 1
         self.train_model: torch.nn.Module = self.model
+        # Whether train_model sums the actor's gradients over the data parallel ranks itself
+        # (megatron's DistributedDataParallel), so DataParallel leaves it unwrapped.
+        self.sums_own_gradients = False
         self.train_critic: torch.nn.Module | None = self.critic
         # With --train-backend fsdp (DataParallel shards the actor): every forward of the actor
         # is a collective, so each rank runs as many as the rank with the most micro-batches
@@ -282,7 +298,13 @@ class TorchBackend:
             ids_RS = torch.tensor([[*s.tokens, *([0] * (S - len(s.tokens)))] for s in samples])
             attn_RS = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).long()
             inputs = {"input_ids": ids_RS, "attention_mask": attn_RS}
-        return inputs, (row_BT, col_BT), target_BT, valid_BT
+        on = self.on_device
+        inputs = {name: on(x) for name, x in inputs.items()}
+        return inputs, (on(row_BT), on(col_BT)), on(target_BT), on(valid_BT)
+
+    def on_device(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` where the models are (itself on the CPU)."""
+        return x.to(self.device, non_blocking=True)
 
     def _logprobs(
         self, model: torch.nn.Module, samples: list[TrainSample], with_entropy: bool
@@ -322,7 +344,7 @@ class TorchBackend:
         micro_batches = self._micro_batches(samples)
         for rows in micro_batches:
             mb = [samples[i] for i in rows]
-            for i, x in zip(rows, unpad(forward(mb), mb), strict=True):
+            for i, x in zip(rows, unpad(forward(mb).cpu(), mb), strict=True):
                 out[i] = x
         if model is self.model:
             self._idle_rounds(len(micro_batches), backward=False)
@@ -332,7 +354,8 @@ class TorchBackend:
         """The forwards (and backwards) this rank owes the lockstep after `done` real ones:
         a 1-token input whose loss is 0, so every rank joins the same collectives."""
         for _ in range(self.lockstep(done) - done):
-            logits = self.train_model(input_ids=torch.zeros(1, 1, dtype=torch.long)).logits
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            logits = self.train_model(input_ids=ids).logits
             if backward:
                 (logits.sum() * 0.0).backward()
 
@@ -481,15 +504,22 @@ class TorchBackend:
         clip = self.cfg.optimizer.clip_grad
         max_norm = clip if clip > 0 else float("inf")
         if not critic_only:
-            metrics["grad_norm"] = self.clip_actor_gradients(max_norm)
-            metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.scheduler.step()
+            metrics |= self.actor_step(max_norm)
         if self.critic is not None:
             metrics["critic_grad_norm"] = float(clip_grad_norm_(self.critic.parameters(), max_norm))
             metrics["critic_lr"] = self.critic_optimizer.param_groups[0]["lr"]
             self.critic_optimizer.step()
             self.critic_scheduler.step()
+        return metrics
+
+    def actor_step(self, max_norm: float) -> dict[str, float]:
+        """Clip the actor's gradients to `max_norm`, step its optimizer and schedule: the
+        norm before clipping and the learning rate of the step."""
+        metrics: dict[str, float] = {}  # (as assignments: test_tracking.py reads them)
+        metrics["grad_norm"] = self.clip_actor_gradients(max_norm)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
         return metrics
 
     def accumulate_gradients(
@@ -507,16 +537,19 @@ class TorchBackend:
             with synced:
                 logp_BT, entropy_BT, valid_BT = self._logprobs(self.train_model, mb, True)
                 T = logp_BT.shape[1]
-                mask_BT = pad([s.loss_mask for s in mb], T) * valid_BT
+
+                def padded(rows: list[list[float]] | list[torch.Tensor]) -> torch.Tensor:
+                    return self.on_device(pad(rows, T))  # noqa: B023 (called right here)
+
                 loss, mb_metrics = policy_loss(
                     logp_BT,
-                    logp_BT.detach() if p.old is None else pad(p.old, T),
-                    pad(p.advantages, T),
-                    mask_BT,
+                    logp_BT.detach() if p.old is None else padded(p.old),
+                    padded(p.advantages),
+                    padded([s.loss_mask for s in mb]) * valid_BT,
                     self.cfg.algo,
                     denom,
-                    rollout_logp_BT=pad([s.rollout_logprobs for s in mb], T),
-                    ref_logp_BT=None if p.ref is None else pad(p.ref, T),
+                    rollout_logp_BT=padded([s.rollout_logprobs for s in mb]),
+                    ref_logp_BT=None if p.ref is None else padded(p.ref),
                     entropy_BT=entropy_BT,
                 )
                 loss.backward()
@@ -538,9 +571,12 @@ class TorchBackend:
             with synced:
                 values_BT = self._values(mb, critic)
                 T = values_BT.shape[1]
-                mask_BT = pad([s.loss_mask for s in mb], T)
+                old_BT, returns_BT, mask_BT = (
+                    self.on_device(pad(rows, T))
+                    for rows in (p.values, p.returns, [s.loss_mask for s in mb])
+                )
                 loss, mb_metrics = value_loss(
-                    values_BT, pad(p.values, T), pad(p.returns, T), mask_BT, self.cfg.algo, denom
+                    values_BT, old_BT, returns_BT, mask_BT, self.cfg.algo, denom
                 )
                 loss.backward()
             for name, value in mb_metrics.items():
@@ -556,7 +592,7 @@ class TorchBackend:
         for name, param in self.model.named_parameters():
             yield name, param.detach()
 
-    def save_shards(self, directory: Path) -> None:
+    def save_shards(self, directory: Path, save_optimizer: bool = True) -> None:
         """What a rank other than 0 writes into a checkpoint, where the backend saves
         collectively (`collective_save`): nothing here."""
 
