@@ -44,7 +44,21 @@ def build_backend(cfg, model: str) -> TorchBackend:
     return TorchBackend(cfg, model, ref_dir=None, critic_dir=critic, total_steps=2)
 
 
-def _rank(rank: int, world: int, port: int, model: str, out: str, runs: list[list[str]]) -> None:
+def _batch(uneven: bool) -> list:
+    """The test batch; `uneven`: its first sample 5 tokens longer (10), so that packed at 10
+    tokens rank 0's share (10 + 3 tokens) takes two micro-batches and rank 1's (4 + 4) one."""
+    samples = _samples()
+    if uneven:
+        first = samples[0]
+        samples[0] = dataclasses.replace(
+            first, tokens=[*first.tokens, 15, 16, 17, 18, 19], loss_mask=[*first.loss_mask] + [1] * 5,
+            rollout_logprobs=[*first.rollout_logprobs] + [-1.0] * 5,
+        )  # fmt: skip
+    return samples
+
+
+def _rank(rank: int, world: int, port: int, model: str, out: str,
+          runs: list[tuple[list[str], bool]]) -> None:  # fmt: skip
     """One rank of one process group that trains every run in turn (a spawn per run cost
     ~8 s of start-up each)."""
     import torch.distributed as dist
@@ -56,11 +70,11 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, runs: list[lis
     )
     init()
     try:
-        for i, extra in enumerate(runs):
+        for i, (extra, uneven) in enumerate(runs):
             cfg = parse_run_config([*FLAGS, *extra])
             dp = DataParallel(build_backend(cfg, model))
             if rank == 0:
-                metrics = dp.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
+                metrics = dp.train_rollout(_batch(uneven), cfg.rollout.num_steps_per_rollout)
                 torch.save(metrics, Path(out) / f"run{i}-metrics.pt")
                 send_stop()
             else:
@@ -71,6 +85,7 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, runs: list[lis
         shutdown()
 
 
+UNEVEN = {"fsdp-uneven-packed"}  # the runs trained on _batch(uneven=True)
 RUNS = {
     "per-sample": [],
     "per-token": ["--calculate-per-token-loss"],
@@ -79,9 +94,12 @@ RUNS = {
     "reinforce++": ["--advantage-estimator", "reinforce_plus_plus", "--calculate-per-token-loss"],
     "ppo": ["--advantage-estimator", "ppo", "--normalize-advantages"],
     # --train-backend fsdp: the actor sharded (FSDP2); rank 0 holds the gathered weights.
-    # Packed and balanced, the ranks have different micro-batch counts: the lockstep's idle
-    # rounds must keep their collectives matched.
     "fsdp": ["--train-backend", "fsdp"],
+    # With the UNEVEN batch rank 0 has two micro-batches and rank 1 one: every forward is a
+    # collective, so rank 1 runs an idle round beside rank 0's second (a rank that asked for
+    # the count only after its own forwards hung here).
+    "fsdp-uneven-packed": ["--train-backend", "fsdp", "--use-dynamic-batch-size",
+                           "--max-tokens-per-gpu", "10"],
     "fsdp-balanced-packed": ["--train-backend", "fsdp", "--balance-data",
                              "--use-dynamic-batch-size", "--max-tokens-per-gpu", "6"],
     "fsdp-two-steps-ppo": ["--train-backend", "fsdp", "--num-steps-per-rollout", "2",
@@ -142,8 +160,8 @@ def _without_megatron(flags: list[str]) -> list[str]:
 def _train_all(world: int, model: Path, out: Path, runs: dict[str, list[str]]) -> Path:
     """Every run trained by `world` gloo ranks (one spawn); the weights each rank ended with
     are in out/`run{i}-rank{r}.pt`, rank 0's metrics in `run{i}-metrics.pt`."""
-    mp.spawn(_rank, args=(world, _free_port(), str(model), str(out), list(runs.values())),
-             nprocs=world)  # fmt: skip
+    plan = [(flags, name in UNEVEN) for name, flags in runs.items()]
+    mp.spawn(_rank, args=(world, _free_port(), str(model), str(out), plan), nprocs=world)
     return out
 
 
@@ -160,7 +178,7 @@ def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name
     flags = _without_megatron(RUNS[name])
     cfg = parse_run_config([*FLAGS, *flags])
     single = build_backend(cfg, str(tiny_model_dir))
-    single.train_rollout(_samples(), cfg.rollout.num_steps_per_rollout)
+    single.train_rollout(_batch(name in UNEVEN), cfg.rollout.num_steps_per_rollout)
     expected = dict(single.named_weights())
     before = load_file(Path(tiny_model_dir) / "model.safetensors")
 
@@ -239,7 +257,7 @@ def test_tensor_parallel_qwen3_q_and_k_norms_take_the_one_rank_step(tmp_path):
     flags = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"]
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(_rank, args=(2, _free_port(), model, str(out), [flags]), nprocs=2)
+    mp.spawn(_rank, args=(2, _free_port(), model, str(out), [(flags, False)]), nprocs=2)
     single = build_backend(parse_run_config(FLAGS), model)
     single.train_rollout(_samples(), 1)
     got = torch.load(out / "run0-rank0.pt", weights_only=True)

@@ -342,18 +342,23 @@ class TorchBackend:
         the one `forward` runs, when it is the actor (kept in lockstep across ranks)."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         micro_batches = self._micro_batches(samples)
+        idle = self._rounds_owed(len(micro_batches)) if model is self.model else 0
         for rows in micro_batches:
             mb = [samples[i] for i in rows]
             for i, x in zip(rows, unpad(forward(mb).cpu(), mb), strict=True):
                 out[i] = x
-        if model is self.model:
-            self._idle_rounds(len(micro_batches), backward=False)
+        self._idle_rounds(idle, backward=False)
         return out
 
-    def _idle_rounds(self, done: int, *, backward: bool) -> None:
-        """The forwards (and backwards) this rank owes the lockstep after `done` real ones:
-        a 1-token input whose loss is 0, so every rank joins the same collectives."""
-        for _ in range(self.lockstep(done) - done):
+    def _rounds_owed(self, real: int) -> int:
+        """How many idle rounds this rank adds to its `real` forwards to keep the lockstep:
+        asked before the first forward, since a sharded forward is a collective itself."""
+        return self.lockstep(real) - real
+
+    def _idle_rounds(self, n: int, *, backward: bool) -> None:
+        """`n` forwards (and backwards) of a 1-token input whose loss is 0, so this rank joins
+        the collectives of the ranks with more micro-batches."""
+        for _ in range(n):
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             logits = self.train_model(input_ids=ids).logits
             if backward:
@@ -532,6 +537,7 @@ class TorchBackend:
         )
         metrics: dict[str, float] = defaultdict(float)
         micro_batches = self._micro_batches(samples)
+        idle = self._rounds_owed(len(micro_batches))
         for rows, synced in _last_synced(self.train_model, micro_batches):
             mb, p = [samples[i] for i in rows], prepared.select(rows)
             with synced:
@@ -556,7 +562,7 @@ class TorchBackend:
             metrics["loss"] += loss.item()
             for name, value in mb_metrics.items():
                 metrics[name] += value
-        self._idle_rounds(len(micro_batches), backward=True)
+        self._idle_rounds(idle, backward=True)
         return dict(metrics)
 
     def accumulate_critic_gradients(
