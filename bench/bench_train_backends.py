@@ -13,6 +13,8 @@ step; the no-grad forwards the estimator needs) on:
   --nproc-per-node 2` of `millstream train` would run them;
 - torch FSDP2, 2 ranks: the same with `--train-backend fsdp` (the actor sharded with
   fully_shard, its full weights gathered to rank 0 after the rollout, as for a weight sync);
+- megatron TP=1, 1 rank: `--train-backend megatron`, and on a GPU again with
+  `--use-distributed-optimizer` (megatron's DDP and distributed optimizer);
 - megatron TP=2, 2 ranks: `--train-backend megatron --tensor-model-parallel-size 2`, both
   ranks on every sample, each with half of every layer, the weights gathered after the rollout;
 - megatron PP=2, 2 ranks: `--pipeline-model-parallel-size 2`, each rank half of the layers
@@ -24,9 +26,10 @@ activations), and the ratio to the first row. The one-rank Megatron row runs in 
 own (megatron's process group and CPU patches).
 
 Where torch sees a GPU the backends train on it (NCCL between ranks, one GPU per rank): the
-memory column is then each rank's peak GPU memory allocated, and with one GPU only the
-one-rank rows run (NCCL refuses two ranks on one device: "Duplicate GPU detected"). On a GPU
-try `--samples 256 --hidden 1024 --layers 8 --max-tokens 8192`.
+memory column is then each rank's peak GPU memory allocated once the backend is built, and
+with one GPU only the one-rank rows run (NCCL refuses two ranks on one device: "Duplicate GPU
+detected"). The README's H100 table: `--samples 256 --hidden 1024 --layers 8 --max-tokens
+2048` (at 8192 the torch row's unfused attention over a packed row outgrows 80 GB).
 """
 
 from __future__ import annotations
