@@ -49,7 +49,6 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 FLAGS = ["--n-samples-per-prompt", "1", "--disable-grpo-std-normalization", "--lr", "1e-6",
          "--use-dynamic-batch-size"]  # fmt: skip
-MAX_TOKENS = ["--max-tokens-per-gpu", os.environ.get("BENCH_MAX_TOKENS", "1024")]
 
 
 def _peak_mb() -> float:
@@ -95,7 +94,8 @@ def _config(samples: int, backend: str = "torch"):
     if parallel == "distopt":
         extra = ["--use-distributed-optimizer"]
     return parse_run_config(["--rollout-batch-size", str(samples), "--train-backend", name,
-                             *extra, *FLAGS, *MAX_TOKENS])  # fmt: skip
+                             *extra, *FLAGS, "--max-tokens-per-gpu",
+                             os.environ.get("BENCH_MAX_TOKENS", "1024")])  # fmt: skip
 
 
 def one_rank(model_dir: Path, samples: list, repeats: int, threads: int) -> tuple[float, list]:
@@ -201,8 +201,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--max-tokens", type=int, default=1024, help="--max-tokens-per-gpu")
     args = parser.parse_args()
-    os.environ["BENCH_MAX_TOKENS"] = str(args.max_tokens)  # the spawned ranks read it too
-    MAX_TOKENS[1] = str(args.max_tokens)
+    os.environ["BENCH_MAX_TOKENS"] = str(args.max_tokens)  # _config's, in every process
 
     import torch
 
@@ -237,26 +236,27 @@ def main() -> None:
             (f"megatron PP=2, 2 ranks ({link})",
              lambda: ddp(model_dir, samples, args.repeats, args.threads, "megatron-pp2")),
         ]  # fmt: skip
-        results = []
+        results: list[tuple[str, float, list[float]] | tuple[str, str]] = []  # or why not
         for name, measure in rows:
             if gpus == 1 and "2 ranks" in name:
-                results.append((name, None, []))  # NCCL: one GPU per rank
+                results.append((name, "needs 2 GPUs (NCCL: one GPU per rank)"))
                 continue
             if not gpus and "distributed opt." in name:
                 continue  # megatron's distributed optimizer runs on GPUs only
             try:
                 results.append((name, *measure()))
             except Exception as err:  # one row's failure leaves the others' numbers
-                results.append((name, None, [f"failed: {type(err).__name__}: {err}"]))
+                results.append((name, f"failed: {type(err).__name__}: {err}"))
     memory = "peak GPU memory" if gpus else "peak RSS"
-    base = real / results[0][1]
     print(f"{'backend':<28} {'tokens/s':>10} {'ratio':>7}  {memory} per rank (MB)")
-    for name, seconds, peaks in results:
-        if seconds is None:
-            why = peaks[0] if peaks else "needs 2 GPUs (NCCL: one GPU per rank)"
-            print(f"{name:<28} {'-':>10} {'-':>7}  {why}")
+    base = None
+    for name, *result in results:
+        if len(result) == 1:
+            print(f"{name:<28} {'-':>10} {'-':>7}  {result[0]}")
             continue
+        seconds, peaks = result
         rate = real / seconds
+        base = base or rate  # the first row measured
         print(f"{name:<28} {rate:>10.0f} {rate / base:>6.2f}x  "
               f"{', '.join(f'{r:.0f}' for r in peaks)}")  # fmt: skip
 

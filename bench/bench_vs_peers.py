@@ -40,9 +40,9 @@ goals table issue 10's ratio goals for the config (with the peers they need) and
 per-step accuracy stays within the eval's noise of ref's (mean distance over the evals against
 2 standard errors of a difference). Under each ratio the bound that the measurements set: the
 CPU work of a step over the cores (async), or sync's rollout split into the engine's
-generation and the hand-offs between the services, from the traces (sync against TRL). --minutes stops each peer after that many train seconds
-(millstream by SIGINT, after which its step-0 accuracy is the task's own HF greedy one: the
-same number).
+generation and the hand-offs between the services, from the traces (sync against TRL).
+--minutes stops each peer after that many train seconds (millstream by SIGINT, after which
+its step-0 accuracy is the task's own HF greedy one: the same number).
 Results, with every step and eval of every run, go to --out as JSON.
 """
 

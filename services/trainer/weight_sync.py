@@ -348,9 +348,10 @@ class WeightSync:
         ) as span:
             calls, router = self._clients()
             pause = not (idle and len(buckets) == 1)
-            gate = str(version) if on_gated is not None and not pause else None
+            on_gated = None if pause else on_gated  # a paused sync has no early start
+            gate = str(version) if on_gated is not None else None
             engines = await self._paused_engines(calls, router, join, report, pause, gate)
-            if gate is not None and on_gated is not None:
+            if on_gated is not None:
                 on_gated()
             backend = self.backend or backend_for(buckets[0].tensors[0].device)
             engines = await self._push(calls, router, engines, buckets, backend, report)

@@ -91,12 +91,6 @@ class MegatronBackend(TorchBackend):
         self.model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         one_rank_group()
         init_model_parallel(self.tensor_parallel, self.pipeline_parallel, self.context_parallel)
-        if self.device.type == "cuda":
-            # megatron's attention forks its CUDA RNG tracker, which needs its states (on a
-            # CPU-only torch megatron_cpu.py stands in for it)
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.model_parallel_cuda_manual_seed(cfg.ckpt.seed)
         recompute = {"granularity": m.recompute_granularity, "method": m.recompute_method,
                      "num_layers": m.recompute_num_layers}  # fmt: skip
         # Miles (Megatron-LM) turns --sequence-parallel off with one tensor parallel rank.
@@ -107,7 +101,8 @@ class MegatronBackend(TorchBackend):
         )  # fmt: skip
         # our norms (megatron_model.SequenceNorm) are built on the CPU, megatron's layers on
         # the GPU when there is one: all of it where the trainer computes
-        model = megatron_model.build(self.hf.config, layout, recompute).to(self.device)
+        model = megatron_model.build(self.hf.config, layout, recompute, cfg.ckpt.seed)
+        model = model.to(self.device)
         whole = megatron_model.hf_to_megatron(self.hf.state_dict(), self.hf.config)
         self._load_megatron(model, whole, f"the checkpoint {actor_dir}")
         self.hf.to("cpu")  # a GPU holds the actor once: the skeleton is for config and saving

@@ -195,17 +195,17 @@ def _layer_spec(qk_layernorm: bool, context_parallel: bool) -> Any:
     return spec
 
 
-def _seed_cuda_rng_tracker(seed: int = 0) -> None:
+def _seed_cuda_rng_tracker(seed: int) -> None:
     """On a GPU megatron initialises its layers' weights (and runs attention dropout) under
-    its CUDA RNG tracker, which needs its states; the backend seeds it first with --seed."""
+    its CUDA RNG tracker, which needs its states (on a CPU-only torch megatron_cpu.py stands in
+    for it)."""
     from megatron.core import tensor_parallel
 
-    if not tensor_parallel.get_cuda_rng_tracker().get_states():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build(
-    hf: Any, layout: Layout = Layout(), recompute: dict[str, Any] | None = None
+    hf: Any, layout: Layout = Layout(), recompute: dict[str, Any] | None = None, seed: int = 0
 ) -> torch.nn.Module:
     """The GPTModel for `hf` (random weights: load them with `hf_to_megatron` and `shard`).
     Needs the default process group and megatron's parallel state with `layout`'s sizes
@@ -216,7 +216,7 @@ def build(
     first, the final norm and output layer on the last; a tied model is built untied there
     (the two copies kept equal by the backend, as megatron's embedding group does). With
     context parallel ranks, a forward takes this rank's share of the sequence
-    (megatron_context.split)."""
+    (megatron_context.split). On a GPU `seed` seeds megatron's CUDA RNG tracker."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import (
@@ -225,7 +225,7 @@ def build(
     )
 
     if not megatron_cpu.apply():
-        _seed_cuda_rng_tracker()
+        _seed_cuda_rng_tracker(seed)
     config = transformer_config(hf, layout, recompute)
     layer = _layer_spec(config.qk_layernorm, layout.context > 1)
     spec = TransformerBlockSubmodules(

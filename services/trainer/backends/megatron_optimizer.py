@@ -76,12 +76,15 @@ class Optimizer:
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.ddp])
-        clipping = self.inner.config.clip_grad > 0
-        norm = None if clipping else self.inner.get_grad_norm()  # step() reports 0 then
-        ok, clipped_norm, _ = self.inner.step()
+        ok, grad_norm, _ = self.inner.step()
         if not ok:  # fp32 has no loss scale to skip a step over: a step not taken is a bug
             raise RuntimeError("megatron's optimizer skipped the step (inf or nan gradients)")
-        return float(clipped_norm if clipping else norm)
+        if self.inner.config.clip_grad <= 0:
+            # Without a clip a lone distributed optimizer's step reports 0; the step leaves
+            # this step's gradients on its main parameters (they go at the next zero_grad).
+            # Before the step they are not there yet (prepare_grads puts them there).
+            grad_norm = self.inner.get_grad_norm()
+        return float(grad_norm)
 
     def _parts(self) -> list[Any]:
         """The distributed optimizers inside (megatron chains one per kind of parameter)."""

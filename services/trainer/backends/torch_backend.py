@@ -306,6 +306,10 @@ class TorchBackend:
         """`x` where the models are (itself on the CPU)."""
         return x.to(self.device, non_blocking=True)
 
+    def _padded(self, rows: list[list[float]] | list[torch.Tensor], T: int) -> torch.Tensor:
+        """`pad(rows, T)` where the models are: what the loss reads beside the logprobs."""
+        return self.on_device(pad(rows, T))
+
     def _logprobs(
         self, model: torch.nn.Module, samples: list[TrainSample], with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -543,19 +547,15 @@ class TorchBackend:
             with synced:
                 logp_BT, entropy_BT, valid_BT = self._logprobs(self.train_model, mb, True)
                 T = logp_BT.shape[1]
-
-                def padded(rows: list[list[float]] | list[torch.Tensor]) -> torch.Tensor:
-                    return self.on_device(pad(rows, T))  # noqa: B023 (called right here)
-
                 loss, mb_metrics = policy_loss(
                     logp_BT,
-                    logp_BT.detach() if p.old is None else padded(p.old),
-                    padded(p.advantages),
-                    padded([s.loss_mask for s in mb]) * valid_BT,
+                    logp_BT.detach() if p.old is None else self._padded(p.old, T),
+                    self._padded(p.advantages, T),
+                    self._padded([s.loss_mask for s in mb], T) * valid_BT,
                     self.cfg.algo,
                     denom,
-                    rollout_logp_BT=padded([s.rollout_logprobs for s in mb]),
-                    ref_logp_BT=None if p.ref is None else padded(p.ref),
+                    rollout_logp_BT=self._padded([s.rollout_logprobs for s in mb], T),
+                    ref_logp_BT=None if p.ref is None else self._padded(p.ref, T),
                     entropy_BT=entropy_BT,
                 )
                 loss.backward()
@@ -577,13 +577,10 @@ class TorchBackend:
             with synced:
                 values_BT = self._values(mb, critic)
                 T = values_BT.shape[1]
-                old_BT, returns_BT, mask_BT = (
-                    self.on_device(pad(rows, T))
-                    for rows in (p.values, p.returns, [s.loss_mask for s in mb])
-                )
                 loss, mb_metrics = value_loss(
-                    values_BT, old_BT, returns_BT, mask_BT, self.cfg.algo, denom
-                )
+                    values_BT, self._padded(p.values, T), self._padded(p.returns, T),
+                    self._padded([s.loss_mask for s in mb], T), self.cfg.algo, denom,
+                )  # fmt: skip
                 loss.backward()
             for name, value in mb_metrics.items():
                 metrics[name] += value
