@@ -13,7 +13,13 @@ from millstream.common.config import parse_run_config
 from millstream.trainer import checkpoint
 from millstream.trainer.admission import Admission, TerminalCounts
 from millstream.trainer.backends.base import TrainSample
-from millstream.trainer.backends.torch_backend import TorchBackend, load_causal_lm, lr_factor
+from millstream.trainer.backends.torch_backend import (
+    TorchBackend,
+    fusable,
+    load_causal_lm,
+    lr_factor,
+    make_optimizer,
+)
 
 
 def _cfg(*extra: str):
@@ -163,3 +169,35 @@ def test_admission_budget_follows_the_staleness_formula():
     assert adm.room(0) == 2  # filtered and failed groups are replaced
     async_adm = dataclasses.replace(adm, max_staleness=2, slack=3)
     assert async_adm.room(0) == 3 * 4 + 3 - 2
+
+
+def test_adam_steps_fused_with_the_defaults_numbers():
+    """Plain parameters step with torch's fused AdamW (one pass per tensor, as megatron's and
+    transformers' Trainer's), landing where torch's default AdamW lands."""
+    cfg = _cfg("--lr", "1e-2", "--weight-decay", "0.1", "--adam-beta1", "0.8")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused, _ = make_optimizer(params, cfg, cfg.optimizer.lr, total_steps=10)
+    default = torch.optim.AdamW(twins, lr=1e-2, betas=(0.8, 0.999), weight_decay=0.1)
+    assert fused.defaults["fused"] and not default.defaults["fused"]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for group, opt in ((params, fused), (twins, default)):
+            for p, g in zip(group, grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+    for p, twin in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, twin)
+    # Sharded (DTensor) parameters keep torch's default.
+    from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
+
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        shard = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
+        assert not fusable([shard]) and fusable(params)
+    finally:
+        torch.distributed.destroy_process_group()

@@ -80,6 +80,20 @@ def lr_factor(step: int, cfg: RunConfig, total_steps: int) -> float:
     return 1.0
 
 
+def fusable(params: list[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused AdamW (one pass over each tensor) can step `params`: plain
+    floating-point tensors on the CPU or a GPU. Megatron steps with a fused Adam, and so does
+    transformers' Trainer by default; torch's default (foreach) makes a pass per operation:
+    17 ms against 4 ms a step for the 6.3M-parameter peer model on 2 cores. Sharded (DTensor)
+    parameters keep torch's default."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+        for p in params
+    )
+
+
 def make_optimizer(
     params: list[torch.nn.Parameter], cfg: RunConfig, lr: float, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -88,7 +102,7 @@ def make_optimizer(
     if o.optimizer == "adam":
         optimizer = torch.optim.AdamW(
             params, lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-            weight_decay=o.weight_decay,
+            weight_decay=o.weight_decay, fused=fusable(params) or None,
         )  # fmt: skip
     else:
         optimizer = torch.optim.SGD(params, lr=lr, weight_decay=o.weight_decay)
