@@ -137,8 +137,9 @@ def given_router_url(cfg: RunConfig) -> str | None:
 
 def cpu_budget(cfg: RunConfig) -> threads.CpuBudget:
     """How this machine's cores are split between the trainer and the engines started here
-    (none when --router-url names running ones): disjoint shares in async mode, every core
-    for the trainer in sync mode; --num-threads and --engine-num-threads override the split
+    (none when --router-url names running ones): disjoint shares in async mode; in sync mode,
+    where they take turns, every core for the trainer and every core between the engines;
+    --num-threads and --engine-num-threads override the split
     (common/threads.py)."""
     engines = 0 if given_router_url(cfg) else cfg.sglang.rollout_num_engines
     budget = threads.split_cores(

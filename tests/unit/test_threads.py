@@ -31,11 +31,10 @@ def test_split_cores(cores, engines, trainer, expected):
 
 
 @pytest.mark.parametrize(
-    ("cores", "engines", "expected"), [(2, 1, (2, 1)), (16, 2, (16, 4)), (8, 0, (8, 0))]
+    ("cores", "engines", "expected"),
+    [(2, 1, (2, 2)), (16, 2, (16, 8)), (8, 0, (8, 0)), (2, 4, (2, 1))],
 )
-def test_in_sync_mode_the_trainer_takes_every_core_and_engines_keep_their_share(
-    cores, engines, expected
-):
+def test_in_sync_mode_the_trainer_and_the_engines_each_take_every_core(cores, engines, expected):
     budget = threads.split_cores(cores, engines, overlap=False)
     assert (budget.trainer, budget.engine) == expected
 
@@ -46,7 +45,7 @@ def test_the_launcher_budget_follows_the_flags(monkeypatch):
     cfg = parse_run_config(base, mode="async", prog="millstream train-async")
     assert (cpu_budget(cfg).trainer, cpu_budget(cfg).engine) == (4, 2)
     cfg = parse_run_config(base, mode="sync", prog="millstream train")
-    assert (cpu_budget(cfg).trainer, cpu_budget(cfg).engine) == (8, 2)
+    assert (cpu_budget(cfg).trainer, cpu_budget(cfg).engine) == (8, 4)
     cfg = parse_run_config(
         [*base, "--num-threads", "2", "--engine-num-threads", "3"], mode="sync", prog="t"
     )
