@@ -16,6 +16,11 @@ class PerfConfig:
     )
     max_tokens_per_gpu: int | None = flag(None, "token cap of a packed micro-batch")
     balance_data: bool = flag(False, "even out tokens across data-parallel ranks")
+    shared_prefix: bool | None = flag(
+        None,
+        "millstream: forward a prompt once for the samples of a micro-batch that share it, "
+        "where that computes less (default; --no-shared-prefix: each sample whole, as Miles)",
+    )
     log_probs_chunk_size: int = flag(
         -1, "Miles: chunk the logprob computation; only -1 (off): the torch backend takes it whole"
     )

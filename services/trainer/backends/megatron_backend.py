@@ -68,6 +68,7 @@ def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 class MegatronBackend(TorchBackend):
     collective_save = True  # torch_dist: every rank writes its slices (distributed.py)
+    shares_prompts = False  # its actor's forward builds its own masks (`_logits`)
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ more, the logprobs recomputed before the first step stay fixed for all steps.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -37,11 +38,20 @@ from .. import batching
 from ..algorithms.advantages import token_advantages
 from ..algorithms.loss import Denominator, approx_kl, policy_loss, value_loss
 from ..profiler import TrainProfiler
+from . import shared_prefix
 from .base import TrainSample
 from .critic import ValueModel, load_value_model
 
+log = logging.getLogger(__name__)
+
 OPTIMIZER_FILE = "optimizer.pt"
 CRITIC_DIR = "critic"
+
+
+# What a forward takes: (model kwargs, (row_BT, col_BT), target_BT, valid_BT) (`_inputs`).
+Inputs = tuple[
+    dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor
+]
 
 
 def load_causal_lm(path: str | Path) -> torch.nn.Module:
@@ -185,6 +195,9 @@ def _last_synced(
 class TorchBackend:
     # Whether every data parallel rank takes part in a checkpoint's save (`save_shards`).
     collective_save = False
+    # Whether its models may forward a micro-batch in the shared-prompt layout
+    # (shared_prefix.py); the megatron backend's actor builds its own masks.
+    shares_prompts = True
     # A checkpoint the actor's weights came from instead of its model dir (the megatron
     # backend's torch_dist --load or --ref-load): the engines get them before the first rollout.
     start_checkpoint: Path | None = None
@@ -223,6 +236,10 @@ class TorchBackend:
                 list(self.critic.parameters()), cfg, cfg.algo.critic_lr or cfg.optimizer.lr,
                 total_steps,
             )  # fmt: skip
+        # How this backend lays out a padded micro-batch's prompts: shared by the samples that
+        # have the same one (shared_prefix.py) when every model here takes the layout (as
+        # `attention_mask`, of this kind: "bool" or an additive float mask), else None.
+        self.prompt_mask: str | None = self._shared_prompt_mask()
         # Set by DataParallel: this rank's place; the models the gradient forwards run through
         # (torch's DistributedDataParallel around model and critic, which sums the gradients
         # across ranks in the backward of each step's last micro-batch); the sum across ranks
@@ -273,15 +290,78 @@ class TorchBackend:
 
     # -- forward -------------------------------------------------------------------------------
 
-    def _inputs(
-        self, samples: list[TrainSample]
-    ) -> tuple[
-        dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor
-    ]:
+    def _shared_prompt_mask(self) -> str | None:
+        """`prompt_mask`: the mask kind every model here takes, found by forwarding a probe
+        both ways (a model whose attention drops a custom 4-D mask fails it), or None."""
+        if not self.shares_prompts or self.cfg.perf.shared_prefix is False:
+            return None
+        models = [self.model, self.ref, self.teacher, self.critic]
+        kinds = set()
+        for model in models:
+            if model is None:
+                continue
+            config = model.body.config if isinstance(model, ValueModel) else model.config
+            impl = getattr(config, "_attn_implementation", None)
+            kind = {"sdpa": "bool", "eager": "float"}.get(impl or "")
+            if kind is None or not self._probe_shared_prompts(model, kind):
+                log.info("the shared-prompt layout is off: %s (%s attention) fails its probe",
+                         type(model).__name__, impl)  # fmt: skip
+                return None
+            kinds.add(kind)
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def _probe_shared_prompts(self, model: torch.nn.Module, kind: str) -> bool:
+        vocab = self.model.config.vocab_size
+        prompt = [t % vocab for t in (5, 3, 7)]
+        probe = [
+            TrainSample(tokens=[*prompt, *(t % vocab for t in r)], prompt_len=3,
+                        loss_mask=[1] * len(r), rollout_logprobs=[0.0] * len(r), reward=0.0)
+            for r in ((2, 9, 4), (8,), (6, 1))
+        ]  # fmt: skip
+        rows = shared_prefix.group_by_prompt(probe)
+
+        def outputs(shared: bool) -> torch.Tensor:
+            layout = self._shared_prompt_inputs(probe, rows, kind) if shared else None
+            inputs, (row_BT, col_BT), _, valid_BT = layout or self._row_inputs(probe)
+            with torch.no_grad():
+                out = model(**inputs)
+            out = out if isinstance(out, torch.Tensor) else out.logits
+            return out[row_BT, col_BT][valid_BT.bool()].float()
+
+        training = model.training
+        model.eval()  # no dropout: the two forwards must agree
+        try:
+            padded, shared = outputs(False), outputs(True)
+        except Exception as err:  # a model that refuses the mask's shape or kind
+            log.info("shared-prompt probe of %s failed: %s", type(model).__name__, err)
+            return False
+        finally:
+            model.train(training)
+        return torch.allclose(padded, shared, rtol=1e-3, atol=1e-3)
+
+    def _prompt_rows(self, samples: list[TrainSample]) -> list[list[int]] | None:
+        """The shared-prompt rows of a padded micro-batch, where that layout computes less."""
+        if self.prompt_mask is None or self.cfg.perf.use_dynamic_batch_size:
+            return None
+        rows = shared_prefix.group_by_prompt(samples)
+        config = self.model.config
+        hidden = config.hidden_size
+        intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+        return rows if shared_prefix.cheaper(samples, rows, hidden, intermediate) else None
+
+    def _inputs(self, samples: list[TrainSample]) -> Inputs:
         """(model kwargs, (row_BT, col_BT) of each response token's predicting position,
-        its target_BT, valid_BT). Padded: one row per sample. Packed (dynamic batching): all
-        samples in one row, position ids restarting at each, which transformers turns into a
-        block-diagonal causal mask."""
+        its target_BT, valid_BT). Padded: one row per sample, or one per prompt for samples
+        that share it, where that computes less (shared_prefix.py). Packed (dynamic
+        batching): all samples in one row, position ids restarting at each, which
+        transformers turns into a block-diagonal causal mask."""
+        rows = self._prompt_rows(samples)
+        if rows is not None:
+            assert self.prompt_mask is not None
+            return self._shared_prompt_inputs(samples, rows, self.prompt_mask)
+        return self._row_inputs(samples)
+
+    def _row_inputs(self, samples: list[TrainSample]) -> Inputs:
         packed = self.cfg.perf.use_dynamic_batch_size
         B = len(samples)
         T = max(1, max(s.response_len for s in samples))
@@ -315,6 +395,25 @@ class TorchBackend:
         on = self.on_device
         inputs = {name: on(x) for name, x in inputs.items()}
         return inputs, (on(row_BT), on(col_BT)), on(target_BT), on(valid_BT)
+
+    def _shared_prompt_inputs(
+        self, samples: list[TrainSample], rows: list[list[int]], kind: str
+    ) -> Inputs:
+        B = len(samples)
+        T = max(1, max(s.response_len for s in samples))
+        lay = shared_prefix.layout(samples, rows, T)
+        row_BT = torch.tensor(lay.row_of)[:, None].expand(B, T).contiguous()
+        targets = [[*s.tokens[s.prompt_len :], *([0] * (T - s.response_len))] for s in samples]
+        valid = [[1.0] * s.response_len + [0.0] * (T - s.response_len) for s in samples]
+        dtype = next(self.model.parameters()).dtype if kind == "float" else None
+        on = self.on_device
+        inputs = {
+            "input_ids": on(torch.tensor(lay.ids)),
+            "position_ids": on(torch.tensor(lay.positions)),
+            "attention_mask": on(lay.mask(dtype)),
+        }
+        cols = (on(row_BT), on(torch.tensor(lay.cols)))
+        return inputs, cols, on(torch.tensor(targets)), on(torch.tensor(valid))
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
         """`x` where the models are (itself on the CPU)."""
