@@ -691,11 +691,16 @@ def limit_note(name: str, rows: dict[str, dict], profiles: dict[str, dict]) -> s
         if ref_train is None:
             return note
         handoffs, weights = max(0.0, parts["rollout_s"] - gen), parts.get("sync_s") or 0.0
+        rollout = (
+            f"sync's rollout is {ms(gen)} of generation and {ms(handoffs)} of hand-offs "
+            "between the services"
+        )
+        if parts.get("train_s") is None or parts["train_s"] <= ref_train:
+            return f"{note}. {rollout}"
         best = parts["rollout_s"] + ref_train + weights
         return (
-            f"{note}. limit: sync's rollout is {ms(gen)} of generation and {ms(handoffs)} of "
-            f"hand-offs between the services; with a train step as fast as ref's, it and the "
-            f"weight sync make a {ms(best)} step: train/TRL <= {trl_step / best:.2f}x"
+            f"{note}. limit: {rollout}; with a train step as fast as ref's, it and the weight "
+            f"sync make a {ms(best)} step: train/TRL <= {trl_step / best:.2f}x"
         )
     if name == "train-async / TRL" and rows.get("async"):
         note = f"{steps_line(rows, 'async')}; TRL's step {ms(trl_step)}"
