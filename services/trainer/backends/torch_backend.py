@@ -304,7 +304,7 @@ class TorchBackend:
             impl = getattr(config, "_attn_implementation", None)
             kind = {"sdpa": "bool", "eager": "float"}.get(impl or "")
             if kind is None or not self._probe_shared_prompts(model, kind):
-                log.info("the shared-prompt layout is off: %s (%s attention) fails its probe",
+                log.info("one row per sample: %s (%s attention) takes no custom 4-D mask",
                          type(model).__name__, impl)  # fmt: skip
                 return None
             kinds.add(kind)
