@@ -14,8 +14,9 @@ them (tests/unit/test_estimators_backend.py); only speed and memory differ.
 
 The second table is GRPO's shape: --prompts prompts of --prompt-len tokens with --group
 samples each, one micro-batch, forwarded one row per sample (--no-shared-prefix) or each
-prompt once for its samples (the default, shared_prefix.py), for short answers and for
-long-tailed ones.
+prompt once for its samples (the default, shared_prefix.py), and the same packed into rows of
+at most --pack-cap tokens (--use-dynamic-batch-size), for short answers and for long-tailed
+ones.
 (tests/unit/test_shared_prefix.py: the same logprobs and gradient.)
 """
 
@@ -84,10 +85,12 @@ def padded_tokens(backend, samples: list) -> int:
         mb = [samples[i] for i in rows]
         lengths = [len(s.tokens) for s in mb]
         shared = backend._prompt_rows(mb)
-        if backend.cfg.perf.use_dynamic_batch_size:
+        if shared is None and backend.cfg.perf.use_dynamic_batch_size:
             total += sum(lengths)
-        elif shared is not None:
-            total += len(shared) * max(shared_prefix.row_length(mb, r) for r in shared)
+        elif shared is not None:  # a row per prompt, or (packed) every prompt's in one row
+            lengths = [shared_prefix.row_length(mb, r) for r in shared]
+            packed = backend.cfg.perf.use_dynamic_batch_size
+            total += sum(lengths) if packed else len(shared) * max(lengths)
         else:
             total += max(lengths) * len(rows)
     return total
@@ -130,6 +133,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--pack-cap", type=int, default=1024, help="--max-tokens-per-gpu")
     args = parser.parse_args()
 
     import torch
@@ -164,8 +168,11 @@ def main() -> None:
             grouped = make_groups(args.prompts, args.group, args.prompt_len, response_len)
             print(f"\n{args.prompts} prompts of {args.prompt_len} tokens x {args.group} samples, "
                   f"{shape}: {sum(len(s.tokens) for s in grouped)} tokens, one micro-batch")  # fmt: skip
+            cap = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.pack_cap)]
             layouts = {"one row per sample (--no-shared-prefix)": ["--no-shared-prefix"],
-                       "shared prompts (default)": []}  # fmt: skip
+                       "shared prompts (default)": [],
+                       f"packed, cap {args.pack_cap} (--no-shared-prefix)": [*cap, "--no-shared-prefix"],
+                       f"packed, cap {args.pack_cap}, shared prompts": cap}  # fmt: skip
             print_rows(time_layouts(model_dir, grouped, layouts, args.repeats, base))
 
 

@@ -14,7 +14,11 @@ on its own without talking to the others:
   rank's samples into micro-batches of at most `max_tokens` tokens. First-fit decreasing:
   longest first (ties by index), each into the first micro-batch it fits. No two resulting
   micro-batches could be merged under the cap. A sample longer than the cap is never dropped
-  or split; it goes alone in its own micro-batch.
+  or split; it goes alone in its own micro-batch. Given each sample's prompt (the
+  shared-prompt layout, backends/shared_prefix.py), the cap counts the tokens the layout runs:
+  a sample whose prompt a micro-batch holds already adds only its response, and it goes to
+  such a micro-batch first; the samples of one prompt are placed one after another, groups
+  largest first, so a group that fits stays whole.
 
 None of these changes the gradient. The loss of every micro-batch on every rank is divided
 by the counts of the whole global batch (tokens or samples), not by its own, so the summed
@@ -37,8 +41,27 @@ def _longest_first(lengths: list[int]) -> list[int]:
     return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
 
 
-def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Micro-batches of sample indices whose lengths sum to <= max_tokens.
+def _largest_group_first(lengths: list[int], prompts: list[tuple[int, ...]]) -> list[int]:
+    """The samples of one prompt next to each other (so they fill the same micro-batch),
+    groups by the tokens they run (the prompt once, every response), largest first."""
+    size: dict[tuple[int, ...], int] = {}
+    first: dict[tuple[int, ...], int] = {}
+    for i, (n, p) in enumerate(zip(lengths, prompts, strict=True)):
+        size[p] = size.get(p, len(p)) + n - len(p)
+        first.setdefault(p, i)
+    return sorted(
+        range(len(lengths)),
+        key=lambda i: (-size[prompts[i]], first[prompts[i]], -lengths[i], i),
+    )
+
+
+def pack_by_tokens(
+    lengths: list[int],
+    max_tokens: int,
+    prompts: list[tuple[int, ...]] | None = None,
+) -> list[list[int]]:
+    """Micro-batches of sample indices whose lengths sum to <= max_tokens (`prompts`: each
+    sample's prompt tokens, counted once per micro-batch; module docstring).
 
     A sample longer than max_tokens is alone in its micro-batch. Micro-batches are ordered by
     their first index. Deterministic; [] for no samples.
@@ -48,16 +71,29 @@ def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
     _check_lengths(lengths)
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in _longest_first(lengths):
-        n = lengths[i]
-        for b, load in enumerate(loads):
-            if load + n <= max_tokens:
+    held: list[set[tuple[int, ...]]] = []  # the prompts each micro-batch holds
+
+    def cost(i: int, b: int) -> int:
+        if prompts is not None and prompts[i] in held[b]:
+            return lengths[i] - len(prompts[i])
+        return lengths[i]
+
+    for i in _longest_first(lengths) if prompts is None else _largest_group_first(lengths, prompts):
+        order = range(len(bins))
+        if prompts is not None:  # those holding its prompt first
+            order = sorted(order, key=lambda b: prompts[i] not in held[b])
+        for b in order:
+            if loads[b] + cost(i, b) <= max_tokens:
+                loads[b] += cost(i, b)
                 bins[b].append(i)
-                loads[b] += n
                 break
         else:
             bins.append([i])
-            loads.append(n)
+            loads.append(lengths[i])
+            held.append(set())
+            b = len(bins) - 1
+        if prompts is not None:
+            held[b].add(prompts[i])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from millstream.common.config import parse_run_config
+from millstream.trainer import batching
 from millstream.trainer.backends import shared_prefix
 from millstream.trainer.backends.base import TrainSample
 from millstream.trainer.backends.torch_backend import Prepared, TorchBackend
@@ -54,9 +55,36 @@ def test_the_layout_puts_each_prompt_once_before_its_responses():
     mask = lay.mask()[1, 0]  # row b: prompt 0-2, responses at 3, 4-7, 8-9, padding 10
     assert mask[5].tolist() == [True] * 3 + [False] + [True] * 2 + [False] * 5
     assert mask[9].tolist() == [True] * 3 + [False] * 5 + [True] * 2 + [False]
-    assert mask[10].tolist() == [True] * 3 + [False] * 7 + [True]  # padding: never empty
+    assert mask[10].tolist() == [False] * 10 + [True]  # padding: never an empty row
     additive = lay.mask(torch.float32)[1, 0]
     assert additive[5, 3] == torch.finfo(torch.float32).min and additive[5, 4] == 0
+
+
+def test_packed_the_groups_share_one_row_and_never_see_each_other():
+    samples = _groups()
+    groups = shared_prefix.group_by_prompt(samples)
+    lay = shared_prefix.layout(samples, groups, T=4, packed=True)
+    assert len(lay.ids) == 1 and lay.row_of == [0] * 7
+    assert lay.ids[0][:11] == [5, 6, 7, 8, 9, 30, 31, 32, 34, 41, 42]
+    assert lay.positions[0][11:14] == [0, 1, 2]  # prompt b starts again at 0
+    assert lay.cols[1] == [13, 0, 0, 0]  # b's last prompt token is at 13
+    mask = lay.mask()[0, 0]
+    assert not mask[14, :11].any() and mask[14, 11:14].all()  # b's first response: b's prompt
+    assert len(lay.ids[0]) == sum(shared_prefix.row_length(samples, g) for g in groups)
+
+
+def test_packing_counts_a_shared_prompt_once():
+    samples = _groups()
+    lengths = [len(s.tokens) for s in samples]  # 8 4 6 6 7 7 5: 43 tokens
+    prompts = [tuple(s.tokens[: s.prompt_len]) for s in samples]
+    plain = batching.pack_by_tokens(lengths, 20)
+    shared = batching.pack_by_tokens(lengths, 20, prompts)
+    assert len(shared) < len(plain)
+    for mb in shared:  # the tokens the layout runs fit the cap
+        groups = shared_prefix.group_by_prompt([samples[i] for i in mb])
+        run = sum(shared_prefix.row_length([samples[i] for i in mb], g) for g in groups)
+        assert run <= 20 or len(mb) == 1
+    assert sorted(i for mb in shared for i in mb) == list(range(7))
 
 
 def test_the_layout_is_picked_only_where_it_computes_less():
@@ -73,10 +101,19 @@ def test_the_layout_is_picked_only_where_it_computes_less():
     )
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_shared_prompts_give_the_logprobs_and_gradient_of_one_row_each(tiny_model_dir, attention):
-    shared = _backend(tiny_model_dir)
-    plain = _backend(tiny_model_dir, "--no-shared-prefix")
+@pytest.mark.parametrize(
+    ("attention", "flags"),
+    [
+        ("sdpa", ()),
+        ("eager", ()),
+        ("sdpa", ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "24")),  # packed
+    ],
+)
+def test_shared_prompts_give_the_logprobs_and_gradient_of_one_row_each(
+    tiny_model_dir, attention, flags
+):
+    shared = _backend(tiny_model_dir, *flags)
+    plain = _backend(tiny_model_dir, "--no-shared-prefix", *flags)
     for backend in (shared, plain):
         backend.model.config._attn_implementation = attention
     shared.prompt_mask = shared._shared_prompt_mask()

@@ -340,25 +340,29 @@ class TorchBackend:
         return torch.allclose(padded, shared, rtol=1e-3, atol=1e-3)
 
     def _prompt_rows(self, samples: list[TrainSample]) -> list[list[int]] | None:
-        """The shared-prompt rows of a padded micro-batch, where that layout computes less."""
-        if self.prompt_mask is None or self.cfg.perf.use_dynamic_batch_size:
+        """The groups of a micro-batch's samples that share a prompt, where the shared-prompt
+        layout computes less (padded: a row per group; packed: one row of them)."""
+        if self.prompt_mask is None:
             return None
-        rows = shared_prefix.group_by_prompt(samples)
+        groups = shared_prefix.group_by_prompt(samples)
         config = self.model.config
         hidden = config.hidden_size
         intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-        return rows if shared_prefix.cheaper(samples, rows, hidden, intermediate) else None
+        packed = self.cfg.perf.use_dynamic_batch_size
+        pays = shared_prefix.cheaper(samples, groups, hidden, intermediate, packed)
+        return groups if pays else None
 
     def _inputs(self, samples: list[TrainSample]) -> Inputs:
         """(model kwargs, (row_BT, col_BT) of each response token's predicting position,
         its target_BT, valid_BT). Padded: one row per sample, or one per prompt for samples
         that share it, where that computes less (shared_prefix.py). Packed (dynamic
         batching): all samples in one row, position ids restarting at each, which
-        transformers turns into a block-diagonal causal mask."""
-        rows = self._prompt_rows(samples)
-        if rows is not None:
+        transformers turns into a block-diagonal causal mask; or each shared prompt once in
+        that row, with its samples' responses after it (shared_prefix.py's mask)."""
+        groups = self._prompt_rows(samples)
+        if groups is not None:
             assert self.prompt_mask is not None
-            return self._shared_prompt_inputs(samples, rows, self.prompt_mask)
+            return self._shared_prompt_inputs(samples, groups, self.prompt_mask)
         return self._row_inputs(samples)
 
     def _row_inputs(self, samples: list[TrainSample]) -> Inputs:
@@ -397,11 +401,11 @@ class TorchBackend:
         return inputs, (on(row_BT), on(col_BT)), on(target_BT), on(valid_BT)
 
     def _shared_prompt_inputs(
-        self, samples: list[TrainSample], rows: list[list[int]], kind: str
+        self, samples: list[TrainSample], groups: list[list[int]], kind: str
     ) -> Inputs:
         B = len(samples)
         T = max(1, max(s.response_len for s in samples))
-        lay = shared_prefix.layout(samples, rows, T)
+        lay = shared_prefix.layout(samples, groups, T, self.cfg.perf.use_dynamic_batch_size)
         row_BT = torch.tensor(lay.row_of)[:, None].expand(B, T).contiguous()
         targets = [[*s.tokens[s.prompt_len :], *([0] * (T - s.response_len))] for s in samples]
         valid = [[1.0] * s.response_len + [0.0] * (T - s.response_len) for s in samples]
@@ -502,7 +506,11 @@ class TorchBackend:
         if p.use_dynamic_batch_size:
             assert p.max_tokens_per_gpu is not None
             budget = p.max_tokens_per_gpu * self.context_parallel
-            return batching.pack_by_tokens([len(s.tokens) for s in samples], budget)
+            # With the shared-prompt layout, a prompt counts once per micro-batch.
+            prompts = [tuple(s.tokens[: s.prompt_len]) for s in samples]
+            return batching.pack_by_tokens(
+                [len(s.tokens) for s in samples], budget, prompts if self.prompt_mask else None
+            )
         size = p.micro_batch_size
         return [
             list(range(lo, min(lo + size, len(samples)))) for lo in range(0, len(samples), size)
