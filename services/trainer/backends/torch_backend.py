@@ -10,7 +10,8 @@ One rollout = `num_steps` optimizer steps over consecutive equal slices of the s
 slice, each data-parallel rank takes its share (contiguous, or token-balanced with
 --balance-data), and splits it into micro-batches (--micro-batch-size samples, or packed
 under --max-tokens-per-gpu with --use-dynamic-batch-size: one row, position ids restarting
-per sample). Before the first step, on every slice, `prepare` runs the no-grad forwards the
+per sample). Samples of a micro-batch that share a prompt forward it once (shared_prefix.py)
+where that computes less, for the same gradient. Before the first step, on every slice, `prepare` runs the no-grad forwards the
 estimator needs (old policy, reference, critic, teacher) and computes per-token advantages.
 The old policy: with one step per rollout it IS the current one (nothing changes between
 computing it and the step), so old_logp = logp.detach() and the ratio is exactly 1; with
