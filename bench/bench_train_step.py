@@ -88,9 +88,9 @@ def padded_tokens(backend, samples: list) -> int:
         if shared is None and backend.cfg.perf.use_dynamic_batch_size:
             total += sum(lengths)
         elif shared is not None:  # a row per prompt, or (packed) every prompt's in one row
-            lengths = [shared_prefix.row_length(mb, r) for r in shared]
+            rows = [shared_prefix.row_length(mb, r) for r in shared]
             packed = backend.cfg.perf.use_dynamic_batch_size
-            total += sum(lengths) if packed else len(shared) * max(lengths)
+            total += sum(rows) if packed else len(shared) * max(rows)
         else:
             total += max(lengths) * len(rows)
     return total

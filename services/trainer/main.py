@@ -247,14 +247,11 @@ async def train_loop(
     try:
         done, _ = await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch in done and not run.done():
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
             watch.result()  # raises: which service died, with the tail of its log
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
         run.result()
     finally:
-        # Cancelled (SIGTERM, Ctrl-C): the loop stops before what it uses is closed.
+        # Whatever ended first (the run, a service's death, SIGTERM or Ctrl-C cancelling
+        # this task), the other stops before what they use is closed.
         for task in (run, watch):
             task.cancel()
         await asyncio.gather(run, watch, return_exceptions=True)

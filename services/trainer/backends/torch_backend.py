@@ -53,6 +53,9 @@ CRITIC_DIR = "critic"
 Inputs = tuple[
     dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor
 ]
+# A micro-batch's layout (`_row_layout`, `_shared_prompt_layout`): model kwargs, and per
+# sample its row and the T columns that predict its response tokens.
+Layout = tuple[dict[str, torch.Tensor], list[int], list[list[int]]]
 
 
 def load_causal_lm(path: str | Path) -> torch.nn.Module:
@@ -321,9 +324,15 @@ class TorchBackend:
         ]  # fmt: skip
         rows = shared_prefix.group_by_prompt(probe)
 
+        T = max(s.response_len for s in probe)
+
         def outputs(shared: bool) -> torch.Tensor:
-            layout = self._shared_prompt_inputs(probe, rows, kind) if shared else None
-            inputs, (row_BT, col_BT), _, valid_BT = layout or self._row_inputs(probe)
+            layout = (
+                self._shared_prompt_layout(probe, rows, T, kind)
+                if shared
+                else self._row_layout(probe, T)
+            )
+            inputs, (row_BT, col_BT), _, valid_BT = self._on_device_with_targets(probe, T, layout)
             with torch.no_grad():
                 out = model(**inputs)
             out = out if isinstance(out, torch.Tensor) else out.logits
@@ -360,35 +369,30 @@ class TorchBackend:
         batching): all samples in one row, position ids restarting at each, which
         transformers turns into a block-diagonal causal mask; or each shared prompt once in
         that row, with its samples' responses after it (shared_prefix.py's mask)."""
+        T = max(1, max(s.response_len for s in samples))
         groups = self._prompt_rows(samples)
         if groups is not None:
             assert self.prompt_mask is not None
-            return self._shared_prompt_inputs(samples, groups, self.prompt_mask)
-        return self._row_inputs(samples)
+            layout = self._shared_prompt_layout(samples, groups, T, self.prompt_mask)
+        else:
+            layout = self._row_layout(samples, T)
+        return self._on_device_with_targets(samples, T, layout)
 
-    def _row_inputs(self, samples: list[TrainSample]) -> Inputs:
+    def _row_layout(self, samples: list[TrainSample], T: int) -> Layout:
+        """One row per sample (padded), or all of them in one row (packed)."""
         packed = self.cfg.perf.use_dynamic_batch_size
-        B = len(samples)
-        T = max(1, max(s.response_len for s in samples))
         lengths = [len(s.tokens) for s in samples]
         S = max(lengths)
         # Python lists first, one tensor each at the end (a tensor per sample is most of the
         # cost for small models).
-        rows: list[int] = []
         cols: list[list[int]] = []
-        targets: list[list[int]] = []
-        valid: list[list[float]] = []
         start = 0
-        for i, s in enumerate(samples):
-            n, k, gap = len(s.tokens), s.response_len, T - s.response_len
-            rows.append(0 if packed else i)
+        for s in samples:
+            n, gap = len(s.tokens), T - s.response_len
             cols.append([*range(start + s.prompt_len - 1, start + n - 1), *([0] * gap)])
-            targets.append([*s.tokens[s.prompt_len :], *([0] * gap)])
-            valid.append([1.0] * k + [0.0] * gap)
             if packed:
                 start += n
-        row_BT = torch.tensor(rows)[:, None].expand(B, T).contiguous()
-        col_BT, target_BT, valid_BT = torch.tensor(cols), torch.tensor(targets), torch.tensor(valid)
+        rows = [0] * len(samples) if packed else list(range(len(samples)))
         if packed:
             ids = [t for s in samples for t in s.tokens]
             pos = [j for n in lengths for j in range(n)]
@@ -397,28 +401,34 @@ class TorchBackend:
             ids_RS = torch.tensor([[*s.tokens, *([0] * (S - len(s.tokens)))] for s in samples])
             attn_RS = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).long()
             inputs = {"input_ids": ids_RS, "attention_mask": attn_RS}
-        on = self.on_device
-        inputs = {name: on(x) for name, x in inputs.items()}
-        return inputs, (on(row_BT), on(col_BT)), on(target_BT), on(valid_BT)
+        return inputs, rows, cols
 
-    def _shared_prompt_inputs(
-        self, samples: list[TrainSample], groups: list[list[int]], kind: str
-    ) -> Inputs:
-        B = len(samples)
-        T = max(1, max(s.response_len for s in samples))
+    def _shared_prompt_layout(
+        self, samples: list[TrainSample], groups: list[list[int]], T: int, kind: str
+    ) -> Layout:
         lay = shared_prefix.layout(samples, groups, T, self.cfg.perf.use_dynamic_batch_size)
-        row_BT = torch.tensor(lay.row_of)[:, None].expand(B, T).contiguous()
+        dtype = next(self.model.parameters()).dtype if kind == "float" else None
+        inputs = {
+            "input_ids": torch.tensor(lay.ids),
+            "position_ids": torch.tensor(lay.positions),
+            "attention_mask": lay.mask(dtype),
+        }
+        return inputs, lay.row_of, lay.cols
+
+    def _on_device_with_targets(self, samples: list[TrainSample], T: int, layout: Layout) -> Inputs:
+        """A layout's tensors where the models are, with each sample's response tokens as
+        targets and which of its T positions are real: the same whatever the layout."""
+        inputs, rows, cols = layout
         targets = [[*s.tokens[s.prompt_len :], *([0] * (T - s.response_len))] for s in samples]
         valid = [[1.0] * s.response_len + [0.0] * (T - s.response_len) for s in samples]
-        dtype = next(self.model.parameters()).dtype if kind == "float" else None
+        row_BT = torch.tensor(rows)[:, None].expand(len(samples), T).contiguous()
         on = self.on_device
-        inputs = {
-            "input_ids": on(torch.tensor(lay.ids)),
-            "position_ids": on(torch.tensor(lay.positions)),
-            "attention_mask": on(lay.mask(dtype)),
-        }
-        cols = (on(row_BT), on(torch.tensor(lay.cols)))
-        return inputs, cols, on(torch.tensor(targets)), on(torch.tensor(valid))
+        return (
+            {name: on(x) for name, x in inputs.items()},
+            (on(row_BT), on(torch.tensor(cols))),
+            on(torch.tensor(targets)),
+            on(torch.tensor(valid)),
+        )
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
         """`x` where the models are (itself on the CPU)."""
