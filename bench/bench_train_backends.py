@@ -7,7 +7,7 @@ length (bench_train_step.py's), then times `train_rollout` (forward, backward, o
 step; the no-grad forwards the estimator needs) on:
 
 - torch, 1 rank: TorchBackend in this process, with every core (--threads, default 2);
-- torch DDP, 2 ranks: two gloo processes under DataParallel (trainer/distributed.py: rank 0
+- torch DDP, 2 ranks: two gloo processes under DataParallel (trainer/backends/distributed.py: rank 0
   broadcasts the samples, each rank trains its share, torch's DistributedDataParallel sums
   the gradients), the cores split between them (--threads / 2 each), as `torchrun
   --nproc-per-node 2` of `millstream train` would run them;
@@ -18,7 +18,7 @@ step; the no-grad forwards the estimator needs) on:
 - megatron TP=2, 2 ranks: `--train-backend megatron --tensor-model-parallel-size 2`, both
   ranks on every sample, each with half of every layer, the weights gathered after the rollout;
 - megatron PP=2, 2 ranks: `--pipeline-model-parallel-size 2`, each rank half of the layers
-  (megatron_pipeline.py: the stages one after another, not overlapped).
+  (megatron/pipeline.py: the stages one after another, not overlapped).
 
 Prints tokens/s of the best of --repeats rollouts (real tokens, padding not counted), each
 rank's peak RSS (the process's high-water mark: the model, its gradients and Adam state,
@@ -114,8 +114,8 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
     import torch
     import torch.distributed as dist
 
+    from millstream.trainer.backends.distributed import DataParallel, init, send_stop, shutdown
     from millstream.trainer.backends.torch_backend import TorchBackend
-    from millstream.trainer.distributed import DataParallel, init, send_stop, shutdown
 
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -124,7 +124,7 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
     try:
         cls = TorchBackend
         if backend_name.startswith("megatron"):
-            from millstream.trainer.backends.megatron_backend import MegatronBackend
+            from millstream.trainer.backends.megatron.backend import MegatronBackend
 
             cls = MegatronBackend
         backend = cls(
@@ -148,7 +148,7 @@ def _ddp_rank(rank: int, world: int, port: int, model_dir: str, samples: list, r
 
 def _megatron_rank(rank: int, model_dir: str, samples: list, repeats: int, threads: int,
                    name: str, out: dict) -> None:  # fmt: skip
-    from millstream.trainer.backends.megatron_backend import MegatronBackend
+    from millstream.trainer.backends.megatron.backend import MegatronBackend
 
     torch_threads(threads)
     cfg = _config(len(samples), name)

@@ -59,7 +59,7 @@ def raw_broadcast(tensors, rounds: int) -> tuple[float, float]:
     """Median seconds to broadcast `tensors` one by one, and as one flat tensor."""
     import torch
 
-    from millstream.trainer.process_group import UpdateGroup
+    from millstream.trainer.weights.process_group import UpdateGroup
 
     group = UpdateGroup("raw", 2, "gloo", "127.0.0.1", 60.0)
     specs = repr([list(t.shape) for t in tensors])
@@ -105,7 +105,7 @@ def keep_busy(url: str, stop: threading.Event, prompt: list[int]) -> None:
 def measure_syncs(model, router_url: str, syncs: int, idle: bool = False) -> dict[str, float]:
     """Median phases of `syncs` syncs; `idle`: told that nothing generates (the trainer's
     case whenever every group it admitted is back: no pause, no continue)."""
-    from millstream.trainer.weight_sync import WeightSync
+    from millstream.trainer.weights.sync import WeightSync
 
     async def go() -> list[dict[str, float]]:
         ws = WeightSync(router_url, pause_mode="in_place", timeout_s=60.0)

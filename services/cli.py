@@ -43,9 +43,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reward": ("millstream.reward.main:main", "reward worker: {run}:generated -> {run}:scored"),
     "reward-celery": ("millstream.reward.main:celery_worker", "Celery worker running reward tasks"),
     "trace": ("millstream.common.trace_cli:main", "summarise a run's traces"),
-    "plot": ("millstream.trainer.plot:main", "draw a run's metric curves"),
+    "plot": ("millstream.trainer.observe.plot:main", "draw a run's metric curves"),
     "convert": (
-        "millstream.trainer.convert:main",
+        "millstream.trainer.checkpoints.convert:main",
         "Hugging Face <-> Megatron torch_dist checkpoints (Miles' conversion tools)",
     ),
 }

@@ -33,12 +33,12 @@ Hooks (flag -> what is called -> where; the call sites name the flag and path on
   worker calls it per kept training group, `fn(args, [group])`, and a removed sample goes to
   the trainer with an all-zero loss mask (reward/filters.py).
 * `--custom-rollout-log-function-path` / `--custom-eval-rollout-log-function-path`: Miles'
-  log functions, with this `args` and these Samples (trainer/log_hooks.py).
+  log functions, with this `args` and these Samples (trainer/observe/log_hooks.py).
 * `--custom-generate-function-path`: Miles' per-sample `async generate(args, sample,
   sampling_params) -> Sample`, reaching the engines through the router at
   `args.sglang_router_ip`/`args.sglang_router_port`. Rollout worker, for each sample of a
   group at once (rollout/miles_generate.py).
-* `--eval-function-path` is refused in preflight (trainer/refusals.py), saying what to use
+* `--eval-function-path` is refused in preflight (common/config/refusals.py), saying what to use
   instead.
 
 `Sample` follows miles/utils/types.py: `tokens` is prompt + response token ids,

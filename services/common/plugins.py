@@ -9,8 +9,11 @@ a stream entry or a gRPC request, so a message on the wire cannot make a worker 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from millstream.common.errors import MillstreamError
@@ -47,3 +50,18 @@ def load_function(path: str, what: str) -> Callable[..., Any]:
     if not callable(fn):
         raise MillstreamError(f"{what} {path!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+@contextlib.contextmanager
+def workers_sys_path() -> Iterator[None]:
+    """Import as the workers do: they run as `python -m millstream.cli ...` in this directory,
+    which puts it first on their sys.path; the `millstream` script does not put it on ours."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)

@@ -1,2 +1,9 @@
-"""The trainer: data source, admission, buffer reader, algorithms, backends, checkpoints and
-the coordinator (DESIGN.md sections 1, 4, 5, 6). Rank 0 hosts the Coordinator gRPC service."""
+"""The trainer service: one RL iteration after another (DESIGN.md sections 1, 4, 6).
+
+Top level, the iteration and its parts: `main` (entry), `build` (wiring), `trainer` (the
+loop), `admission`, `buffer`, `batch`, `data`, `evaluate`, `teacher`, `janitor`, `preflight`.
+Rooms: `algorithms/` (the objective), `backends/` (the train step: torch, FSDP2, data
+parallel, `megatron/`), `weights/` (getting weights to the engines), `observe/` (metrics,
+log hooks, profiler, Prometheus, stall watch, plots), `checkpoints/` (save, resume, convert).
+The local cluster it may start is `millstream.launch`'s; flag checks are the config's.
+"""

@@ -14,27 +14,29 @@ from urllib.parse import urlsplit
 
 from millstream.common import threads
 from millstream.common.config import RunConfig
+from millstream.common.config.rollout import is_default_source
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import RunKeys
 from millstream.common.prom import start_metrics
 from millstream.common.streams import default_consumer_name
 
-from . import checkpoint, distributed, megatron_ckpt
 from .admission import Admission, TerminalCounts
+from .backends import distributed
+from .backends.distributed import DataParallel
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
-from .coordinator import Coordinator, host_address
-from .data import PluginDataSource, PromptDataSource, is_default_source, labels_are_text
-from .distributed import DataParallel
+from .checkpoints import checkpoint, megatron_ckpt
+from .data import PluginDataSource, PromptDataSource, labels_are_text
 from .evaluate import Evaluator
 from .janitor import Tidied, run_janitor
-from .metrics import MetricsLogger
-from .profiler import TrainProfiler
-from .prom import TrainerMetrics
+from .observe.metrics import MetricsLogger
+from .observe.profiler import TrainProfiler
+from .observe.prom import TrainerMetrics
+from .observe.watch import Watch
 from .teacher import TeacherClient
 from .trainer import Parts, Trainer
-from .watch import Watch
-from .weight_sync import WeightSync
+from .weights.coordinator import Coordinator, host_address
+from .weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 Closer = Callable[[], Awaitable[None]]
@@ -333,7 +335,7 @@ def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
     teacher = a.opd_teacher_load if a.distills else None
     cls = TorchBackend
     if cfg.ckpt.train_backend == "megatron":
-        from .backends.megatron_backend import MegatronBackend
+        from .backends.megatron.backend import MegatronBackend
 
         cls = MegatronBackend
     return cls(

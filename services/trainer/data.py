@@ -227,18 +227,6 @@ class PromptDataSource:
         self._order = self._epoch_order(self.position.epoch)
 
 
-# Miles' default data source, by any of its paths: the JSONL source above does its job.
-MILES_DEFAULT_SOURCES = ("RolloutDataSourceWithBuffer", "RolloutDataSource")
-_DEFAULT_PREFIXES = ("miles.rollout.data_source.", "slime.rollout.data_source.")
-
-
-def is_default_source(path: str | None) -> bool:
-    """No --data-source-path, or Miles' own default named by its module path."""
-    return not path or (
-        path.startswith(_DEFAULT_PREFIXES) and path.rsplit(".", 1)[-1] in MILES_DEFAULT_SOURCES
-    )
-
-
 class PluginDataSource:
     """Miles' DataSource class (--data-source-path), with PromptDataSource's interface.
 

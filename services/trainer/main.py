@@ -34,8 +34,9 @@ from .evaluate import format_accuracies
 if TYPE_CHECKING:  # the heavy modules load only when a run starts
     from redis.asyncio import Redis
 
+    from millstream.launch.cluster import LocalCluster
+
     from .build import Prepared
-    from .launcher import LocalCluster
     from .trainer import Trainer
 
 log = logging.getLogger("millstream.trainer")
@@ -95,8 +96,8 @@ def _shown(argv: Sequence[str]) -> str:
 
 
 def _apply_cpu_budget(cfg: RunConfig) -> None:
-    """The trainer's share of the cores (launcher.cpu_budget), split among local ranks."""
-    from .launcher import cpu_budget
+    """The trainer's share of the cores (launch/plan.py cpu_budget), split among local ranks."""
+    from millstream.launch.plan import cpu_budget
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     n = max(1, cpu_budget(cfg).trainer // local_ranks)
@@ -151,7 +152,7 @@ async def _until_sigterm(run: Coroutine[Any, Any, int]) -> int | None:
 
 
 def _run_data_parallel(cfg: RunConfig) -> NoReturn:
-    from . import distributed
+    from .backends import distributed
 
     rank = distributed.init()
     try:
@@ -178,7 +179,7 @@ def _exit_without_finalizing(code: int) -> NoReturn:
     aborts the process ("terminate called without an active exception", SIGABRT: rank 1 of
     tests/e2e/test_train_ddp.py, once in ~50 CI runs; pytorch/pytorch#179291 describes it).
     An error still propagates, for torchrun to report. multiprocessing's children are ended
-    here, as finalization would have: megatron's torch_dist save (megatron_dist.py) keeps a
+    here, as finalization would have: megatron's torch_dist save (megatron/dist.py) keeps a
     Manager process, which would outlive the rank and hold torchrun's stdout open."""
     import multiprocessing
 
@@ -200,7 +201,7 @@ def train_async(argv: Sequence[str]) -> int:
 
 
 async def train_with_cluster(cfg: RunConfig) -> int:
-    from .launcher import LocalCluster, run_all
+    from millstream.launch.cluster import LocalCluster, run_all
 
     cluster = LocalCluster(cfg)
     try:

@@ -5,10 +5,10 @@ prints it and exits 2, within a second or two and with nothing to stop.
 
 In order, cheapest first:
 
-1. flags alone: what the trainer needs (--hf-checkpoint, --prompt-data, a reward, a length),
-   what this build cannot honour (refusals.py's REFUSED),
-   --rm-type among the reward hub's built-ins, and the rest of the reward worker's own check;
-   a profiler window that the run reaches (--profile-step-start under --num-rollout);
+1. flags alone: common/config/checks.py (what the trainer needs, combinations, refusals,
+   --rm-type among the reward hub's built-ins); first, though, the model local engines would
+   load (--hf-checkpoint: a --ref-load alone is not served, and a Megatron one is named as
+   one, checkpoints/megatron_ckpt.py);
 2. this machine: redis-server on PATH when none is given, the packages of the extras the
    processes started here import (found with `importlib.util.find_spec`, never imported:
    torch's import is seconds of CPU and happens later, in a thread, while the engines load),
@@ -21,12 +21,12 @@ In order, cheapest first:
    (common/plugins.py), from the directory they run in, so the rules are theirs (a
    --rollout-function-path in Miles' whole-batch form is refused: common/miles.py); and the
    trainer's own (--custom-rollout-log-function-path,
-   --custom-eval-rollout-log-function-path, --data-source-path), loaded as the trainer loads them (log_hooks.py),
-   whether or not the workers run here;
+   --custom-eval-rollout-log-function-path, --data-source-path), loaded as the trainer loads
+   them (observe/log_hooks.py), whether or not the workers run here;
 4. files: the model dirs, the MODEL_ARGS given against the model's config.json
    (refusals.check_model), a --load checkpoint that is there (a Megatron checkpoint given
-   to --load, --ref-load or a model dir flag is named as one: megatron_ckpt.py; the
-   Megatron backend reads torch_dist as --load and --ref-load), and the
+   to --load, --ref-load or a model dir flag is named as one: checkpoints/megatron_ckpt.py;
+   the Megatron backend reads torch_dist as --load and --ref-load), and the
    prompt data and eval sets, read up to their first usable row with the data source's own row parser.
 
 Left to others: value checks of one group (the config's `__post_init__`); what needs a service
@@ -38,35 +38,31 @@ worker, so steps 2 and 3 skip what only those workers need.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import shutil
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-from millstream.common.config import ConfigError, RunConfig
+from millstream.common.config import ConfigError, RunConfig, checks, refusals
 from millstream.common.config.profiling import MEMORY_SNAPSHOT_NEEDS_CUDA
+from millstream.common.config.rollout import is_default_source
 from millstream.common.errors import MillstreamError
 from millstream.common.miles import (
     OLD_SIGNATURES,
     check_not_old_signature,
     check_rollout_function,
 )
-from millstream.common.plugins import load_function
+from millstream.common.plugins import load_function, workers_sys_path
+from millstream.launch.plan import given_router_url
 
-from . import log_hooks, megatron_ckpt, refusals
-from .data import ROW_ERRORS, is_default_source, labels_are_text, parse_row
-from .launcher import given_router_url
-from .metrics import TRACK_EXTRA, TRACKING_PACKAGES, tensorboard_dir
+from .checkpoints import megatron_ckpt
+from .data import ROW_ERRORS, labels_are_text, parse_row
+from .observe import log_hooks
+from .observe.metrics import TRACK_EXTRA, TRACKING_PACKAGES, tensorboard_dir
 
-# Repeated here, and held equal to the originals by tests/unit/test_preflight.py: the reward
-# hub's built-ins (reward/rm_hub.py RM_TYPES, BOXED_PREFIX) and the dynamic-sampling filter's
-# (reward/filters.py BUILTINS), since the trainer imports no other service (DESIGN.md section
-# 2); checkpoint.py's file names, since checkpoint.py imports torch.
-RM_TYPES = ("math", "deepscaler", "dapo", "f1", "exact", "remote_rm")
-BOXED_PREFIX = "boxed_"
+# Repeated here, and held equal to the originals by tests/unit/test_preflight.py: the
+# dynamic-sampling filter's built-ins (reward/filters.py BUILTINS), since the trainer imports no
+# other service (DESIGN.md section 2); checkpoints/checkpoint.py's file names, since it imports torch.
 BUILTIN_FILTERS = ("check_reward_nonzero_std", "check_no_aborted")
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
@@ -78,7 +74,8 @@ SERVE_EXTRA = ("fastapi", "uvicorn")
 
 def check(cfg: RunConfig) -> None:
     """ConfigError, naming the flag, on the first problem found; see the module docstring."""
-    check_flags(cfg)
+    _check_local_engines_model(cfg)
+    checks.check(cfg)
     check_machine(cfg)
     check_plugins(cfg)
     check_log_functions(cfg)
@@ -91,116 +88,18 @@ def starts_services(cfg: RunConfig) -> bool:
     return not cfg.connection.redis_url or given_router_url(cfg) is None
 
 
-def check_flags(cfg: RunConfig) -> None:
-    """What the trainer needs beyond the generic validation, from the flags alone."""
-    if not (cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load):
-        raise ConfigError("--hf-checkpoint (or --ref-load) is required: the starting model")
-    r = cfg.rollout
-    if is_default_source(r.data_source_path):
-        if not r.prompt_data:
-            raise ConfigError("--prompt-data is required: a JSONL file of prompts")
-    elif not r.num_rollout:
-        raise ConfigError(
-            f"--data-source-path {r.data_source_path} needs --num-rollout: a data source has "
-            "no length to count epochs in"
-        )
-    if not (cfg.reward.rm_type or cfg.reward.custom_rm_path):
-        raise ConfigError("--rm-type or --custom-rm-path is required: how samples are scored")
-    if not (cfg.rollout.num_rollout or cfg.rollout.num_epoch):
-        raise ConfigError("--num-rollout or --num-epoch is required: how long to train")
-    refusals.check(cfg)
-    m = cfg.megatron
-    if m.recompute_granularity == "full" and None in (m.recompute_method, m.recompute_num_layers):
-        raise ConfigError(
-            "--recompute-granularity full needs --recompute-method (uniform or block) and "
-            "--recompute-num-layers, as in Megatron"
-        )
-    tp = cfg.megatron.tensor_model_parallel_size
-    # the trainer's ranks: torchrun's world, or what the flags will ask torchrun for
-    ranks = int(os.environ.get("WORLD_SIZE", "0")) or (
-        cfg.megatron.actor_num_nodes * cfg.megatron.actor_num_gpus_per_node
-    )
-    if tp < 1 or ranks % tp:
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp} must divide the trainer's {ranks} rank(s) "
-            "(torchrun's, or --actor-num-nodes x --actor-num-gpus-per-node): the ranks of "
-            "each tensor parallel group hold one copy of the model between them"
-        )
-    pp, cp = cfg.megatron.pipeline_model_parallel_size, cfg.megatron.context_parallel_size
-    if min(pp, cp) < 1 or ranks % (tp * pp * cp):
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
-            f"--context-parallel-size {cp} must divide the trainer's {ranks} rank(s): each "
-            "such group of ranks holds one copy of the model between them"
-        )
-    if cfg.megatron.use_distributed_optimizer and tp * pp * cp > 1:
-        raise ConfigError(
-            "--use-distributed-optimizer with --tensor-model-parallel-size, "
-            "--pipeline-model-parallel-size or --context-parallel-size > 1 is not built yet "
-            "(the backend sums those ranks' partial gradients itself, outside megatron's "
-            "gradient buffers): drop it, and the ranks of each model parallel group keep "
-            "optimizer state for their own slices"
-        )
-    if r.custom_generate_function_path and r.rollout_function_path:
-        raise ConfigError(
-            "--custom-generate-function-path and --rollout-function-path both replace how a "
-            "group is generated: give one"
-        )
-    if given_router_url(cfg) is None and not cfg.ckpt.hf_checkpoint:
-        if cfg.ckpt.ref_load and (found := megatron_ckpt.describe(cfg.ckpt.ref_load)):
-            raise ConfigError(megatron_ckpt.message("--ref-load", cfg.ckpt.ref_load, found, None))
-        raise ConfigError(
-            "--hf-checkpoint is required to start local engines (--ref-load is not served); "
-            "or pass --router-url to use running ones"
-        )
-    _check_group_size(cfg)
-    _check_reward(cfg)
-    _check_profiling(cfg)
-    for name in ("critic_load", "opd_teacher_load"):
-        path = getattr(cfg.algo, name)
-        if path:
-            _model_dir("--" + name.replace("_", "-"), path, cfg.ckpt.hf_checkpoint)
-
-
-def _check_group_size(cfg: RunConfig) -> None:
-    a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
-    grpo = a.advantage_estimator in ("grpo", "gspo")
-    if grpo and n < 2 and not a.disable_grpo_std_normalization:
-        raise ConfigError(
-            f"--n-samples-per-prompt {n}: {a.advantage_estimator} needs >= 2, "
-            "or --disable-grpo-std-normalization"
-        )
-    if a.advantage_estimator == "reinforce_plus_plus_baseline" and n < 2:
-        raise ConfigError(
-            f"--n-samples-per-prompt {n}: reinforce_plus_plus_baseline subtracts the group "
-            "mean, it needs >= 2"
-        )
-
-
-def _check_reward(cfg: RunConfig) -> None:
-    """The reward worker's start-up check (reward/rewarder.py check_reward_config), here."""
-    r = cfg.reward
-    if r.group_rm and not r.custom_rm_path:
-        raise ConfigError("--group-rm scores with your function: set --custom-rm-path too")
-    if not r.rm_type:
+def _check_local_engines_model(cfg: RunConfig) -> None:
+    """Engines started here load --hf-checkpoint, never --ref-load: a run that gives only
+    --ref-load needs --router-url (a Miles script's Megatron --ref-load is named as one)."""
+    ckpt = cfg.ckpt
+    if given_router_url(cfg) is not None or ckpt.hf_checkpoint or not ckpt.ref_load:
         return
-    name = r.rm_type.strip()
-    if name.removeprefix(BOXED_PREFIX) not in RM_TYPES:
-        raise ConfigError(
-            f"--rm-type {r.rm_type} is not a built-in reward; known: {', '.join(RM_TYPES)} "
-            f"(each may take the {BOXED_PREFIX} prefix); for your own reward use "
-            "--custom-rm-path pkg.mod.fn"
-        )
-
-
-def _check_profiling(cfg: RunConfig) -> None:
-    """A profiler asked for must profile something (the window itself: ProfilingConfig)."""
-    p, n = cfg.profiling, cfg.rollout.num_rollout
-    if p.enabled and n and p.profile_step_start >= n:
-        raise ConfigError(
-            f"--profile-step-start {p.profile_step_start}: the run has --num-rollout {n} "
-            f"(rollout ids 0 to {n - 1}), so nothing would be profiled"
-        )
+    if found := megatron_ckpt.describe(ckpt.ref_load):
+        raise ConfigError(megatron_ckpt.message("--ref-load", ckpt.ref_load, found, None))
+    raise ConfigError(
+        "--hf-checkpoint is required to start local engines (--ref-load is not served); "
+        "or pass --router-url to use running ones"
+    )
 
 
 def check_machine(cfg: RunConfig) -> None:
@@ -267,7 +166,7 @@ def check_plugins(cfg: RunConfig) -> None:
     filter_path = r.dynamic_sampling_filter_path
     if filter_path and filter_path.rsplit(".", 1)[-1] in BUILTIN_FILTERS:
         del plugins["--dynamic-sampling-filter-path"]
-    with _workers_sys_path():
+    with workers_sys_path():
         for flag, path in plugins.items():
             if not path:
                 continue
@@ -306,29 +205,17 @@ def check_log_functions(cfg: RunConfig) -> None:
             ) from None
 
 
-@contextlib.contextmanager
-def _workers_sys_path() -> Iterator[None]:
-    """The workers run as `python -m millstream.cli ...` in this directory, which puts it first
-    on their sys.path; the `millstream` script does not put it on ours. Import as they do."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added:
-            sys.path.remove(cwd)
-
-
 def check_files(cfg: RunConfig) -> None:
     """Model dirs, a --load checkpoint, the prompt data and the eval sets."""
     ckpt, a = cfg.ckpt, cfg.algo
+    for name in ("critic_load", "opd_teacher_load"):  # the models a run adds, named first
+        if path := getattr(a, name):
+            _model_dir("--" + name.replace("_", "-"), path, ckpt.hf_checkpoint)
     if ckpt.hf_checkpoint:
         _model_dir("--hf-checkpoint", ckpt.hf_checkpoint)
     # --ref-load is read as the reference (a KL term) or as the actor without --hf-checkpoint;
     # a Miles script may pass a Megatron dir there that the torch backend never reads.
-    # --train-backend megatron reads a torch_dist --ref-load and --load (megatron_dist.py),
+    # --train-backend megatron reads a torch_dist --ref-load and --load (megatron/dist.py),
     # with --hf-checkpoint's config.json and tokenizer (check_flags: it is given).
     megatron = ckpt.train_backend == "megatron"
     reads_ref = a.use_kl_loss or a.use_kl_in_reward or not ckpt.hf_checkpoint

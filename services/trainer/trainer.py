@@ -24,13 +24,13 @@ from opentelemetry import trace
 from millstream.common import heap, telemetry, threads
 from millstream.common.config import RunConfig
 
-from . import checkpoint
 from .admission import Admission
 from .batch import build_samples
 from .buffer import Buffer
+from .checkpoints import checkpoint
 from .evaluate import Evaluator, accuracies, format_accuracies
-from .metrics import MetricsLogger, format_row
-from .watch import Watch
+from .observe.metrics import MetricsLogger, format_row
+from .observe.watch import Watch
 
 T = TypeVar("T")
 

@@ -110,7 +110,7 @@ def _check_curves_tensorboard_and_profile(run_dir: Path) -> None:
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from millstream.trainer import plot
+    from millstream.trainer.observe import plot
 
     assert plot.main([str(run_dir)]) == 0
     assert {p.name for p in (run_dir / "plots").glob("*.png")} >= {"reward.png", "timings.png"}

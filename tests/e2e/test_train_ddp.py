@@ -46,7 +46,7 @@ def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_
     what it loaded; megatron-pp2: two pipeline stages, rank 0 the first (the loop and the
     services), rank 1 the last. The ranks' numbers (DDP, FSDP, megatron DP, TP, PP and CP
     against one rank): tests/unit/test_data_parallel.py; a one-rank megatron step:
-    test_megatron_model.py."""
+    test_megatron/model.py."""
     extra = ["--train-backend", backend]
     if backend == "megatron-pp2":
         extra = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2"]

@@ -25,7 +25,7 @@ from millstream.common.errors import ServiceUnavailable
 from millstream.common.keys import RunKeys
 from millstream.common.pb import services_pb2, services_pb2_grpc
 from millstream.engine.registration import join
-from millstream.trainer.coordinator import Coordinator
+from millstream.trainer.weights.coordinator import Coordinator
 from tests.support.engine_proc import EngineProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -28,7 +28,7 @@ import redis
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import RunKeys
-from millstream.trainer.launcher import ClusterUrls, LocalCluster, ServiceExited
+from millstream.launch.cluster import ClusterUrls, LocalCluster, ServiceExited
 from tests.support.launcher_driver import start_all
 
 pytestmark = pytest.mark.integration
@@ -295,7 +295,7 @@ from pathlib import Path
 import millstream.cli  # noqa: F401  (what every millstream process imports first)
 import grpc
 
-from millstream.trainer import procs
+from millstream.launch import procs
 
 print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"))
 server = grpc.server(futures.ThreadPoolExecutor(2))

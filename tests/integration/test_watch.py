@@ -10,7 +10,7 @@ import pytest
 from millstream.common.keys import RunKeys
 from millstream.common.redis_conn import connect
 from millstream.trainer.janitor import Tidied, tidy
-from millstream.trainer.watch import Stalled, Watch, alive_workers
+from millstream.trainer.observe.watch import Stalled, Watch, alive_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from millstream.common.errors import MillstreamError
-from millstream.trainer.weight_sync import SyncReport, WeightSync
+from millstream.trainer.weights.sync import SyncReport, WeightSync
 from tests.support.engine_proc import EngineProcess
 from tests.support.router_proc import ServiceProcess, start_router
 

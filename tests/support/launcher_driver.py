@@ -21,7 +21,7 @@ from millstream.common.config import parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.errors import MillstreamError
 from millstream.common.redis_conn import connect
-from millstream.trainer.launcher import ClusterUrls, LocalCluster
+from millstream.launch.cluster import ClusterUrls, LocalCluster
 
 
 async def start_all(cluster: LocalCluster) -> ClusterUrls:

@@ -7,7 +7,11 @@ import random
 
 import pytest
 
-from millstream.trainer.batching import balance_across_ranks, contiguous_shards, pack_by_tokens
+from millstream.trainer.backends.batching import (
+    balance_across_ranks,
+    contiguous_shards,
+    pack_by_tokens,
+)
 
 
 def random_lengths(seed: int) -> list[int]:

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
+from millstream.trainer.backends.distributed import decode, encode
 from millstream.trainer.backends.torch_backend import TorchBackend
-from millstream.trainer.distributed import decode, encode
 from tests.unit.test_torch_backend import _samples
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +38,7 @@ def _free_port() -> int:
 def build_backend(cfg, model: str) -> TorchBackend:
     critic = model if cfg.algo.uses_critic else None
     if cfg.ckpt.train_backend == "megatron":
-        from millstream.trainer.backends.megatron_backend import MegatronBackend
+        from millstream.trainer.backends.megatron.backend import MegatronBackend
 
         return MegatronBackend(cfg, model, ref_dir=None, critic_dir=critic, total_steps=2)
     return TorchBackend(cfg, model, ref_dir=None, critic_dir=critic, total_steps=2)
@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, port: int, model: str, out: str,
     ~8 s of start-up each)."""
     import torch.distributed as dist
 
-    from millstream.trainer.distributed import DataParallel, init, send_stop, shutdown
+    from millstream.trainer.backends.distributed import DataParallel, init, send_stop, shutdown
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
@@ -173,7 +173,7 @@ def two_rank_weights(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name):
     megatron = "megatron" in RUNS[name]
-    # megatron's one-rank step equals the torch backend's (tests/unit/test_megatron_model.py),
+    # megatron's one-rank step equals the torch backend's (tests/unit/test_megatron/model.py),
     # which runs here: megatron in this process would patch it and give it a process group.
     flags = _without_megatron(RUNS[name])
     cfg = parse_run_config([*FLAGS, *flags])
@@ -286,7 +286,7 @@ def _resume_rank(rank: int, world: int, port: int, model: str, out: str, runs: d
     train a second rollout; rank 0 keeps the weights."""
     import torch.distributed as dist
 
-    from millstream.trainer.distributed import init, shutdown
+    from millstream.trainer.backends.distributed import init, shutdown
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
@@ -301,7 +301,7 @@ def _resume_rank(rank: int, world: int, port: int, model: str, out: str, runs: d
 
 
 def _resume_run(rank: int, model: str, out: Path, flags: list[str]) -> None:
-    from millstream.trainer.distributed import DataParallel, send_stop
+    from millstream.trainer.backends.distributed import DataParallel, send_stop
 
     cfg = parse_run_config([*ADAM, *flags])
     ckpt = out / "ckpt"

@@ -2,7 +2,7 @@
 
 A flag nothing reads is a flag silently ignored: a Miles user would think it does what it does
 in Miles. So every field of every RunConfig group must be read outside the config package
-(found by walking services/ for the attribute), or sit in one of trainer/refusals.py's tables:
+(found by walking services/ for the attribute), or sit in one of common/config/refusals.py's tables:
 DERIVED (folded into a value that is read), REFUSED (a non-default value exits 2 before
 anything starts), MATCHED (checked against the HF checkpoint's config.json), ACCEPTED
 (nothing to do, said in --help), PASSED_THROUGH (handed on to real SGLang servers).
@@ -22,16 +22,22 @@ from pathlib import Path
 
 import pytest
 
-from millstream.common.config import GROUPS, ConfigError, build_parser, parse_run_config
+from millstream.common.config import (
+    GROUPS,
+    ConfigError,
+    build_parser,
+    checks,
+    parse_run_config,
+    refusals,
+)
 from millstream.common.config.schema import _unwrap
-from millstream.trainer import main, preflight, refusals
+from millstream.trainer import main, preflight
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = REPO / "services"
 ARITH = REPO / "examples" / "arith"
 # Checking a flag is not using it: the config package, preflight and the tables are not readers.
-NOT_READERS = (SERVICES / "common" / "config", SERVICES / "trainer" / "preflight.py",
-               SERVICES / "trainer" / "refusals.py")  # fmt: skip
+NOT_READERS = (SERVICES / "common" / "config", SERVICES / "trainer" / "preflight.py")
 TABLES = {
     "DERIVED": refusals.DERIVED,
     "REFUSED": refusals.REFUSED,
@@ -86,7 +92,8 @@ def test_every_flag_is_read_refused_or_passed_through():
     ]
     assert not orphans, (
         "nothing outside the config package reads these flags: make them do what they do in "
-        "Miles, or add them to a table of millstream/trainer/refusals.py: " + ", ".join(orphans)
+        "Miles, or add them to a table of millstream/common/config/refusals.py: "
+        + ", ".join(orphans)
     )
 
 
@@ -268,7 +275,7 @@ def test_the_miles_qwen3_script_is_refused_for_what_the_torch_backend_does_not_d
         "--rollout-num-gpus-per-engine", "--sglang-mem-fraction-static",
     ]  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--tensor-model-parallel-size 2 needs --train-backend"):
-        preflight.check_flags(cfg)
+        checks.check(cfg)
 
 
 @pytest.mark.parametrize("mode", ["train", "train-async"])
@@ -450,4 +457,4 @@ def test_use_distributed_optimizer_is_the_megatron_backends_without_model_parall
                             "--prompt-data", "p.jsonl", "--rm-type", "math",
                             "--num-rollout", "1"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--use-distributed-optimizer with --tensor-model"):
-        preflight.check_flags(tp2)
+        checks.check(tp2)

@@ -1,5 +1,5 @@
 """Megatron's torch_dist checkpoints: `millstream convert` both ways, and the Megatron backend
-starting from a torch_dist --load and --ref-load (megatron_dist.py). A save by two tensor
+starting from a torch_dist --load and --ref-load (megatron/dist.py). A save by two tensor
 parallel ranks read by one, and a run's resume from its own: tests/unit/test_data_parallel.py;
 a torchrun run from a converted --ref-load: tests/e2e/test_train_ddp.py."""
 
@@ -76,8 +76,8 @@ def _start_from_torch_dist(rank: int, port: int, model_dir: str, out: str, other
 
     from millstream.common.config import parse_run_config
     from millstream.common.errors import MillstreamError
-    from millstream.trainer.backends import megatron_dist
-    from millstream.trainer.backends.megatron_backend import MegatronBackend
+    from millstream.trainer.backends.megatron import dist as megatron_dist
+    from millstream.trainer.backends.megatron.backend import MegatronBackend
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -42,7 +42,8 @@ def _check(rank: int, port: int, model_dirs: list[str]) -> None:
     import megatron.core  # noqa: F401
     import torch.distributed as dist
 
-    from millstream.trainer.backends import megatron_cpu, megatron_model  # noqa: F401
+    from millstream.trainer.backends.megatron import cpu as megatron_cpu
+    from millstream.trainer.backends.megatron import model as megatron_model  # noqa: F401
 
     # Imported, megatron and the backend's modules have patched nothing yet.
     assert getattr(torch.cuda.current_device, "__name__", "") == "current_device", "patched"
@@ -59,7 +60,7 @@ def _check(rank: int, port: int, model_dirs: list[str]) -> None:
 def _check_one(model_dir: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from millstream.trainer.backends import megatron_model
+    from millstream.trainer.backends.megatron import model as megatron_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a GPU run too
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -129,7 +130,7 @@ def _backend_step(rank: int, model_dir: str, out: str) -> None:
     Megatron backend from the same weights; the logprobs before and the weights after, in
     Hugging Face names; then the Megatron backend's checkpoint written and read back."""
     from millstream.common.config import parse_run_config
-    from millstream.trainer.backends.megatron_backend import MegatronBackend
+    from millstream.trainer.backends.megatron.backend import MegatronBackend
     from millstream.trainer.backends.torch_backend import TorchBackend
     from tests.unit.test_torch_backend import _samples
 
@@ -192,7 +193,7 @@ def test_a_model_with_output_projection_or_mlp_bias_is_refused_not_built_without
     from transformers import LlamaConfig
 
     from millstream.common.errors import MillstreamError
-    from millstream.trainer.backends import megatron_model
+    from millstream.trainer.backends.megatron import model as megatron_model
 
     for bias in ({"attention_bias": True}, {"mlp_bias": True}):
         config = LlamaConfig(hidden_size=64, num_attention_heads=4, **bias)
@@ -212,8 +213,8 @@ def _distributed_optimizer_steps(rank: int, model_dir: str, out: str) -> None:
     megatron's distributed optimizer, and on one that resumes from the latter's checkpoint
     after the first; every actor's weights after each rollout, and the logged step rows."""
     from millstream.common.config import parse_run_config
-    from millstream.trainer.backends import megatron_optimizer
-    from millstream.trainer.backends.megatron_backend import MegatronBackend
+    from millstream.trainer.backends.megatron import optimizer as megatron_optimizer
+    from millstream.trainer.backends.megatron.backend import MegatronBackend
     from millstream.trainer.backends.torch_backend import TorchBackend
     from tests.unit.test_torch_backend import _samples
 
@@ -277,12 +278,12 @@ def _plain_optimizer_on_cpu(rank: int, model_dir: str) -> None:
     import logging
 
     from millstream.common.config import parse_run_config
-    from millstream.trainer.backends.megatron_backend import MegatronBackend
+    from millstream.trainer.backends.megatron.backend import MegatronBackend
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("millstream.trainer.backends.megatron_backend").addHandler(handler)
+    logging.getLogger("millstream.trainer.backends.megatron.backend").addHandler(handler)
     backend = MegatronBackend(parse_run_config(DIST_OPT_FLAGS), model_dir, ref_dir=None,
                               total_steps=2)  # fmt: skip
     assert not backend.distributed_optimizer

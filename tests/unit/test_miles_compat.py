@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from millstream.common.config import ConfigError, parse_run_config
-from millstream.trainer import main, megatron_ckpt, preflight, refusals
+from millstream.common.config import ConfigError, parse_run_config, refusals
+from millstream.trainer import main, preflight
+from millstream.trainer.checkpoints import megatron_ckpt
 from tests.unit.test_flags_consumed import _base, _script_argv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -263,7 +264,7 @@ def test_a_torch_dist_ref_load_exits_2_naming_the_flag_the_format_and_the_fix(
 @pytest.mark.parametrize("flag", ["--ref-load", "--load"])
 def test_the_megatron_backend_takes_a_torch_dist_ref_load_and_load(tmp_path, flag):
     """Miles' start: what its converter made (--ref-load) or its Megatron saved (--load);
-    megatron_dist.py reads them (tests/unit/test_megatron_dist.py)."""
+    megatron/dist.py reads them (tests/unit/test_megatron/dist.py)."""
     path = _torch_dist(tmp_path / "ckpt", "release" if flag == "--ref-load" else "20")
     argv = _base(flag, str(path), "--use-kl-loss")
     with pytest.raises(ConfigError, match=rf"^{flag} {path} is a Megatron torch_dist"):
@@ -277,7 +278,7 @@ def test_a_torch_dist_ref_load_without_hf_checkpoint_is_named_not_hf_checkpoint(
     i = argv.index("--hf-checkpoint")
     del argv[i : i + 2]
     with pytest.raises(ConfigError, match=r"^--ref-load .* is a Megatron torch_dist checkpoint"):
-        preflight.check_flags(parse_run_config(argv))
+        preflight.check(parse_run_config(argv))
 
 
 def test_a_torch_dist_load_is_named_with_what_the_torch_backend_resumes(tmp_path):
@@ -295,7 +296,7 @@ def test_a_torch_dist_model_dir_is_named_for_the_flag_given(tmp_path, flag):
     path = _torch_dist(tmp_path / "teacher")
     extra = ["--use-opd"] if flag == "--opd-teacher-load" else ["--advantage-estimator", "ppo"]
     with pytest.raises(ConfigError, match=rf"^{flag} {path} is a Megatron torch_dist"):
-        preflight.check_flags(parse_run_config(_base(*extra, flag, str(path))))
+        preflight.check_files(parse_run_config(_base(*extra, flag, str(path))))
 
 
 def test_the_miles_qwen3_script_would_next_stop_at_its_torch_dist_ref_load(tmp_path):

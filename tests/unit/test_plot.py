@@ -11,8 +11,8 @@ import pytest
 
 from millstream import cli
 from millstream.common.errors import MillstreamError
-from millstream.trainer import plot
-from millstream.trainer.plot import build_figures, load_run, main
+from millstream.trainer.observe import plot
+from millstream.trainer.observe.plot import build_figures, load_run, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 THEMES = ("reward", "losses", "timings", "throughput")

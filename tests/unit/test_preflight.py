@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from millstream.common.config import ConfigError, parse_run_config
+from millstream.common.config import ConfigError, checks, parse_run_config
 from millstream.trainer import preflight
 
 REPO = Path(__file__).resolve().parents[2]
@@ -283,12 +283,13 @@ def test_ref_load_alone_cannot_start_local_engines():
 
 
 def test_the_copies_match_their_originals():
-    """The trainer imports no other service, and not torch at start: what preflight repeats
-    from the reward hub, the filters and checkpoint.py must stay equal to the original."""
+    """The trainer and the config import no other service, and not torch at start: what
+    they repeat from the reward hub, the filters and checkpoint.py must stay equal to the
+    original."""
     from millstream.reward import filters, rm_hub
-    from millstream.trainer import checkpoint
+    from millstream.trainer.checkpoints import checkpoint
 
-    assert (preflight.RM_TYPES, preflight.BOXED_PREFIX) == (rm_hub.RM_TYPES, rm_hub.BOXED_PREFIX)
+    assert (checks.RM_TYPES, checks.BOXED_PREFIX) == (rm_hub.RM_TYPES, rm_hub.BOXED_PREFIX)
     assert tuple(filters.BUILTINS) == preflight.BUILTIN_FILTERS
     assert (preflight.LATEST, preflight.STATE) == (checkpoint.LATEST, checkpoint.STATE)
     assert checkpoint.iter_dir("r", 5).name == "iter_0000005"

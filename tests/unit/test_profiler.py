@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from millstream.common.config import ConfigError, build_parser, parse_run_config
+from millstream.common.config import ConfigError, build_parser, checks, parse_run_config
 from millstream.common.config.profiling import PROFILE_TARGETS, ProfilingConfig
 from millstream.common.errors import MillstreamError
 from millstream.trainer import preflight
 from millstream.trainer.backends.base import TrainSample
 from millstream.trainer.backends.torch_backend import TorchBackend
-from millstream.trainer.profiler import TrainProfiler, event_name, trace_path
+from millstream.trainer.observe.profiler import TrainProfiler, event_name, trace_path
 
 ARITH = Path(__file__).resolve().parents[2] / "examples" / "arith"
 BASE = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
@@ -139,9 +139,9 @@ def _arith(*extra: str):
 
 def test_preflight_refuses_a_window_the_run_never_reaches():
     with pytest.raises(ConfigError, match=r"^--profile-step-start 10: the run has --num-rollout 3"):
-        preflight.check_flags(_arith("--use-pytorch-profiler"))
-    preflight.check_flags(_arith("--use-pytorch-profiler", "--profile-step-start", "2"))
-    preflight.check_flags(_arith())  # no profiler: the default window is not its business
+        checks.check(_arith("--use-pytorch-profiler"))
+    checks.check(_arith("--use-pytorch-profiler", "--profile-step-start", "2"))
+    checks.check(_arith())  # no profiler: the default window is not its business
 
 
 # -- memory snapshot: CUDA only ---------------------------------------------------------------

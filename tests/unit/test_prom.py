@@ -31,7 +31,7 @@ from millstream.router.metrics import RouterMetrics
 from millstream.router.registry import Registry
 from millstream.trainer.admission import Admission
 from millstream.trainer.buffer import Buffer
-from millstream.trainer.prom import TERMINAL_STATES, TrainerMetrics
+from millstream.trainer.observe.prom import TERMINAL_STATES, TrainerMetrics
 
 SHARED = ("worker", "stream")  # millstream_worker_*, millstream_stream_*: in several services
 NAME = re.compile(r"^millstream_[a-z][a-z0-9_]*[a-z0-9]$")

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from millstream.common.config import parse_run_config
-from millstream.trainer import batching
-from millstream.trainer.backends import shared_prefix
+from millstream.trainer.backends import batching, shared_prefix
 from millstream.trainer.backends.base import TrainSample
 from millstream.trainer.backends.torch_backend import Prepared, TorchBackend
 

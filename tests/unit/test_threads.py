@@ -8,7 +8,7 @@ import pytest
 
 from millstream.common import threads
 from millstream.common.config import parse_run_config
-from millstream.trainer.launcher import cpu_budget
+from millstream.launch.plan import cpu_budget
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from millstream.common.config import parse_run_config
-from millstream.trainer import checkpoint
 from millstream.trainer.admission import Admission, TerminalCounts
 from millstream.trainer.backends.base import TrainSample
 from millstream.trainer.backends.torch_backend import (
@@ -20,6 +19,7 @@ from millstream.trainer.backends.torch_backend import (
     lr_factor,
     make_optimizer,
 )
+from millstream.trainer.checkpoints import checkpoint
 
 
 def _cfg(*extra: str):

@@ -25,8 +25,9 @@ from millstream.common.config.logs import LoggingConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.miles import Sample as MilesSample
 from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus, ScoredGroup
-from millstream.trainer import log_hooks, metrics, preflight
-from millstream.trainer.metrics import MetricsLogger
+from millstream.trainer import preflight
+from millstream.trainer.observe import log_hooks, metrics
+from millstream.trainer.observe.metrics import MetricsLogger
 from tests.support import log_plugins
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,7 +143,7 @@ def test_tags_are_miles_names_and_unknown_keys_are_warned(caplog):
         "perf/update_weights_time": 0.5, "perf/step_time": 5.5, "perf/completions_per_s": 8.0,
         "eval/aime": 0.5, "perf/cpu_memory_gb": 3.0,
     }  # fmt: skip
-    with caplog.at_level("WARNING", logger="millstream.trainer.metrics"):
+    with caplog.at_level("WARNING", logger="millstream.trainer.observe.metrics"):
         assert metrics.namespaced({"brand_new_metric": 1.0}) == {"rollout/brand_new_metric": 1.0}
     assert "brand_new_metric" in caplog.text and "metrics.TAGS" in caplog.text
 
@@ -505,7 +506,7 @@ def test_every_logging_flag_parses_and_is_read_by_the_trainer(tmp_path):
     # each field is read where the trainer tracks (not just parsed)
     source = "".join(
         (REPO / "services" / "trainer" / name).read_text()
-        for name in ("metrics.py", "log_hooks.py", "preflight.py")
+        for name in ("observe/metrics.py", "observe/log_hooks.py", "preflight.py")
     )
     unread = [
         f.name for f in dataclasses.fields(LoggingConfig) if not re.search(rf"\.{f.name}\b", source)

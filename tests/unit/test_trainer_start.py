@@ -1,5 +1,5 @@
 """The trainer's start: its own build runs beside the services' start, and the first failure
-of either ends both at once (`launcher.run_all`)."""
+of either ends both at once (`launch.cluster.run_all`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from millstream.trainer.launcher import run_all
+from millstream.launch.cluster import run_all
 
 
 def test_all_waits_finish():

@@ -13,9 +13,9 @@ import torch
 from millstream.common.config import parse_run_config
 from millstream.engine.weights import unflatten_bytes
 from millstream.trainer.build import master_address
-from millstream.trainer.coordinator import host_address
-from millstream.trainer.process_group import backend_for, flatten_bytes, plan_buckets
-from millstream.trainer.weight_sync import Failure, GroupBroken, WeightSync
+from millstream.trainer.weights.coordinator import host_address
+from millstream.trainer.weights.process_group import backend_for, flatten_bytes, plan_buckets
+from millstream.trainer.weights.sync import Failure, GroupBroken, WeightSync
 
 
 def named(*sizes: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:

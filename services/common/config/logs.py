@@ -3,7 +3,8 @@
 Miles' names and meanings (radixark/miles miles/utils/arguments.py add_wandb_arguments,
 add_tensorboard_arguments, and the two --custom-*-log-function-path flags of the rollout
 arguments); `--tensorboard-dir` is Megatron's and Miles' FSDP backend's spelling of a fixed
-directory. What the trainer does with them: trainer/metrics.py and trainer/log_hooks.py.
+directory. What the trainer does with them:
+trainer/observe/metrics.py and trainer/observe/log_hooks.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ PERF_ARGS that Miles launch scripts carry. The torch backend takes the architect
 Hugging Face config: a Miles script parses unchanged, and then each Megatron flag is matched
 against the checkpoint's config.json, refused (exit 2) when it asks for what the torch backend
 does not do, or accepted where there is nothing to do; --help says which, and
-trainer/refusals.py holds the rule and the tables."""
+common/config/refusals.py holds the rule and the tables."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class CkptConfig:
             raise ConfigError(f"--save-interval must be > 0 (got {self.save_interval})")
 
 
-# What --help says of the Megatron flags (trainer/refusals.py decides, and says why).
+# What --help says of the Megatron flags (common/config/refusals.py decides, and says why).
 _PARALLEL = "; only 1 (not built yet): anything else exits 2"
 _RECOMPUTE = "Megatron's activation recomputation: --train-backend megatron only"
 _DROPOUT = "Megatron's dropout; only 0 with the torch backend (the HF config's dropout applies)"

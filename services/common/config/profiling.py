@@ -5,8 +5,8 @@ rollout N-1). The profiled rollouts are [--profile-step-start, --profile-step-en
 torch.profiler schedule (wait start-1, warmup 1, active end-start) makes them.
 
 --use-pytorch-profiler writes one Chrome trace per target and rollout in that window (see
-millstream/trainer/profiler.py). --memory-snapshot-path records the CUDA caching allocator's
-history over the same window and dumps it there, for https://pytorch.org/memory_viz; it needs
+millstream/trainer/observe/profiler.py). --memory-snapshot-path records the CUDA caching
+allocator's history over the same window and dumps it there, for https://pytorch.org/memory_viz; it needs
 a CUDA GPU, and preflight refuses it on a machine without one (CPU allocations are in the
 traces: they are recorded with profile_memory, as Miles records them). Unlike Megatron, where
 --record-memory-history turns recording on and the path has a default, giving the path is

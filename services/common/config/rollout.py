@@ -201,3 +201,16 @@ def resolve_batch_knobs(
             "the four batch knobs disagree: " + show() + f" ({rbs * n} != {gbs * steps})"
         )
     return rbs, n, gbs, steps
+
+
+# Miles' default data source, by any of its paths: the trainer's JSONL source
+# (trainer/data.py PromptDataSource) does its job.
+MILES_DEFAULT_SOURCES = ("RolloutDataSourceWithBuffer", "RolloutDataSource")
+_DEFAULT_PREFIXES = ("miles.rollout.data_source.", "slime.rollout.data_source.")
+
+
+def is_default_source(path: str | None) -> bool:
+    """No --data-source-path, or Miles' own default named by its module path."""
+    return not path or (
+        path.startswith(_DEFAULT_PREFIXES) and path.rsplit(".", 1)[-1] in MILES_DEFAULT_SOURCES
+    )

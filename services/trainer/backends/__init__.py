@@ -1,5 +1,7 @@
-"""Trainer backends: the same batch in, the same loss out (DESIGN.md section 6).
+"""The train step: the same batch in, the same loss out, on any backend (DESIGN.md section 6).
 
-`torch` (default on CPU): a Hugging Face causal LM and a torch optimizer. A Megatron backend
-will implement the same `TrainBackend` protocol and reuse `millstream.trainer.algorithms`.
+Owns `TrainBackend` (base.py) and its builds: `torch_backend` (a Hugging Face model and a torch
+optimizer, the shared-prompt layout, FSDP2), `megatron/` (megatron-core's GPTModel, TP/PP/CP),
+`critic` (PPO's value model), `batching` (micro-batches and rank shards) and `distributed`
+(data parallel ranks under torchrun). All of them call `trainer.algorithms` for the loss.
 """

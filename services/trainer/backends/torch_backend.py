@@ -35,11 +35,10 @@ from torch.nn.utils import clip_grad_norm_
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 
-from .. import batching
 from ..algorithms.advantages import token_advantages
 from ..algorithms.loss import Denominator, approx_kl, policy_loss, value_loss
-from ..profiler import TrainProfiler
-from . import shared_prefix
+from ..observe.profiler import TrainProfiler
+from . import batching, shared_prefix
 from .base import TrainSample
 from .critic import ValueModel, load_value_model
 
@@ -72,7 +71,7 @@ def load_causal_lm(path: str | Path) -> torch.nn.Module:
 
 def train_device() -> torch.device:
     """Where the trainer computes: this process's GPU when torch sees one (torchrun's
-    LOCAL_RANK picks it, distributed.py), else the CPU."""
+    LOCAL_RANK picks it, backends/distributed.py), else the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -249,9 +248,9 @@ class TorchBackend:
         # across ranks in the backward of each step's last micro-batch); the sum across ranks
         # of the per-shard metric sums; the sum of a tensor (whitening statistics).
         self.rank, self.world_size = 0, 1
-        self.tensor_parallel = 1  # ranks that split each layer (megatron_backend.py sets it)
+        self.tensor_parallel = 1  # ranks that split each layer (megatron/backend.py sets it)
         # ranks that hold one copy of the model between them: tensor x pipeline x context
-        # parallel; the context parallel ones share each sequence (megatron_backend.py)
+        # parallel; the context parallel ones share each sequence (megatron/backend.py)
         self.model_parallel = self.context_parallel = 1
         self.train_model: torch.nn.Module = self.model
         # Whether train_model sums the actor's gradients over the data parallel ranks itself

@@ -48,6 +48,7 @@ from millstream.common.http_pool import make_client
 from millstream.common.keys import RunKeys
 from millstream.common.redis_conn import connect, redact
 
+from .plan import cpu_budget, given_router_url
 from .procs import (
     Child,
     RunDirLock,
@@ -125,29 +126,6 @@ class ClusterUrls:
             connection=replace(cfg.connection, redis_url=self.redis_url),
             service=replace(cfg.service, router_url=self.router_url),
         )
-
-
-def given_router_url(cfg: RunConfig) -> str | None:
-    """--router-url, or the Miles spelling --sglang-router-ip/--sglang-router-port."""
-    if cfg.service.router_url:
-        return cfg.service.router_url.rstrip("/")
-    ip, port = cfg.sglang.sglang_router_ip, cfg.sglang.sglang_router_port
-    return f"http://{ip}:{port}" if ip and port else None
-
-
-def cpu_budget(cfg: RunConfig) -> threads.CpuBudget:
-    """How this machine's cores are split between the trainer and the engines started here
-    (none when --router-url names running ones): disjoint shares in async mode; in sync mode,
-    where they take turns, every core for the trainer and every core between the engines;
-    --num-threads and --engine-num-threads override the split
-    (common/threads.py)."""
-    engines = 0 if given_router_url(cfg) else cfg.sglang.rollout_num_engines
-    budget = threads.split_cores(
-        threads.machine_cores(), engines, cfg.service.num_threads, overlap=cfg.max_staleness > 0
-    )
-    if cfg.service.engine_num_threads:
-        budget = replace(budget, engine=cfg.service.engine_num_threads)
-    return budget
 
 
 def _indent(text: str) -> str:

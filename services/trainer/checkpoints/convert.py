@@ -13,7 +13,7 @@
         tools/convert_torch_dist_to_hf.py does.
 
 One process, one rank, on CPU: a torch_dist checkpoint does not depend on the parallel layout
-(a run with any tensor parallel size reads what this writes, megatron_dist.py). The model is
+(a run with any tensor parallel size reads what this writes, megatron/dist.py). The model is
 megatron_model's GPTModel for HF_DIR's config (Qwen2, Qwen3, Llama).
 """
 
@@ -71,9 +71,7 @@ def _check_model_args(parser: argparse.ArgumentParser, hf_dir: str, rest: list[s
         parser.error(f"--hf-checkpoint {hf_dir} is not a Hugging Face model dir (no config.json)")
     if not rest:
         return
-    from millstream.common.config import parse_run_config
-
-    from . import refusals
+    from millstream.common.config import parse_run_config, refusals
 
     # A batch size only for the run config's own rule (four knobs); the flags given win.
     argv = ["--rollout-batch-size", "1", *rest, "--hf-checkpoint", hf_dir]
@@ -88,8 +86,8 @@ def _model(hf_dir: Path) -> tuple[Any, Any]:
     """(HF config, GPTModel with random weights) on a one-rank group, tensor parallel 1."""
     from transformers import AutoConfig
 
-    from .backends import megatron_model
-    from .backends.megatron_backend import init_model_parallel, one_rank_group
+    from ..backends.megatron import model as megatron_model
+    from ..backends.megatron.backend import init_model_parallel, one_rank_group
 
     one_rank_group()
     init_model_parallel(1)
@@ -101,7 +99,8 @@ def hf_to_torch_dist(hf_dir: Path, root: Path) -> Path:
     """HF_DIR's weights as ROOT/release/ in torch_dist, the tracker saying "release"."""
     from transformers import AutoModelForCausalLM
 
-    from .backends import megatron_dist, megatron_model
+    from ..backends.megatron import dist as megatron_dist
+    from ..backends.megatron import model as megatron_model
 
     start = time.monotonic()
     config, model = _model(hf_dir)
@@ -127,7 +126,8 @@ def torch_dist_to_hf(input_dir: Path, output_dir: Path, origin: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .backends import megatron_dist, megatron_model
+    from ..backends.megatron import dist as megatron_dist
+    from ..backends.megatron import model as megatron_model
 
     start = time.monotonic()
     source = megatron_ckpt.checkpoint_dir(input_dir)

@@ -1,5 +1,5 @@
 """The Megatron backend's model: a megatron-core `GPTModel` built from a Hugging Face config,
-and the weights converted both ways (issue 15; megatron_backend.py trains it).
+and the weights converted both ways (issue 15; megatron/backend.py trains it).
 
 `transformer_config(hf)` maps a Qwen2 / Qwen3 / Llama config.json to megatron's
 TransformerConfig (RMSNorm, SwiGLU, rotary embeddings, grouped-query attention, QKV bias where
@@ -40,7 +40,7 @@ import torch
 
 from millstream.common.errors import MillstreamError
 
-from . import megatron_cpu
+from . import cpu as megatron_cpu
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 
@@ -179,7 +179,7 @@ class HeadNorm:
 def _layer_spec(qk_layernorm: bool, context_parallel: bool) -> Any:
     """The local (non Transformer Engine) layer spec with our norms in it (SequenceNorm,
     HeadNorm): the same modules megatron's torch norm builds, sequence parallel or not; with
-    context parallelism, our core attention (megatron_context.py)."""
+    context parallelism, our core attention (megatron/context.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
@@ -189,7 +189,7 @@ def _layer_spec(qk_layernorm: bool, context_parallel: bool) -> Any:
     if qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = HeadNorm
     if context_parallel:
-        from .megatron_context import ContextParallelAttention
+        from .context import ContextParallelAttention
 
         attention.core_attention = ContextParallelAttention
     return spec
@@ -197,7 +197,7 @@ def _layer_spec(qk_layernorm: bool, context_parallel: bool) -> Any:
 
 def _seed_cuda_rng_tracker(seed: int) -> None:
     """On a GPU megatron initialises its layers' weights (and runs attention dropout) under
-    its CUDA RNG tracker, which needs its states (on a CPU-only torch megatron_cpu.py stands in
+    its CUDA RNG tracker, which needs its states (on a CPU-only torch megatron/cpu.py stands in
     for it)."""
     from megatron.core import tensor_parallel
 

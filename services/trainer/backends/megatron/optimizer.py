@@ -17,7 +17,7 @@ slice, and gathers the updated parameters back. The step is the plain one's:
 
 On a CPU-only torch it cannot run: its optimizer makes its flags and buffers with literal
 `device="cuda"` and checks parameters against `torch.cuda.FloatTensor` in a dozen places,
-which is deeper than megatron_cpu.py's patches go; there the backend keeps the plain torch
+which is deeper than megatron/cpu.py's patches go; there the backend keeps the plain torch
 optimizer, which takes the same step.
 
 Checkpoints: `Optimizer.state_dict` is megatron's own state plus the parameter state gathered
@@ -122,7 +122,7 @@ class Schedule:
         self._apply()
 
     def _apply(self) -> None:
-        from .torch_backend import lr_factor
+        from ..torch_backend import lr_factor
 
         lr = self.cfg.optimizer.lr * lr_factor(self.last_epoch, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:

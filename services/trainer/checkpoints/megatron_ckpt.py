@@ -1,6 +1,6 @@
 """Recognise a Megatron checkpoint where a Hugging Face model dir or our own checkpoint is
 wanted, so preflight names the flag, the format and the fix (`millstream convert`, or
---train-backend megatron, which reads torch_dist: megatron_dist.py) instead of a missing
+--train-backend megatron, which reads torch_dist: megatron/dist.py) instead of a missing
 config.json.
 
 Miles scripts pass Megatron dirs: `--ref-load /root/Qwen3-4B_torch_dist` (made by Miles'
@@ -16,7 +16,7 @@ backend). Detection is by layout alone, never by reading a tensor:
 
 A checkpoint dir is Megatron's when it holds `.metadata`, a `*.distcp` file, a megatron-core
 `metadata.json` (a `sharded_backend` key) or an `mp_rank_*` dir, and no `trainer_state.json`
-(millstream's own iter_N/ has that, with model/ in Hugging Face format: checkpoint.py). The dir
+(millstream's own iter_N/ has that, with model/ in Hugging Face format: checkpoints/checkpoint.py). The dir
 looked at is ROOT itself (an iter dir given directly), the one the tracker names, else the
 newest iter_*/ or release/ under ROOT.
 """

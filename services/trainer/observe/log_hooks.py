@@ -45,7 +45,7 @@ from typing import Any
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
-from millstream.common.plugins import load_function
+from millstream.common.plugins import load_function, workers_sys_path
 
 ROLLOUT = "--custom-rollout-log-function-path"
 EVAL = "--custom-eval-rollout-log-function-path"
@@ -63,9 +63,7 @@ def paths(cfg: RunConfig) -> dict[str, str]:
 def load(flag: str, path: str) -> Callable[..., Any]:
     """The function, imported as preflight checks it: with the working directory on sys.path
     (the trainer runs there; the `millstream` script does not put it on sys.path)."""
-    from .preflight import _workers_sys_path  # preflight imports this module (through metrics)
-
-    with _workers_sys_path():
+    with workers_sys_path():
         return load_function(path, flag)
 
 

@@ -1,16 +1,16 @@
 """--train-backend megatron: the torch backend's training with megatron-core's GPTModel as the
 actor (issue 15): one rank, data parallel, tensor parallel (--tensor-model-parallel-size),
-pipeline parallel (--pipeline-model-parallel-size, megatron_pipeline.py) and context parallel
-(--context-parallel-size, megatron_context.py) under torchrun, in any combination (the world
+pipeline parallel (--pipeline-model-parallel-size, megatron/pipeline.py) and context parallel
+(--context-parallel-size, megatron/context.py) under torchrun, in any combination (the world
 a multiple of TP x PP x CP, the rest data parallel).
 
 Everything but the actor is the torch backend's (torch_backend.py): the batching, the no-grad
 forwards, the advantages and the loss code are shared, not copied; the reference and teacher
 models stay Hugging Face models (forward only), and so does PPO's critic (the torch backend's
 value model, trained whole on every rank: tensor parallelism does not split it). The actor is built from the checkpoint's
-config.json and weights (megatron_model.py) and trained with the same plain torch optimizer,
+config.json and weights (megatron/model.py) and trained with the same plain torch optimizer,
 or on GPUs with --use-distributed-optimizer under megatron's DistributedDataParallel with its
-distributed optimizer (megatron_optimizer.py). Its forward gets right-padded rows with
+distributed optimizer (megatron/optimizer.py). Its forward gets right-padded rows with
 megatron's default causal mask (padding only follows a row's tokens, so it changes nothing
 the loss reads), or, packed (--use-dynamic-batch-size), one row with a block-diagonal causal
 mask built from the position ids. Weights leave in Hugging Face names and layouts
@@ -21,7 +21,7 @@ one-rank gloo group (`one_rank_group`); under torchrun it is torchrun's, split b
 into tensor parallel groups of --tensor-model-parallel-size consecutive ranks and data
 parallel groups across them. The ranks of a tensor parallel group get the same samples and
 run every forward and backward together (megatron's layers all-reduce inside); the data
-parallel groups train as the torch backend's ranks do (distributed.py: DDP over
+parallel groups train as the torch backend's ranks do (backends/distributed.py: DDP over
 `data_parallel_group`, when it has more than one rank). With tensor parallelism the gradient
 norm sums each split parameter's slices over the group (`clip_actor_gradients`), and the
 whole weights are gathered by every rank after each rollout, rank 0 keeping them for weight
@@ -39,10 +39,13 @@ import torch
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
-from millstream.trainer import megatron_ckpt
+from millstream.trainer.checkpoints import megatron_ckpt
 
-from . import megatron_dist, megatron_model, megatron_optimizer, megatron_pipeline
-from .torch_backend import TorchBackend
+from ..torch_backend import TorchBackend
+from . import dist as megatron_dist
+from . import model as megatron_model
+from . import optimizer as megatron_optimizer
+from . import pipeline as megatron_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronBackend(TorchBackend):
-    collective_save = True  # torch_dist: every rank writes its slices (distributed.py)
+    collective_save = True  # torch_dist: every rank writes its slices (backends/distributed.py)
     shares_prompts = False  # its actor's forward builds its own masks (`_logits`)
 
     def __init__(
@@ -107,7 +110,7 @@ class MegatronBackend(TorchBackend):
         whole = megatron_model.hf_to_megatron(self.hf.state_dict(), self.hf.config)
         self._load_megatron(model, whole, f"the checkpoint {actor_dir}")
         self.hf.to("cpu")  # a GPU holds the actor once: the skeleton is for config and saving
-        # Pipelined: every weight's shape, to gather the stages' (megatron_pipeline.py).
+        # Pipelined: every weight's shape, to gather the stages' (megatron/pipeline.py).
         tied = self.hf.config.tie_word_embeddings
         self.megatron_shapes = {
             name: value.shape for name, value in whole.items()
@@ -116,7 +119,7 @@ class MegatronBackend(TorchBackend):
         self.model = self.train_model = model.train()
         self._start_from_torch_dist(cfg)
         # --use-distributed-optimizer: megatron's gradient buffers and optimizer (on a GPU;
-        # megatron_optimizer.py says why not on CPU, where the plain optimizer steps the same)
+        # megatron/optimizer.py says why not on CPU, where the plain optimizer steps the same)
         self.distributed_optimizer = m.use_distributed_optimizer and self.device.type == "cuda"
         if m.use_distributed_optimizer and not self.distributed_optimizer:
             log.warning(
@@ -205,7 +208,7 @@ class MegatronBackend(TorchBackend):
             positions, mask = torch.arange(ids.shape[1], device=device)[None].expand_as(ids), None
         length = ids.shape[1]
         if self.context_parallel > 1:  # this rank's share of the sequence
-            from . import megatron_context
+            from . import context as megatron_context
 
             if mask is None:  # causal by position in the whole sequence
                 mask = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
@@ -293,7 +296,7 @@ class MegatronBackend(TorchBackend):
 
     def _sum_over_context(self) -> None:
         """Context parallel: each rank's gradients are its share of the sequence's; their sum
-        over the group is the step's (megatron_context.py)."""
+        over the group is the step's (megatron/context.py)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 

@@ -12,7 +12,7 @@ Transformer Engine) on a CPU-only torch trips over six things, each patched here
    replaces it in both modules.
 3. `tensor_parallel.get_cuda_rng_tracker()`, forked around attention dropout
    (`DotProductAttention.forward`) and used at init, keeps CUDA RNG states: a tracker whose
-   `fork` is a no-op replaces it (millstream trains without dropout; refusals.py refuses
+   `fork` is a no-op replaces it (millstream trains without dropout; common/config/refusals.py refuses
    --attention-dropout/--hidden-dropout other than 0).
 4. Activation recomputation (--recompute-granularity) runs through
    `tensor_parallel.random.CheckpointFunction`, which saves the CUDA RNG state before a
@@ -21,7 +21,7 @@ Transformer Engine) on a CPU-only torch trips over six things, each patched here
    `_set_cuda_rng_state` in their module); a CPU-only torch has no CUDA RNG to read: an empty
    state stands in, and setting it does nothing (the CPU RNG state, which it saves too, is
    torch's own).
-5. Saving a torch_dist checkpoint (`dist_checkpointing.save`, megatron_dist.py) stages the
+5. Saving a torch_dist checkpoint (`dist_checkpointing.save`, megatron/dist.py) stages the
    tensors to host memory in `FileSystemWriterAsync.preload_tensors` with a non-blocking
    copy and then `torch.cuda.synchronize()`; on CPU the tensors are there already: the copy
    is made blocking, which skips the synchronize.
@@ -30,7 +30,7 @@ Transformer Engine) on a CPU-only torch trips over six things, each patched here
    it to CUDA: a CPU version replaces it where rotary_pos_embedding.py imported it by name.
 
 `apply()` patches once, and only when torch has no CUDA: it is called by the Megatron model
-builder (megatron_model.py) when it starts, never at import time. On a GPU nothing is patched.
+builder (megatron/model.py) when it starts, never at import time. On a GPU nothing is patched.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ starts, naming the flag and why. Each field of each RunConfig group is one of:
 
 - read: a component outside the config package reads it (`cfg.rollout.rollout_batch_size`).
   Most flags are. tests/unit/test_flags_consumed.py proves it for each by finding the
-  attribute in services/ (preflight and this module left out: checking a flag is not using it).
+  attribute in services/ (the config package and preflight left out: checking a flag is not
+  using it).
 - derived (DERIVED): the config folds it into another value of its group, which is read
   (--global-batch-size fills --num-steps-per-rollout).
 - refused (REFUSED): what it asks for is not built here. Any value but the default exits 2
-  (`check`, in preflight's first step, from the flags alone). Miles scripts set many of these
+  (`check`, from the flags alone: checks.py, preflight's first step). Miles scripts set many of these
   to the value that asks for nothing special (--tensor-model-parallel-size 1, dropout 0.0):
   those pass.
 - matched (MATCHED): Megatron's description of the model (MODEL_ARGS) that the Hugging Face
@@ -188,7 +189,7 @@ def _swiglu(c: dict[str, Any]) -> tuple[str, Any] | None:
     return None if act is None else (f"hidden_act {act}", act in ("silu", "swish"))
 
 
-# The model types whose layout megatron_model.py builds, and so whose parts are known by type.
+# The model types whose layout megatron/model.py builds, and so whose parts are known by type.
 _ROPE_TYPES = ("qwen2", "qwen3", "llama")
 
 

@@ -17,7 +17,7 @@ loads with TP=1 and back. The one tensor whose shape depends on it is the vocabu
 checkpoint whose embedding or output layer has another number of rows is read whole, cut to
 the model's vocabulary and padded again (`_load_repadded`).
 
-In a run's checkpoints (checkpoint.py) the torch_dist files sit directly in `iter_N/`, beside
+In a run's checkpoints (trainer/checkpoints/checkpoint.py) the torch_dist files sit directly in `iter_N/`, beside
 our `trainer_state.json`, the Hugging Face `model/` and the optimizer slices, so Megatron-LM
 reads `iter_N/` as its own; `millstream convert` writes `ROOT/release/` with
 `latest_checkpointed_iteration.txt` saying "release", as Miles' converter does.
@@ -33,7 +33,7 @@ import torch
 
 from millstream.common.errors import MillstreamError
 
-from . import megatron_model
+from . import model as megatron_model
 
 METADATA = "metadata.json"  # megatron's: {"sharded_backend": "torch_dist", ...}
 _VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")

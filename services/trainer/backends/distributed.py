@@ -25,7 +25,7 @@ optimizer shard (`optimizer.rank{r}.pt`, DTensor state as local tensors), then a
 resume the weights load before sharding (build.py) and each rank its own shard after.
 
 --train-backend megatron with --tensor-model-parallel-size N splits the actor's layers over N
-consecutive ranks (megatron's parallel state; backends/megatron_backend.py): the samples are
+consecutive ranks (megatron's parallel state; backends/megatron/backend.py): the samples are
 split among the data parallel ranks only (`backend.data_parallel_group()`: DDP, the metric
 sums and the per-rank shares are over it; a tensor parallel group trains the same samples
 together), every rank gathers the whole weights after each rollout (rank 0 keeps them) and
@@ -53,8 +53,8 @@ import torch.distributed as dist
 
 from millstream.common.errors import MillstreamError
 
-from .backends.base import TrainSample
-from .backends.torch_backend import SHARD_FILE, TorchBackend, sharded_optimizer_files
+from .base import TrainSample
+from .torch_backend import SHARD_FILE, TorchBackend, sharded_optimizer_files
 
 TRAIN, STOP, SAVE = 1, 0, 2
 HEADER = 8

@@ -1,0 +1,4 @@
+"""Checkpoints: millstream's own `iter_N/` (save, resume: `checkpoint`), Megatron checkpoint
+dirs recognised where another format is wanted (`megatron_ckpt`), and `millstream convert`
+between Hugging Face and torch_dist (`convert`). A checkpoint is written whole or not at all.
+"""

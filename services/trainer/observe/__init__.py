@@ -1,0 +1,7 @@
+"""What a run shows while it goes and after: the trainer's side of observability (DESIGN.md 7).
+
+Owns the stdout row and metrics.jsonl with their tensorboard/wandb mirrors (`metrics`), Miles'
+custom log functions (`log_hooks`), torch.profiler windows (`profiler`), the Prometheus
+metrics (`prom`), the stall watch that keeps every wait loud (`watch`) and `millstream plot`
+(`plot`). Nothing here changes what is trained.
+"""
