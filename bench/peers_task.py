@@ -214,6 +214,7 @@ def generate(model, tokenizer, prompts: list[str], *, sample: bool, max_new_toke
     import torch
 
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = enc.to(model.device)  # the bench's --device cuda runs the model on the GPU
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     with torch.no_grad():  # not inference_mode: the rollout's ids go into a backward
         ids = model.generate(

@@ -4,16 +4,22 @@
 millstream command: train, engine, router, rollout, reward; redis-server), every `every_s`
 seconds in a thread, so that a bench can say where the cores went between two instants. A
 process that exits keeps the CPU of its last sample (at most `every_s` of it is missed). Each
-sample also holds the whole machine's busy and stolen CPU seconds, so that a bench can tell
-its own processes' work from anything else the machine did meanwhile.
+sample also holds the busy and stolen CPU seconds of the CPUs the tree may run on (the whole
+machine by default), so that a bench can tell its own processes' work from anything else
+those CPUs did meanwhile.
+
+`machine()` says what the machine is (CPU model, cores, memory) and `cpu_list` writes a CPU
+set the way taskset does, for the line a bench prints next to its tables.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import platform
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -69,15 +75,20 @@ def role_of(pid: int) -> str:
     return "trainer" if name.startswith("train") else name
 
 
-def machine_seconds() -> dict[str, float]:
-    """The whole machine's CPU seconds so far (/proc/stat): busy (every core, any process)
-    and stolen by the hypervisor."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
-    return {
-        MACHINE: (user + nice + system + irq + softirq) * TICK_S,
-        STEAL: steal * TICK_S,
-    }
+def machine_seconds(cpus: Iterable[int] | None = None) -> dict[str, float]:
+    """CPU seconds so far (/proc/stat) of `cpus` (None: every core): busy (any process) and
+    stolen by the hypervisor."""
+    lines = Path("/proc/stat").read_text().splitlines()
+    if cpus is None:
+        rows = lines[:1]
+    else:
+        wanted = {f"cpu{c}" for c in cpus}
+        rows = [line for line in lines if line.split(maxsplit=1)[0] in wanted]
+    busy = steal = 0
+    for row in rows:
+        user, nice, system, _idle, _iowait, irq, softirq, stolen = map(int, row.split()[1:9])
+        busy, steal = busy + user + nice + system + irq + softirq, steal + stolen
+    return {MACHINE: busy * TICK_S, STEAL: steal * TICK_S}
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -87,14 +98,22 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 class CpuSampler:
-    """Cumulative CPU seconds per role of `pid`'s tree, sampled every `every_s` in a thread.
+    """Cumulative CPU seconds per role of `pid`'s tree, sampled every `every_s` in a thread,
+    with the busy and stolen seconds of `cpus` (the ones the tree is pinned to; None: all).
 
     The tree is rescanned every sample for the first `discover_s` seconds (services start),
     then every `rescan_every` samples, which keeps the sampler's own cost near 1 ms a sample.
     """
 
-    def __init__(self, pid: int, every_s: float = 0.1, discover_s: float = 5.0):
+    def __init__(
+        self,
+        pid: int,
+        every_s: float = 0.1,
+        discover_s: float = 5.0,
+        cpus: Iterable[int] | None = None,
+    ):
         self.pid, self.every_s, self.discover_s = pid, every_s, discover_s
+        self.cpus = None if cpus is None else sorted(cpus)
         self.rescan_every = 10
         self.times: list[float] = []  # time.time() of each sample
         self.samples: list[dict[str, float]] = []  # role -> CPU seconds so far, per sample
@@ -135,7 +154,7 @@ class CpuSampler:
         for pid, cpu in self._last.items():
             by_role[self._pids[pid]] = by_role.get(self._pids[pid], 0.0) + cpu
         self.times.append(time.time())
-        self.samples.append(by_role | machine_seconds())
+        self.samples.append(by_role | machine_seconds(self.cpus))
 
     def at(self, t: float) -> dict[str, float]:
         """CPU seconds per role at wall time `t` (time.time()), linear between two samples."""
@@ -154,3 +173,38 @@ class CpuSampler:
         """CPU seconds per role used between wall times t0 and t1."""
         a, b = self.at(t0), self.at(t1)
         return {r: b.get(r, 0.0) - a.get(r, 0.0) for r in b}
+
+
+# -- the machine -----------------------------------------------------------------------------
+
+
+def machine() -> dict[str, object]:
+    """The CPU model (/proc/cpuinfo), the cores the host has and this process may use, and
+    the memory (/proc/meminfo)."""
+    models = [
+        line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("model name")
+    ]
+    kib = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    return {
+        "cpu_model": models[0] if models else platform.machine(),
+        "cores_total": os.cpu_count() or 1,
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": round(kib / 2**20, 1),
+    }
+
+
+def cpu_list(cpus: Iterable[int]) -> str:
+    """CPUs as taskset writes them: 0-3,8,10-11."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

@@ -51,6 +51,15 @@ async def register(
             log.info("registered %s with router %s", worker_url, router_url)
             return
         except httpx.HTTPError as err:
+            refused = isinstance(err, httpx.HTTPStatusError) and err.response.status_code in (
+                401,
+                403,
+            )
+            if refused:  # a token the router refuses is refused again: as JoinEngine's
+                raise ServiceUnavailable(
+                    f"--register-with {router_url}: the router refused this engine's admin "
+                    f"token ({err}): give the engine the router's --admin-token"
+                ) from None
             last = err
             log.warning(
                 "registering with router %s failed (attempt %d/%d): %s",

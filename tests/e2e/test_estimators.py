@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_train import _check_run, _flags, _records, _train
+from tests.e2e.test_train import _check_run, _flags, _records, _spread_reward, _train
 from tests.support.engine_proc import EngineProcess
 from tests.support.tiny_model import build_tiny_model
 
@@ -58,7 +58,7 @@ def test_two_iterations_per_estimator(name, tiny_model_dir, teacher_dir, prompts
         teacher = EngineProcess(teacher_dir, tmp_path)
         extra += ["--opd-teacher-url", teacher.url]
     try:
-        proc = _train("train", _flags(tiny_model_dir, prompts, run_dir, *extra))
+        proc = _train("train", _spread_reward(_flags(tiny_model_dir, prompts, run_dir, *extra)))
     finally:
         if teacher is not None:
             teacher.stop()

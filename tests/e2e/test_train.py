@@ -40,6 +40,16 @@ def _flags(model: Path, prompts: Path, run_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+SPREAD = "tests.support.reward_plugins.spread"
+
+
+def _spread_reward(flags: list[str]) -> list[str]:
+    """`flags` scored by a reward under which the random tiny model has something to learn
+    (`--rm-type exact` gives it 0 for every answer: a zero gradient)."""
+    i = flags.index("--rm-type")
+    return [*flags[:i], "--custom-rm-path", SPREAD, *flags[i + 2 :]]
+
+
 def _train(command: str, flags: list[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
@@ -70,6 +80,8 @@ def _check_run(proc: subprocess.CompletedProcess[str], run_dir: Path, iterations
     assert c["in_flight_lost"] == 0 and c["trained"] == 2 * iterations
     trained = [gid for r in _records(run_dir) for gid in r["group_ids"]]
     assert len(trained) == len(set(trained)) == 2 * iterations
+    # It trained: a run with a zero gradient everywhere would pass every check above.
+    assert any(r["grad_norm"] > 0 for r in _records(run_dir)), _records(run_dir)
     return summary
 
 
@@ -141,9 +153,11 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
                   "--eval-temperature", "0", "--eval-max-prompt-len", "4",
                   "--tensorboard-dir", str(run_dir / "tb"), "--use-pytorch-profiler",
                   "--profile-step-start", "1", "--profile-step-end", "2"]  # fmt: skip
-    proc = _train(command, _flags(tiny_model_dir, prompts, run_dir, *extra))
+    flags = _flags(tiny_model_dir, prompts, run_dir, *extra)
+    proc = _train(command, flags if command == "train-async" else _spread_reward(flags))
     summary = _check_run(proc, run_dir, 3)
     if command == "train":
+        assert all(r["grad_norm"] > 0 for r in _records(run_dir))
         assert [(it, sorted(acc)) for it, _, acc in summary["eval_curve"]] == [
             (0, ["dev_set"]),
             (3, ["dev_set"]),
@@ -194,7 +208,10 @@ def _check_miles_plugins(run_dir: Path, summary: dict) -> None:
 
 def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, tmp_path):
     """A run against engines we started ourselves: after it, the engine answers with the
-    trainer's final weights (its logprobs equal a forward pass of the saved checkpoint).
+    trainer's final weights (its logprobs equal a forward pass of the saved checkpoint). The
+    run trains with a non-zero gradient and moves the weights far more than the check's
+    tolerance, so an engine that skipped the syncs (still on the starting weights) fails the
+    same check: shown here by checking the engine against the starting weights.
     The Megatron tensor-parallel run's: tests/e2e/test_train_ddp.py."""
     from tests.support.engine_proc import EngineProcess
     from tests.support.router_proc import start_router
@@ -206,20 +223,28 @@ def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, t
         flags = _flags(
             tiny_model_dir, prompts, run_dir, "--num-rollout", "2", "--save", str(run_dir / "ckpt")
         )
-        proc = _train("train", [*flags, "--router-url", router.url])
+        proc = _train("train", [*_spread_reward(flags), "--router-url", router.url])
         _check_run(proc, run_dir, 2)
-        check_engine_serves(engine.url, run_dir / "ckpt" / "iter_0000002" / "model", "2")
+        assert all(r["grad_norm"] > 0 for r in _records(run_dir)), _records(run_dir)
+        trained = run_dir / "ckpt" / "iter_0000002" / "model"
+        check_engine_serves(engine.url, trained, "2")
+        # The check can tell: the starting weights' logprobs of the same answer are far off.
+        gap = _logprob_gap(engine.url, tiny_model_dir)
+        assert gap > 100 * LOGPROB_ATOL, f"training moved the logprobs by only {gap:.2e}"
+        with pytest.raises(AssertionError):
+            check_engine_serves(engine.url, tiny_model_dir, "2")
     finally:
         router.stop()
         engine.stop()
 
 
-def check_engine_serves(engine_url: str, model_dir: Path, version: str) -> None:
-    """The engine serves `version`, and its logprobs of a greedy answer equal a forward pass
-    of the Hugging Face model saved in `model_dir` (the trainer's weights)."""
+LOGPROB_ATOL = 1e-4
+
+
+def _logprob_gap(engine_url: str, model_dir: Path) -> float:
+    """Largest |engine logprob - `model_dir`'s logprob| over a greedy answer of the engine."""
     from transformers import AutoModelForCausalLM
 
-    assert httpx.get(f"{engine_url}/get_weight_version").json()["weight_version"] == version
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompt = [5, 6, 7, 8]
     out = httpx.post(
@@ -238,7 +263,15 @@ def check_engine_serves(engine_url: str, model_dir: Path, version: str) -> None:
     expected = torch.log_softmax(logits, -1)[
         torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1), tokens
     ]
-    torch.testing.assert_close(engine_logp, expected, atol=1e-4, rtol=0)
+    return float((engine_logp - expected).abs().max())
+
+
+def check_engine_serves(engine_url: str, model_dir: Path, version: str) -> None:
+    """The engine serves `version`, and its logprobs of a greedy answer equal a forward pass
+    of the Hugging Face model saved in `model_dir` (the trainer's weights)."""
+    assert httpx.get(f"{engine_url}/get_weight_version").json()["weight_version"] == version
+    gap = _logprob_gap(engine_url, model_dir)
+    assert gap <= LOGPROB_ATOL, f"the engine's logprobs are {gap:.2e} off {model_dir}'s"
 
 
 def _children_from(lines: list[str]) -> dict[str, int]:

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_train import _check_run, _flags, check_engine_serves, prompts  # noqa: F401
+from tests.e2e.test_train import (  # noqa: F401
+    _check_run,
+    _flags,
+    _spread_reward,
+    check_engine_serves,
+    prompts,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(200)]
 
@@ -46,7 +52,7 @@ def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_
     what it loaded; megatron-pp2: two pipeline stages, rank 0 the first (the loop and the
     services), rank 1 the last. The ranks' numbers (DDP, FSDP, megatron DP, TP, PP and CP
     against one rank): tests/unit/test_data_parallel.py; a one-rank megatron step:
-    test_megatron/model.py."""
+    test_megatron_model.py."""
     extra = ["--train-backend", backend]
     if backend == "megatron-pp2":
         extra = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2"]
@@ -111,8 +117,8 @@ def _run_two_ranks(tiny_model_dir: Path, prompts: Path, tmp_path: Path, extra: l
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MILLSTREAM_TEST_TAG": tag}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--standalone", "-m", "millstream.cli", "train"]  # fmt: skip
-    flags = _flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "2", *extra,
-                   "--save", str(run_dir / "ckpt"), "--save-interval", "2")  # fmt: skip
+    flags = _spread_reward(_flags(tiny_model_dir, prompts, run_dir, "--num-rollout", "2", *extra,
+                                  "--save", str(run_dir / "ckpt"), "--save-interval", "2"))  # fmt: skip
     child = subprocess.Popen(
         [*torchrun, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )

@@ -1,104 +1,90 @@
-"""--register-with: the engine adds itself to a router on start and removes itself on SIGTERM;
-and /generate continues the caller's trace (W3C traceparent) into the engine's spans."""
+"""--register-with, end to end with our router: the engine adds itself (`/add_worker`, with the
+admin token the router asks for) on start, the router routes to it and the caller's trace (W3C
+traceparent) goes on through the router into the engine's span, and on SIGTERM the engine
+removes itself (`/remove_worker`) before it exits."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
 
+from millstream.common.trace_cli import read_spans
 from tests.support.engine_proc import EngineProcess
-from tests.support.redis_server import free_port
+from tests.support.router_proc import start_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
+TOKEN = "tok"
 
 
-class FakeRouter:
-    """Records Miles-style add_worker/remove_worker calls and answers 200."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, str | None]] = []
-        calls = self.calls
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                parsed = urlparse(self.path)
-                url = parse_qs(parsed.query).get("url", [""])[0]
-                calls.append((parsed.path, url, self.headers.get("Authorization")))
-                body = json.dumps({"success": True}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                return None
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def _listed(router_url: str) -> list[str]:
+    return httpx.get(f"{router_url}/list_workers", timeout=5).json()["urls"]
 
 
-@pytest.fixture
-def router() -> Iterator[FakeRouter]:
-    r = FakeRouter()
-    yield r
-    r.close()
+def _wait_listed(router_url: str, expected: list[str], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _listed(router_url) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _listed(router_url) == expected
 
 
-def test_engine_registers_traces_and_unregisters_on_sigterm(
-    router: FakeRouter, tiny_model_dir: Path, tmp_path: Path
+def test_engine_registers_serves_traces_and_unregisters_on_sigterm(
+    tiny_model_dir: Path, tmp_path: Path
 ):
     run_dir = tmp_path / "run"
-    engine = EngineProcess(
-        tiny_model_dir,
-        tmp_path,
-        "--register-with",
-        router.url,
-        "--admin-token",
-        "tok",
-        "--run-dir",
-        str(run_dir),
-    )
+    router = start_router(tmp_path, "--admin-token", TOKEN, "--run-dir", str(run_dir))
     try:
-        deadline = time.monotonic() + 20
-        while not router.calls and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert router.calls == [("/add_worker", engine.url, "Bearer tok")], engine.log_tail()
-
-        headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"}
-        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
-        resp = httpx.post(f"{engine.url}/generate", json=body, headers=headers, timeout=30)
-        assert resp.status_code == 200
+        assert _listed(router.url) == []
+        engine = EngineProcess(tiny_model_dir, tmp_path, "--register-with", router.url,
+                               "--admin-token", TOKEN, "--run-dir", str(run_dir))  # fmt: skip
+        try:
+            _wait_listed(router.url, [engine.url])
+            headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"}
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+            deadline = time.monotonic() + 20  # routed once the router's health check passed
+            while True:
+                resp = httpx.post(f"{router.url}/generate", json=body, headers=headers, timeout=30)
+                if resp.status_code == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["meta_info"]["completion_tokens"] > 0
+        finally:
+            code = engine.stop()
+        assert code == 0, engine.log_tail()
+        assert _listed(router.url) == [], "the engine did not remove itself on SIGTERM"
     finally:
-        code = engine.stop()
-    assert code == 0, engine.log_tail()
-    assert router.calls[-1] == ("/remove_worker", engine.url, "Bearer tok")
+        router.stop()
 
-    spans = [
-        json.loads(line)
-        for file in (run_dir / "traces").glob("*.jsonl")
-        for line in file.read_text().splitlines()
-    ]
-    generate = [s for s in spans if s["attributes"].get("millstream.stage") == "engine"]
+    spans, _ = read_spans(run_dir)
+    generate = [s for s in spans if s.service == "engine" and s.stage == "engine"]
     assert len(generate) == 1, spans
-    assert generate[0]["name"] == f"text_completion {tiny_model_dir.name}"
-    assert generate[0]["attributes"]["gen_ai.usage.output_tokens"] > 0
-    assert generate[0]["trace_id"] == TRACE_ID
-    assert generate[0]["parent_span_id"] == PARENT_SPAN
+    assert generate[0].name == f"text_completion {tiny_model_dir.name}"
+    assert generate[0].attrs["gen_ai.usage.output_tokens"] > 0
+    proxied = [s for s in spans if s.service == "router" and s.trace_id == TRACE_ID]
+    assert proxied and generate[0].trace_id == TRACE_ID
+    assert generate[0].parent in {s.span_id for s in proxied}  # the engine's parent: the router
+
+
+def test_an_engine_without_the_routers_token_is_refused_at_once(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """The router's admin endpoints refuse a registration without its token; a refused
+    token is not tried again: the engine exits 1 at once, saying which token to give."""
+    router = start_router(tmp_path, "--admin-token", TOKEN)
+    try:
+        engine = EngineProcess(tiny_model_dir, tmp_path, "--register-with", router.url)
+        try:
+            code = engine.proc.wait(timeout=20)  # it serves /health first, then registers
+        finally:
+            engine.stop()
+        assert code == 1, engine.log_tail()
+        assert "refused this engine's admin token" in engine.log_tail(), engine.log_tail()
+        assert _listed(router.url) == []
+    finally:
+        router.stop()

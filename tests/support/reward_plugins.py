@@ -11,12 +11,20 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import zlib
 from typing import Any
 
 from millstream.common.miles import Sample
 
 _lock = threading.Lock()
 _flaky_seen: set[tuple[str, int]] = set()
+
+
+def spread(args: Any, sample: Sample) -> float:
+    """A reward that tells any two different responses apart (a hash of the text in [0, 1)):
+    on the random tiny model, where no answer is right, GRPO's advantages are non-zero
+    whenever a group's responses differ, so a run's weights move."""
+    return zlib.crc32(sample.response.encode()) % 1000 / 1000
 
 
 def exact_sync(args: Any, sample: Sample) -> float:

@@ -1,15 +1,17 @@
-"""Rollout workers as real processes, a fake router peer, and stream helpers for their tests.
+"""Rollout workers as real processes, and stream helpers for their tests.
 
     procs = RolloutProcs(redis_url, run_id, tmp_path)
     procs.start("r1"); procs.wait_ready("r1")      # ready once its heartbeat key exists
     procs.kill("r1")                               # SIGKILL, as a crash would
     procs.stop("r1")                               # SIGTERM: drain, exit 0
 
-    with FakeRouter() as router: ...               # /generate answered by a fake greedy model
-    with FakeRouter(status=500) as router: ...     # every /generate answered with 500
+    with RouterAnswering(500) as router: ...       # a router whose every /generate fails
 
-The fake model's greedy token at absolute position p is `token_at(p)`: resuming a sequence
-anywhere continues it exactly, as a real greedy model under fixed weights would.
+Integration tests generate through the real router and engine; `RouterAnswering` stands in
+only for a failure those cannot be made to produce on demand. The unit tests' in-process fake
+engine answers with `fake_answer`: its greedy token at absolute position p is `token_at(p)`, so
+resuming a sequence anywhere continues it exactly, as a real greedy model under fixed weights
+would.
 """
 
 from __future__ import annotations
@@ -37,19 +39,6 @@ def logprob_at(position: int) -> float:
     return -0.05 - (position % 5) / 10
 
 
-def fake_answers(body: dict[str, Any], version: str) -> dict | list[dict]:
-    """One answer, or n of them when sampling_params asks for n > 1 (parallel sampling); a
-    batch body (lists of input_ids and sampling_params) gets the flat list, prompt by prompt."""
-    if body["input_ids"] and isinstance(body["input_ids"][0], list):
-        out: list[dict] = []
-        for ids, params in zip(body["input_ids"], body["sampling_params"], strict=True):
-            one = fake_answers({**body, "input_ids": ids, "sampling_params": params}, version)
-            out += one if isinstance(one, list) else [one]
-        return out
-    n = int(body["sampling_params"].get("n") or 1)
-    return fake_answer(body, version) if n == 1 else [fake_answer(body, version) for _ in range(n)]
-
-
 def fake_answer(body: dict[str, Any], version: str, abort_after: int | None = None) -> dict:
     """SGLang's /generate answer from the fake greedy model; aborted after `abort_after`
     tokens when given and the budget is larger."""
@@ -71,30 +60,28 @@ def fake_answer(body: dict[str, Any], version: str, abort_after: int | None = No
     }
 
 
-class FakeRouter:
-    """A small HTTP/1.1 peer on loopback, in its own thread, standing in for the router.
-
-    Records every request as (method, path, headers, JSON body). `status` set: /generate
-    answers with it. `GET /get_weight_version` answers `version`.
+class RouterAnswering:
+    """A router whose every /generate answers `status` (a failure the real router does not
+    produce on demand): a small HTTP/1.1 peer on loopback, in its own thread. Records every
+    request as (method, path, headers, JSON body).
     """
 
-    def __init__(self, status: int | None = None, version: str = "1"):
+    def __init__(self, status: int):
         self.status = status
-        self.version = version
         self.requests: list[tuple[str, str, dict[str, str], Any]] = []
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="fake-router", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="router-answering", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> FakeRouter:
+    def __enter__(self) -> RouterAnswering:
         self._thread.start()
         if not self._ready.wait(10):
-            raise RuntimeError("fake router did not start")
+            raise RuntimeError("the stand-in router did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -144,12 +131,8 @@ class FakeRouter:
             writer.close()
 
     def _answer(self, path: str, body: Any) -> tuple[int, Any]:
-        if path.startswith("/get_weight_version"):
-            return 200, {"weight_version": self.version}
         if path.startswith("/generate"):
-            if self.status is not None:
-                return self.status, {"error": {"message": f"scripted {self.status}"}}
-            return 200, fake_answers(body, self.version)
+            return self.status, {"error": {"message": f"scripted {self.status}"}}
         return 404, {"error": {"message": f"no route {path}"}}
 
     def generate_requests(self) -> list[tuple[dict[str, str], dict]]:

@@ -1,5 +1,7 @@
-"""The peer bench's CPU accounting (bench/proctree.py): a real process tree, real /proc."""
+"""The peer bench's CPU accounting and machine description (bench/proctree.py): a real
+process tree, real /proc."""
 
+import os
 import subprocess
 import sys
 import time
@@ -8,7 +10,17 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from proctree import MACHINE, STEAL, CpuSampler, children, cpu_seconds, role_of
+from proctree import (
+    MACHINE,
+    STEAL,
+    CpuSampler,
+    children,
+    cpu_list,
+    cpu_seconds,
+    machine,
+    machine_seconds,
+    role_of,
+)
 
 # A parent that starts a child which spins for BURN_S of CPU, then both sleep: the sampler must
 # find the grandchild and charge its CPU to the tree.
@@ -74,3 +86,20 @@ def test_role_of_names_a_plain_executable(tree):
     while not children(tree.pid) and time.monotonic() < deadline:  # it has exec'd by then
         time.sleep(0.05)
     assert role_of(tree.pid).startswith("python")
+
+
+def test_the_cpus_of_a_pinned_tree_add_up_to_the_whole_machine():
+    cpus = sorted(os.sched_getaffinity(0))
+    whole, each = machine_seconds(), [machine_seconds([c]) for c in cpus]
+    if len(cpus) == (os.cpu_count() or 1):  # every CPU of the host: the first line's sum
+        assert sum(e[MACHINE] for e in each) == pytest.approx(whole[MACHINE], abs=1.0)
+    assert all(e[MACHINE] <= machine_seconds()[MACHINE] for e in each)
+    assert machine_seconds([])[MACHINE] == 0.0
+
+
+def test_machine_and_cpu_list_describe_the_host():
+    m = machine()
+    assert m["cpu_model"] and m["memory_gib"] > 0
+    assert 1 <= m["cores_usable"] <= m["cores_total"]
+    assert cpu_list([3, 0, 1, 2, 8, 10, 11]) == "0-3,8,10-11"
+    assert cpu_list([5]) == "5"

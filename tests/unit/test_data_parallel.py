@@ -173,7 +173,7 @@ def two_rank_weights(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_two_ranks_take_the_one_rank_step(tiny_model_dir, two_rank_weights, name):
     megatron = "megatron" in RUNS[name]
-    # megatron's one-rank step equals the torch backend's (tests/unit/test_megatron/model.py),
+    # megatron's one-rank step equals the torch backend's (tests/unit/test_megatron_model.py),
     # which runs here: megatron in this process would patch it and give it a process group.
     flags = _without_megatron(RUNS[name])
     cfg = parse_run_config([*FLAGS, *flags])

@@ -3,10 +3,9 @@ checkpoints where the torch backend wants Hugging Face dirs or its own checkpoin
 
 Every script's flags parse (the script runs with MILLSTREAM pointed at a recorder, as
 test_config.py and test_flags_consumed.py read examples/arith/run.sh); the refused one exits 2
-in-process naming its flag; the runnable ones pass preflight in-process. One runs for real for
-one iteration (DAPO: train-async with dynamic sampling and partial rollout), about 12 s on an
-idle 2-core machine; the other five run for real only with MILLSTREAM_ALL_SCRIPTS=1
-(`MILLSTREAM_ALL_SCRIPTS=1 pytest tests/unit/test_miles_compat.py`).
+in-process naming its flag; the runnable ones pass preflight in-process, and each of them runs
+for real for one iteration (about 6 s each on an idle 2-core machine: one rollout, and the
+eval the script asks for on a 16-problem slice of its eval set).
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ from tests.unit.test_flags_consumed import _base, _script_argv
 REPO = Path(__file__).resolve().parents[2]
 MILES = REPO / "examples" / "miles_compat"
 ARITH_MODEL = REPO / "examples" / "arith" / "model"
-ALL_SCRIPTS = os.environ.get("MILLSTREAM_ALL_SCRIPTS") == "1"
-
 # script -> (command, the flag preflight refuses it for, or None: it runs on CPU)
 SCRIPTS = {
     "run-grpo.sh": ("train", None),
@@ -40,8 +37,6 @@ SCRIPTS = {
     "run-qwen3-4B.sh": ("train-async", "--tensor-model-parallel-size"),
 }
 RUNNABLE = [name for name, (_, refused) in SCRIPTS.items() if refused is None]
-# Run end to end in the default suite: the two most different (see the module docstring).
-RUN_BY_DEFAULT = ("run-dapo.sh",)  # the most moving parts
 
 
 def test_the_table_covers_the_folder():
@@ -134,29 +129,23 @@ def test_each_script_passes_preflight_or_exits_2_naming_the_flag(
         assert err.startswith(f"millstream {command}: error: {refused} "), err
 
 
-_ONLY_WITH_ALL = pytest.mark.skip(
-    reason="one iteration costs ~12 s: set MILLSTREAM_ALL_SCRIPTS=1 to run it"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=[] if n in RUN_BY_DEFAULT or ALL_SCRIPTS else [_ONLY_WITH_ALL])
-        for n in RUNNABLE
-    ],
-)
+@pytest.mark.parametrize("name", RUNNABLE)
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_runnable_scripts_train_one_iteration_on_cpu(tmp_path, name):
-    """The script as shipped, with only the paths (RUN_DIR) and the length (NUM_ROLLOUT) given
-    through the environment; the checkpoint it saves is ours and --load reads it back."""
+    """The script as shipped, with only the paths (RUN_DIR, EVAL_DATA: a slice of the arith
+    eval set, to keep it short) and the length (NUM_ROLLOUT) given through the environment;
+    the checkpoint it saves is ours and --load reads it back."""
     run_dir = tmp_path / "run"
+    eval_data = tmp_path / "eval.jsonl"
+    rows = (REPO / "examples" / "arith" / "data" / "eval.jsonl").read_text().splitlines()
+    eval_data.write_text("\n".join(rows[:16]) + "\n")
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "MILLSTREAM": str(Path(sys.executable).with_name("millstream")),
         "RUN_DIR": str(run_dir),
+        "EVAL_DATA": str(eval_data),
         "NUM_ROLLOUT": "1",
     }
     proc = subprocess.run(
@@ -264,7 +253,7 @@ def test_a_torch_dist_ref_load_exits_2_naming_the_flag_the_format_and_the_fix(
 @pytest.mark.parametrize("flag", ["--ref-load", "--load"])
 def test_the_megatron_backend_takes_a_torch_dist_ref_load_and_load(tmp_path, flag):
     """Miles' start: what its converter made (--ref-load) or its Megatron saved (--load);
-    megatron/dist.py reads them (tests/unit/test_megatron/dist.py)."""
+    megatron/dist.py reads them (tests/unit/test_megatron_dist.py)."""
     path = _torch_dist(tmp_path / "ckpt", "release" if flag == "--ref-load" else "20")
     argv = _base(flag, str(path), "--use-kl-loss")
     with pytest.raises(ConfigError, match=rf"^{flag} {path} is a Megatron torch_dist"):
