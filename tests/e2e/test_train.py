@@ -210,14 +210,15 @@ def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, t
     """A run against engines we started ourselves: after it, the engine answers with the
     trainer's final weights (its logprobs equal a forward pass of the saved checkpoint). The
     run trains with a non-zero gradient and moves the weights far more than the check's
-    tolerance, so an engine that skipped the syncs (still on the starting weights) fails the
-    same check: shown here by checking the engine against the starting weights.
+    tolerance, so an engine that skipped the syncs fails the same check: a second engine, of
+    the same starting model but never in the router's list, is that broken variant.
     The Megatron tensor-parallel run's: tests/e2e/test_train_ddp.py."""
     from tests.support.engine_proc import EngineProcess
     from tests.support.router_proc import start_router
 
     run_dir = tmp_path / "run-ext"
     engine = EngineProcess(tiny_model_dir, tmp_path, "--weight-version", "0")
+    skipped = EngineProcess(tiny_model_dir, tmp_path, "--weight-version", "0")
     router = start_router(tmp_path, "--worker-urls", engine.url)
     try:
         flags = _flags(
@@ -228,14 +229,15 @@ def test_engine_weights_equal_the_trainers_after_sync(tiny_model_dir, prompts, t
         assert all(r["grad_norm"] > 0 for r in _records(run_dir)), _records(run_dir)
         trained = run_dir / "ckpt" / "iter_0000002" / "model"
         check_engine_serves(engine.url, trained, "2")
-        # The check can tell: the starting weights' logprobs of the same answer are far off.
-        gap = _logprob_gap(engine.url, tiny_model_dir)
+        # The check can tell: the engine that missed both syncs is far off, and fails it.
+        gap = _logprob_gap(skipped.url, trained)
         assert gap > 100 * LOGPROB_ATOL, f"training moved the logprobs by only {gap:.2e}"
-        with pytest.raises(AssertionError):
-            check_engine_serves(engine.url, tiny_model_dir, "2")
+        with pytest.raises(AssertionError, match="logprobs are"):
+            check_engine_serves(skipped.url, trained, "0")
     finally:
         router.stop()
         engine.stop()
+        skipped.stop()
 
 
 LOGPROB_ATOL = 1e-4
