@@ -11,7 +11,9 @@ random init: the bytes are what matter). Rows:
     whole coordinator handshake (pause, broadcast, router version, continue), with the engine
     idle and again while clients keep it generating (the async trainer's case); and idle
     with `idle=True`, as the trainer says when every group it admitted is back (no pause,
-    no continue for a one-bucket sync).
+    no continue for a one-bucket sync). Each of them by both CPU transports
+    (--update-weight-transport): an update group (gloo) and the tensor path (a
+    shared-memory handle per bucket), measured twice in ABBA order and averaged.
 Prints the median per phase and the time beyond the raw flat broadcast of the same bytes
 (the sync sends SGLang's flattened_bucket: one broadcast per bucket): the target (issue 10)
 is <= 10 ms. "engine generating": pausing waits for the decode step under way to end.
@@ -102,13 +104,16 @@ def keep_busy(url: str, stop: threading.Event, prompt: list[int]) -> None:
                 http.post(f"{url}/generate", json=body)
 
 
-def measure_syncs(model, router_url: str, syncs: int, idle: bool = False) -> dict[str, float]:
+def measure_syncs(
+    model, router_url: str, syncs: int, idle: bool = False, transport: str = "nccl"
+) -> dict[str, float]:
     """Median phases of `syncs` syncs; `idle`: told that nothing generates (the trainer's
-    case whenever every group it admitted is back: no pause, no continue)."""
+    case whenever every group it admitted is back: no pause, no continue); `transport`: nccl
+    (an update group, gloo here) or tensor (a shared-memory handle per bucket)."""
     from millstream.trainer.weights.sync import WeightSync
 
     async def go() -> list[dict[str, float]]:
-        ws = WeightSync(router_url, pause_mode="in_place", timeout_s=60.0)
+        ws = WeightSync(router_url, pause_mode="in_place", timeout_s=60.0, transport=transport)
         out = []
         try:
             for version in range(1, syncs + 2):
@@ -121,6 +126,14 @@ def measure_syncs(model, router_url: str, syncs: int, idle: bool = False) -> dic
 
     runs = asyncio.run(go())
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
+
+
+def _accumulate(
+    results: dict[tuple[str, str], dict[str, float]], key: tuple[str, str], got: dict[str, float]
+) -> None:
+    into = results.setdefault(key, {})
+    for phase, seconds in got.items():
+        into[phase] = into.get(phase, 0.0) + seconds
 
 
 def main() -> None:
@@ -152,8 +165,12 @@ def main() -> None:
             # Warm-up, not shown: whichever row ran first was ~5 ms slower on the medium model
             # (the engine's and this process's heaps growing to their steady size).
             measure_syncs(model, router.url, 10)
-            told_idle = measure_syncs(model, router.url, args.syncs, idle=True)
-            idle = measure_syncs(model, router.url, args.syncs)
+            measure_syncs(model, router.url, 10, transport="tensor")
+            results: dict[tuple[str, str], dict[str, float]] = {}
+            for transport in ("nccl", "tensor", "tensor", "nccl"):  # ABBA, summed below
+                for case, told in (("told idle", True), ("idle", False)):
+                    got = measure_syncs(model, router.url, args.syncs, told, transport)
+                    _accumulate(results, (transport, case), got)
             stop = threading.Event()
             prompt = tokenizer("12+34=")["input_ids"]
             clients = [
@@ -163,7 +180,9 @@ def main() -> None:
             for c in clients:
                 c.start()
             time.sleep(1.0)
-            busy = measure_syncs(model, router.url, args.syncs)
+            for transport in ("nccl", "tensor", "tensor", "nccl"):
+                got = measure_syncs(model, router.url, args.syncs, transport=transport)
+                _accumulate(results, (transport, "generating"), got)
             stop.set()
             for c in clients:
                 c.join()
@@ -177,11 +196,16 @@ def main() -> None:
     print("|---|---|---|")
     print(f"| raw gloo broadcast, per tensor ({len(tensors)}) | {raw_tensor_s * ms:.1f} | - |")
     print(f"| raw gloo broadcast, one flat tensor | {raw_flat_s * ms:.1f} | - |")
-    rows = (
-        ("engine idle, `idle=True` (one bucket: no pause, no continue)", told_idle),
-        ("engine idle", idle),
-        ("engine generating", busy),
-    )
+    labels = {
+        "told idle": "engine idle, `idle=True` (one bucket: no pause, no continue)",
+        "idle": "engine idle",
+        "generating": "engine generating",
+    }
+    names = {"nccl": "group (gloo)", "tensor": "tensor (shared memory)"}
+    rows = [
+        (f"{names[transport]}, {labels[case]}", {k: v / 2 for k, v in phases.items()})
+        for (transport, case), phases in sorted(results.items(), key=lambda kv: kv[0][1])
+    ]
     for label, phases in rows:
         detail = ", ".join(f"{k} {v * ms:.1f}" for k, v in phases.items() if k != "total")
         overhead = (phases["total"] - raw_flat_s) * ms

@@ -194,6 +194,10 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         "version": "millstream-engine",
         "weight_version": core.weight_version,
         "weight_update_groups": core.groups.names,
+        # Where this engine computes and how it takes weights: the trainer picks the weight
+        # transport from it (same GPU: CUDA IPC; same machine: shared memory; else a group).
+        "placement": core.placement,
+        "weight_transports": ["distributed", "tensor", "disk"],
         "uptime_s": time.time() - core.started_at,
         "scheduler": state,
         "internal_states": [state],

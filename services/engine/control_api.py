@@ -12,8 +12,9 @@ Every endpoint here changes the engine's state, so every one needs `Authorizatio
 scheme as the router's admin endpoints, common/auth.py): 401 otherwise, checked before the
 request is validated or acted on. /generate, the OpenAI and the info endpoints (api.py) stay
 open.
-None of these endpoints imports code: tensors arrive as broadcasts or safetensors, never
-pickles, and no request names a module or function to load.
+None of these endpoints imports code: tensors arrive as broadcasts, safetensors or JSON handles
+to memory the trainer shares (CUDA IPC, shared memory: common/tensor_share.py), never pickles,
+and no request names a module or function to load.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from millstream.common.auth import refusal
+from millstream.common.tensor_share import Mappings, open_bucket
 
 from .core import EngineCore
 from .protocol import (
@@ -189,6 +192,15 @@ async def update_weights_from_distributed(
     return await _weights_call("update_weights_from_distributed", work)
 
 
+def _open_shared(entry: str, mappings: Mappings) -> Any:
+    try:
+        return open_bucket(entry, mappings)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:  # not shared with this process
+        raise RequestError(
+            f"opening the shared bucket failed: {type(err).__name__}: {err}"
+        ) from err
+
+
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(
     req: UpdateWeightsFromTensorReqIn, request: Request
@@ -196,11 +208,24 @@ async def update_weights_from_tensor(
     core = _core(request)
 
     async def work() -> str:
-        tensors = await _in_thread(
-            core, "decoding tensors", lambda: decode_tensor_blobs(req.serialized_named_tensors)
-        )
-        await core.apply_weights(tensors, req.weight_version, req.abort_all_requests)
-        return f"updated {len(tensors)} tensors; weight_version {core.weight_version}"
+        if req.load_format == FLATTENED_BUCKET:  # a bucket the trainer shares: no copy over HTTP
+            tensors = await _in_thread(
+                core,
+                "opening the shared bucket",
+                lambda: _open_shared(req.serialized_named_tensors[0], core.mappings),
+            )
+        else:
+            tensors = await _in_thread(
+                core, "decoding tensors", lambda: decode_tensor_blobs(req.serialized_named_tensors)
+            )
+        n, cuda = len(tensors), any(t.is_cuda for _, t in tensors)
+        try:
+            await core.apply_weights(tensors, req.weight_version, req.abort_all_requests)
+        finally:
+            del tensors  # the producer's memory: let go of it once copied in
+            if cuda:
+                torch.cuda.ipc_collect()
+        return f"updated {n} tensors; weight_version {core.weight_version}"
 
     return await _weights_call("update_weights_from_tensor", work)
 

@@ -12,6 +12,8 @@ import random
 import time
 from typing import Any
 
+from millstream.common import tensor_share
+
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -34,10 +36,21 @@ class EngineCore:
         self.loader = WeightLoader(self.runner.model)
         self.started_at = time.time()
         self._rng = random.Random(config.seed)
+        self._placement: dict[str, Any] | None = None
+        # The trainer's shared-memory bucket files, kept mapped between weight updates.
+        self.mappings = tensor_share.Mappings()
 
     @property
     def tokenizer(self) -> Any:
         return self.runner.tokenizer
+
+    @property
+    def placement(self) -> dict[str, Any]:
+        """Where the model computes (common/tensor_share.py): host, device, GPU."""
+        if self._placement is None:
+            device = next(self.runner.model.parameters()).device
+            self._placement = tensor_share.placement(device)
+        return self._placement
 
     @property
     def weight_version(self) -> str:

@@ -191,9 +191,28 @@ class UpdateWeightsFromDistributedReqIn(_UpdateCommon):
 
 
 class UpdateWeightsFromTensorReqIn(_UpdateCommon):
-    # Base64 of safetensors blobs (see weights.py), not SGLang's pickled tensors.
+    # Base64 of safetensors blobs (see weights.py), not SGLang's pickled tensors; with
+    # load_format flattened_bucket, one entry (one tensor parallel rank) holding the JSON of a
+    # shared bucket: its handle, CUDA IPC or shared memory, and each tensor's place in it
+    # (common/tensor_share.py).
     serialized_named_tensors: list[str]
     disable_draft_model: bool | None = None
+
+    @field_validator("load_format")
+    @classmethod
+    def _format(cls, value: str | None) -> str | None:
+        _unsupported("load_format", value, FLATTENED_BUCKET)
+        return value
+
+    @model_validator(mode="after")
+    def _one_rank(self) -> UpdateWeightsFromTensorReqIn:
+        n = len(self.serialized_named_tensors)
+        if self.load_format == FLATTENED_BUCKET and n != 1:
+            raise ValueError(
+                f"serialized_named_tensors: one entry per tensor parallel rank, and this engine "
+                f"has one (got {n})"
+            )
+        return self
 
 
 class UpdateWeightFromDiskReqIn(_UpdateCommon):

@@ -228,7 +228,8 @@ async def build_trainer(
             cfg.service.router_url, admin_token=cfg.service.admin_token, pause_mode=cfg.sglang.pause_mode,
             bucket_bytes=cfg.sglang.update_weight_buffer_size, timeout_s=cfg.sglang.weight_sync_timeout,
             load_format=None if cfg.sglang.weight_sync_format == "per_tensor" else "flattened_bucket",
-            master_address=master_address(cfg),
+            master_address=master_address(cfg), transport=cfg.sglang.update_weight_transport,
+            disk_dir=cfg.sglang.update_weight_disk_dir or Path(cfg.run_dir) / "weight_updates",
         )  # fmt: skip
         closers.append(sync.close)
         metrics = TrainerMetrics()

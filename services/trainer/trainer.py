@@ -87,6 +87,9 @@ class Trainer:
     async def run(self) -> None:
         heap.freeze_startup_heap()  # the model, the optimizer, every import: built by now
         await self._first_engines()
+        # How the weights will reach each engine, said before anything trains (the engines
+        # that join later get their line at their first sync).
+        await self.p.weight_sync.routes(self.p.backend.device)
         self._pump = asyncio.create_task(self._admission_pump(), name="admission")
         self.p.buffer.watch_feeder(self._pump)
         janitor = asyncio.create_task(self.p.janitor(), name="janitor") if self.p.janitor else None

@@ -211,6 +211,42 @@ def test_update_from_tensor_takes_base64_safetensors(
     assert_matches_hf(engine_greedy(client, engine), hf_model(tiny_model_dir, new), "v2")
 
 
+def test_update_from_tensor_takes_a_shared_memory_bucket_and_refuses_a_stray_path(
+    client: httpx.Client, engine: EngineProcess, tiny_model_dir: Path, tmp_path: Path
+):
+    """load_format flattened_bucket: one JSON handle to the trainer's bytes, no copy over HTTP
+    (common/tensor_share.py); a handle the engine cannot open is a clear failure."""
+    from safetensors.torch import load_file
+
+    from millstream.common import tensor_share
+
+    original = load_file(tiny_model_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(4)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in original.items()}
+    names = sorted(new)
+    buffer = tensor_share.ShmBuffer()
+    try:
+        handle = buffer.write([new[n] for n in names])
+        entry = tensor_share.bucket_request(
+            handle, names, [new[n].dtype for n in names], [list(new[n].shape) for n in names]
+        )
+        body = {"serialized_named_tensors": [entry], "load_format": "flattened_bucket",
+                "weight_version": "v4"}  # fmt: skip
+        assert post(client, engine, "/update_weights_from_tensor", body)["success"] is True
+        assert_matches_hf(engine_greedy(client, engine), hf_model(tiny_model_dir, new), "v4")
+    finally:
+        buffer.close()
+    stray = dict(json.loads(entry))
+    stray["flattened_tensor"] = {**stray["flattened_tensor"], "path": str(tmp_path / "x")}
+    body = {"serialized_named_tensors": [json.dumps(stray)], "load_format": "flattened_bucket"}
+    resp = client.post("/update_weights_from_tensor", json=body)
+    assert resp.status_code == 400 and "opening the shared bucket failed" in resp.json()["message"]
+    two = {**body, "serialized_named_tensors": [entry, entry]}
+    resp = client.post("/update_weights_from_tensor", json=two)
+    assert resp.status_code in (400, 422) and "one entry per tensor parallel rank" in resp.text
+    assert client.get("/get_model_info").json()["weight_version"] == "v4"
+
+
 def test_update_from_disk_restores_the_original_weights(
     client: httpx.Client, engine: EngineProcess, tiny_model_dir: Path
 ):

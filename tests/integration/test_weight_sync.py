@@ -161,10 +161,16 @@ def sync(run, ws: WeightSync, model, version: int) -> SyncReport:
     return run(ws.sync(model.named_parameters(), version))
 
 
-@pytest.mark.parametrize("load_format", ["flattened_bucket", None], ids=["flat", "per-tensor"])
+@pytest.mark.parametrize(
+    ("transport", "load_format"),
+    [("nccl", "flattened_bucket"), ("nccl", None), ("auto", "flattened_bucket")],
+    ids=["group-flat", "group-per-tensor", "auto-tensor"],
+)
 def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
-    engines: list[EngineProcess], router_of, tiny_model_dir: Path, run, load_format
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, run, transport, load_format
 ):
+    """nccl: an update group (gloo here), kept while its members stay; auto: these engines
+    are on this machine's CPU, so each bucket goes as a shared-memory handle, no group."""
     urls = sorted(e.url for e in engines)
     router = router_of(urls[0])  # the other one asks to join (Coordinator.JoinEngine)
     exporter = InMemorySpanExporter()
@@ -178,14 +184,18 @@ def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
         group_name="eq",
         tracer=provider.get_tracer("test"),
         load_format=load_format,
+        transport=transport,
     )
+    group = transport == "nccl"
     try:
         model = hf_model(tiny_model_dir, seed=1)
         first = run(ws.sync(model.named_parameters(), 1, join=[urls[1]]))
-        assert first.engines == urls and first.removed == {} and ws.members == urls
-        assert first.new_group and first.buckets >= 3 and first.attempts == 1
+        assert first.engines == urls and first.removed == {}
+        assert ws.members == (urls if group else [])
+        assert first.new_group == group and first.buckets >= 3 and first.attempts == 1
         assert first.bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-        assert set(first.seconds) >= {"pause", "init", "broadcast", "serve", "total"}
+        pushed = {"init", "broadcast"} if group else {"tensor"}
+        assert set(first.seconds) >= {"pause", "serve", "total", *pushed}
         assert versions(*urls) == ["1", "1"]
         assert httpx.get(f"{router.url}/get_weight_version").json()["weight_version"] == "1"
         for url in urls:
@@ -204,7 +214,8 @@ def test_sync_makes_every_engine_equal_the_trainer_and_reuses_the_group(
         headers = {"Authorization": f"Bearer {TOKEN}"}
         httpx.post(f"{router.url}/remove_worker", params={"url": urls[1]}, headers=headers)
         third = sync(run, ws, hf_model(tiny_model_dir, seed=3), 3)
-        assert third.new_group and third.engines == [urls[0]] and ws.members == [urls[0]]
+        assert third.new_group == group and third.engines == [urls[0]]
+        assert ws.members == ([urls[0]] if group else [])
         assert versions(*urls) == ["3", "2"]
         # It was paused with the members it left (the router was asked at the same time),
         # and continued: it still serves whoever calls it directly.
@@ -261,6 +272,77 @@ def test_an_engine_that_never_answers_is_removed_and_the_rest_synced(
         run(ws.close())
 
 
+def test_a_misfit_engine_on_the_tensor_route_is_removed_and_the_rest_synced(
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, tmp_path: Path, run
+):
+    """The tensor route's failure: an engine whose model has other shapes refuses the
+    bucket; it is removed (not moved to the group: it opened the handle), the rest synced."""
+    from tests.support.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", hidden_size=32)
+    misfit = EngineProcess(other, tmp_path, "--weight-update-timeout", "10", "--admin-token", TOKEN)
+    healthy = engines[1].url
+    try:
+        router = router_of(healthy, misfit.url)
+        ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=5.0, transport="tensor")
+        model = hf_model(tiny_model_dir, seed=7)
+        try:
+            report = sync(run, ws, model, 7)
+        finally:
+            run(ws.close())
+        assert report.engines == [healthy] and list(report.removed) == [misfit.url]
+        assert "shapes" in report.removed[misfit.url] and "tensor" in report.seconds
+        assert_engine_equals(healthy, model, "7")
+        assert versions(misfit.url) == ["default"]
+    finally:
+        misfit.stop()
+
+
+def test_an_engine_that_cannot_open_the_shared_bucket_is_served_by_the_group(
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, tmp_path: Path, run
+):
+    """auto picks the tensor route for an engine on this machine; where the file is not one
+    the engine can open (here: not in /dev/shm, as a container with a private /dev/shm would
+    see it), that engine gets the same sync through the update group, and later ones too."""
+    url = engines[0].url
+    router = router_of(url)
+    ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=20, shm_dir=str(tmp_path))
+    try:
+        model = hf_model(tiny_model_dir, seed=8)
+        first = sync(run, ws, model, 8)
+        assert first.engines == [url] and first.removed == {} and ws.members == [url]
+        assert {"tensor", "broadcast"} <= set(first.seconds)
+        assert_engine_equals(url, model, "8")
+        model = hf_model(tiny_model_dir, seed=9)
+        second = sync(run, ws, model, 9)
+        assert "tensor" not in second.seconds and not second.new_group
+        assert_engine_equals(url, model, "9")
+    finally:
+        run(ws.close())
+
+
+def test_the_disk_transport_writes_safetensors_the_engines_load(
+    engines: list[EngineProcess], router_of, tiny_model_dir: Path, tmp_path: Path, run
+):
+    """--update-weight-transport disk: each bucket a safetensors file under v{version}/ of a
+    directory both sides see, /update_weights_from_disk; only the newest version stays."""
+    urls = sorted(e.url for e in engines)
+    router = router_of(*urls)
+    ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=20, bucket_bytes=BUCKET_BYTES,
+                    transport="disk", disk_dir=tmp_path / "updates")  # fmt: skip
+    try:
+        for version, seed in ((31, 10), (32, 11)):
+            model = hf_model(tiny_model_dir, seed=seed)
+            report = sync(run, ws, model, version)
+            assert report.engines == urls and "disk" in report.seconds and ws.members == []
+            for url in urls:
+                assert_engine_equals(url, model, str(version))
+        assert sorted(p.name for p in (tmp_path / "updates").iterdir()) == ["v32"]
+        assert len(list((tmp_path / "updates" / "v32").glob("*.safetensors"))) == report.buckets
+    finally:
+        run(ws.close())
+
+
 def test_an_engine_failing_mid_broadcast_is_removed_and_the_group_rebuilt(
     engines: list[EngineProcess], router_of, tiny_model_dir: Path, tmp_path: Path, run
 ):
@@ -273,7 +355,9 @@ def test_an_engine_failing_mid_broadcast_is_removed_and_the_group_rebuilt(
     healthy = engines[1].url
     try:
         router = router_of(healthy, misfit.url)
-        ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=3.0, group_name="misfit")
+        ws = WeightSync(
+            router.url, admin_token=TOKEN, timeout_s=3.0, group_name="misfit", transport="nccl"
+        )
         model = hf_model(tiny_model_dir, seed=5)
         try:
             report = sync(run, ws, model, 5)

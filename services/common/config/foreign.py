@@ -98,8 +98,8 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     (
         "--update-weight-",
         (
-            "picks Miles' weight-update transport; millstream's is its own (a coordinator "
-            "handshake, then gloo or NCCL: --weight-sync-*): drop it"
+            "is a setting of Miles' weight update that millstream does not have (its own: "
+            "--update-weight-transport, --update-weight-buffer-size, --weight-sync-*): drop it"
         ),
     ),
     ("--opd-teacher-urls", "is several teachers: give one, --opd-teacher-url URL"),

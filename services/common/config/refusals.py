@@ -128,6 +128,10 @@ REFUSED: dict[str, str] = {
         "per-group --rollout-function-path fn(group, cfg, client) -> SampleGroup (it sees "
         "group.is_eval), or drop it"
     ),
+    "update_weight_mode": (
+        "delta sends only what changed since the last sync, through files (Miles' disk "
+        "delta); millstream sends the full weights every sync: drop it, or give full"
+    ),
     "sglang_server_concurrency": (
         "caps Miles' in-flight generation requests per engine; here the cap is per rollout "
         "worker: use --rollout-max-concurrency"

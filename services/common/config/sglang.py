@@ -39,6 +39,23 @@ class SglangConfig:
         "address engines reach the trainer's weight-update rendezvous at (default: 127.0.0.1 "
         "when the router is on loopback, else this host's address)",
     )
+    update_weight_transport: str = flag(
+        "auto",
+        "how weights reach each engine: auto (by where the two live: the trainer's GPU -> "
+        "tensor over CUDA IPC; this machine with a CPU side -> tensor over shared memory; "
+        "else nccl, printed at start-up), nccl (an update group: NCCL between GPUs, gloo "
+        "where a side is on a CPU), tensor (/update_weights_from_tensor with a shared "
+        "handle), disk (safetensors in --update-weight-disk-dir)",
+        choices=("auto", "nccl", "tensor", "disk"),
+    )
+    update_weight_disk_dir: str | None = flag(
+        None,
+        "with --update-weight-transport disk: a directory the trainer and every engine see "
+        "(default: RUN_DIR/weight_updates)",
+    )
+    update_weight_mode: str = flag(
+        "full", "Miles: full weights at every sync (delta is refused)", choices=("full", "delta")
+    )
     weight_sync_format: str = flag(
         "flattened_bucket",
         "one broadcast per bucket (SGLang's load_format flattened_bucket), or per_tensor for "

@@ -58,12 +58,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from opentelemetry import trace
 
-from millstream.common import telemetry, threads
+from millstream.common import telemetry, tensor_share, threads
 from millstream.common.auth import bearer_headers
 from millstream.common.errors import MillstreamError, ServiceUnavailable
 from millstream.common.http_pool import make_client
@@ -74,8 +75,22 @@ from .process_group import (
     Bucket,
     NamedTensors,
     UpdateGroup,
-    backend_for,
     plan_buckets,
+)
+from .transport import (
+    AUTO,
+    DISK,
+    GROUP,
+    SETTINGS,
+    TENSOR,
+    Route,
+    choose,
+    gather_routes,
+    group_backend,
+    opening_failed,
+    push_disk,
+    push_tensors,
+    trainer_placement,
 )
 
 log = logging.getLogger("millstream.trainer")
@@ -277,6 +292,9 @@ class WeightSync:
         group_name: str = "millstream_weights",
         tracer: Any = None,
         load_format: str | None = FLATTENED_BUCKET,
+        transport: str = AUTO,
+        disk_dir: str | Path | None = None,
+        shm_dir: str = tensor_share.SHM_DIR,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s (--weight-sync-timeout) must be > 0 (got {timeout_s})")
@@ -286,6 +304,10 @@ class WeightSync:
             raise ValueError(f"load_format: {load_format!r} is not None or {FLATTENED_BUCKET!r}")
         if backend not in (None, *BACKENDS):
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS} (or None: by device)")
+        if transport not in SETTINGS:
+            raise ValueError(f"transport: {transport!r} is not one of {SETTINGS}")
+        if transport == DISK and disk_dir is None:
+            raise ValueError("transport disk needs disk_dir (--update-weight-disk-dir)")
         self.router_url = router_url.rstrip("/")
         self.admin_token = admin_token
         self.pause_mode = pause_mode
@@ -295,6 +317,15 @@ class WeightSync:
         self.backend = backend
         self.group_name = group_name
         self.load_format = load_format
+        self.transport = transport
+        self.disk_dir = Path(disk_dir) if disk_dir is not None else None
+        # Per engine: where it lives (its /get_server_info; None: it does not say), the route
+        # its weights take (transport.py), and the engines whose tensor update could not open
+        # a handle, which the group serves from then on. An engine removed is forgotten.
+        self._placements: dict[str, dict[str, Any] | None] = {}
+        self._routes: dict[str, Route] = {}
+        self._moved_to_group: set[str] = set()
+        self._shm = tensor_share.ShmBuffer(shm_dir)  # the tensor route's file, kept between syncs
         self._tracer = tracer or telemetry.tracer("millstream.trainer")
         self._group: UpdateGroup | None = None
         self._members: list[str] = []
@@ -353,8 +384,7 @@ class WeightSync:
             engines = await self._paused_engines(calls, router, join, report, pause, gate)
             if on_gated is not None:
                 on_gated()
-            backend = self.backend or backend_for(buckets[0].tensors[0].device)
-            engines = await self._push(calls, router, engines, buckets, backend, report)
+            engines = await self._push_all(calls, router, engines, buckets, report)
             await self._serve(calls, router, engines, report, pause)
             report.engines = engines
             report.add_time("total", time.monotonic() - start)
@@ -385,6 +415,7 @@ class WeightSync:
         try:
             await self._drop_group(self._clients()[0], self._members)
         finally:
+            self._shm.close()
             if self._http is not None:
                 await self._http.aclose()
                 self._http = None
@@ -444,6 +475,137 @@ class WeightSync:
         )
         return engines
 
+    async def routes(self, device: Any) -> dict[str, Route]:
+        """The route each engine the router lists now would get from a trainer whose weights
+        live on `device`, printed (the start-up line); TransportError for a forced transport
+        that cannot reach one."""
+        calls, router = self._clients()
+        engines = sorted(await router.engines())
+        return await self._route(calls, engines, tensor_share.placement(device))
+
+    async def _route(
+        self, calls: EngineCalls, engines: list[str], trainer: dict[str, Any]
+    ) -> dict[str, Route]:
+        new = [u for u in engines if u not in self._placements]
+        if new:
+            self._placements |= await gather_routes(lambda u: self._placement(calls, u), new)
+        routes = {}
+        for url in engines:
+            if url in self._moved_to_group:
+                route = Route(GROUP, "its tensor update could not open the handle")
+            else:
+                route = choose(self.transport, trainer, self._placements[url])
+            if self._routes.get(url) != route:
+                print(f"[trainer] weight transport to {url}: {route}", flush=True)
+            routes[url] = route
+        self._routes = routes
+        return routes
+
+    async def _placement(self, calls: EngineCalls, url: str) -> dict[str, Any] | None:
+        """Where an engine lives and which transports it takes (its /get_server_info); None
+        when it does not say (a real SGLang server) or does not answer."""
+        try:
+            probe_s = min(5.0, self.timeout_s)  # as EngineCalls.alive: a hung engine waits
+            resp = await asyncio.wait_for(calls.http.get(url + "/get_server_info"), probe_s)
+            info = resp.json() if resp.status_code == 200 else {}
+        except (TimeoutError, httpx.HTTPError, ValueError):
+            return None
+        place = info.get("placement") if isinstance(info, dict) else None
+        if not isinstance(place, dict):
+            return None
+        return {**place, "weight_transports": list(info.get("weight_transports", []))}
+
+    async def _push_all(
+        self,
+        calls: EngineCalls,
+        router: RouterAdmin,
+        engines: list[str],
+        buckets: list[Bucket],
+        report: SyncReport,
+    ) -> list[str]:
+        """Every engine its buckets by its route, the routes side by side; the engines that
+        hold the new version now. An engine whose tensor update could not open the handle is
+        served by the group instead, in this sync already."""
+        trainer = trainer_placement(buckets)
+        routes = await self._route(calls, engines, trainer)
+        group = [u for u in engines if routes[u].transport == GROUP]
+        tensor = {u: r for u, r in routes.items() if r.transport == TENSOR}
+        disk = [u for u in engines if routes[u].transport == DISK]
+        if not group and self._group is not None:  # nobody in it any more
+            await self._drop_group(calls, self._members)
+        done = await asyncio.gather(
+            self._push_group(calls, router, group, buckets, trainer, report),
+            self._push_tensor(calls, router, tensor, buckets, report),
+            self._push_disk(calls, router, disk, buckets, report),
+        )
+        synced = [u for part in done for u in part]
+        moved = sorted(self._moved_to_group & set(tensor))
+        if moved:
+            synced = [u for u in synced if u not in group]
+            synced += await self._push_group(calls, router, group + moved, buckets, trainer, report)
+        if not synced:
+            raise MillstreamError(
+                f"weight sync v{report.version}: no engine left to sync (removed: "
+                f"{report.removed or 'none; the router lists no engine'}); start engines "
+                f"and register them with the router {self.router_url}"
+            )
+        return sorted(synced)
+
+    async def _push_group(
+        self,
+        calls: EngineCalls,
+        router: RouterAdmin,
+        engines: list[str],
+        buckets: list[Bucket],
+        trainer: dict[str, Any],
+        report: SyncReport,
+    ) -> list[str]:
+        if not engines:
+            return []
+        backend = self.backend or group_backend(trainer, [self._placements.get(u) for u in engines])
+        return await self._push(calls, router, engines, buckets, backend, report)
+
+    async def _push_tensor(
+        self,
+        calls: EngineCalls,
+        router: RouterAdmin,
+        routes: dict[str, Route],
+        buckets: list[Bucket],
+        report: SyncReport,
+    ) -> list[str]:
+        if not routes:
+            return []
+        start = time.monotonic()
+        failed = await push_tensors(calls, routes, buckets, report.version, self._shm)
+        report.add_time("tensor", time.monotonic() - start)
+        for url, why in failed.items():
+            if opening_failed(why):
+                log.warning(
+                    "weight sync v%d: %s could not open the shared bucket (%s); the update "
+                    "group serves it from now on", report.version, url, why,
+                )  # fmt: skip
+                self._moved_to_group.add(url)
+        removed = {u: why for u, why in failed.items() if u not in self._moved_to_group}
+        return await self._remove(
+            router, [u for u in routes if u not in self._moved_to_group], removed, report
+        )
+
+    async def _push_disk(
+        self,
+        calls: EngineCalls,
+        router: RouterAdmin,
+        engines: list[str],
+        buckets: list[Bucket],
+        report: SyncReport,
+    ) -> list[str]:
+        if not engines:
+            return []
+        assert self.disk_dir is not None
+        start = time.monotonic()
+        failed = await push_disk(calls, engines, buckets, report.version, self.disk_dir)
+        report.add_time("disk", time.monotonic() - start)
+        return await self._remove(router, engines, failed, report)
+
     async def _push(
         self,
         calls: EngineCalls,
@@ -457,11 +619,7 @@ class WeightSync:
         unexplained = 0
         while True:
             if not engines:
-                raise MillstreamError(
-                    f"weight sync v{report.version}: no engine left to sync (removed: "
-                    f"{report.removed or 'none; the router lists no engine'}); start engines "
-                    f"and register them with the router {self.router_url}"
-                )
+                return []  # every one removed: sync() says so if no other route synced one
             try:
                 group = self._group
                 if group is None or self._members != engines or group.backend != backend:
@@ -644,4 +802,6 @@ class WeightSync:
             )
             await router.remove(url)
             report.removed[url] = str(why)
+            self._placements.pop(url, None)  # a new engine may come back at this URL
+            self._moved_to_group.discard(url)
         return [u for u in engines if u not in failed]

@@ -1,0 +1,156 @@
+"""--update-weight-transport: the route each engine gets from where both sides live, the group's
+collective backend, and the shared tensors the tensor route hands over (the shared-memory twin
+of CUDA IPC, exercised here; the CUDA IPC handle needs a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from millstream.common import tensor_share
+from millstream.trainer.weights.transport import (
+    CUDA_IPC,
+    DISK,
+    GROUP,
+    SHM,
+    TENSOR,
+    TransportError,
+    choose,
+    group_backend,
+)
+
+HOST = {"host": "boot:1:2", "device": "cpu", "gpu_uuid": None}
+TAKES = {"weight_transports": ["distributed", "tensor", "disk"]}
+
+
+def place(host: str = "boot:1:2", device: str = "cpu", gpu: str | None = None, takes=True):
+    return {"host": host, "device": device, "gpu_uuid": gpu, **(TAKES if takes else {})}
+
+
+GPU0 = place(device="cuda:0", gpu="GPU-aaa")
+GPU1 = place(device="cuda:1", gpu="GPU-bbb")
+OTHER_HOST_GPU = place(host="boot2:1:2", device="cuda:0", gpu="GPU-ccc")
+
+
+@pytest.mark.parametrize(
+    ("trainer", "engine", "transport", "handle"),
+    [
+        (GPU0, place(device="cuda:0", gpu="GPU-aaa"), TENSOR, CUDA_IPC),  # one GPU, colocated
+        (GPU0, GPU1, GROUP, None),  # two GPUs of one machine: NCCL
+        (GPU0, OTHER_HOST_GPU, GROUP, None),  # another machine
+        (GPU0, place(), TENSOR, SHM),  # engine on this machine's CPU (today's engine on a GPU box)
+        (place(), place(), TENSOR, SHM),  # everything on CPU: `make test`
+        (place(), place(host="boot2:1:2"), GROUP, None),  # another machine's CPU
+        (place(), place(host="boot:9:9"), GROUP, None),  # a container with its own /dev/shm
+        (GPU0, None, GROUP, None),  # says nothing (real SGLang): the group, as before
+        (place(), place(takes=False), GROUP, None),  # does not take shared tensors
+    ],
+)
+def test_auto_routes_by_where_the_two_live(trainer, engine, transport, handle):
+    route = choose("auto", trainer, engine)
+    assert (route.transport, route.handle) == (transport, handle), route
+
+
+def test_forced_transports_say_why_they_cannot_work():
+    assert choose("nccl", GPU0, GPU1).transport == GROUP
+    assert choose("disk", GPU0, place(device="cuda:0", gpu="GPU-aaa")).transport == DISK
+    with pytest.raises(TransportError, match="cannot put two ranks on one GPU"):
+        choose("nccl", GPU0, place(device="cuda:0", gpu="GPU-aaa"))
+    with pytest.raises(TransportError, match="handles work only on one machine"):
+        choose("tensor", GPU0, OTHER_HOST_GPU)
+    with pytest.raises(TransportError, match="handles work only on one machine"):
+        choose("tensor", place(), None)
+    assert choose("tensor", place(), place()).handle == SHM
+    with pytest.raises(ValueError, match="one of"):
+        choose("ipc", place(), place())
+
+
+def test_the_group_uses_nccl_only_when_every_member_is_on_a_gpu():
+    assert group_backend(GPU0, [GPU1, OTHER_HOST_GPU]) == "nccl"
+    assert group_backend(GPU0, [GPU1, place()]) == "gloo"  # one CPU engine: through the CPU
+    assert group_backend(place(), [GPU1]) == "gloo"
+    assert group_backend(GPU0, [None]) == "nccl"  # real SGLang: where the trainer is
+
+
+def test_this_process_places_itself():
+    here = tensor_share.placement("cpu")
+    assert here["device"] == "cpu" and here["gpu_uuid"] is None
+    assert tensor_share.same_host(here, tensor_share.placement(torch.device("cpu")))
+    assert not tensor_share.same_gpu(here, here)  # no GPU: never CUDA IPC
+
+
+def _bucket() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("w", torch.randn(3, 4, generator=g)),
+        ("ids", torch.arange(5)),
+        ("b", torch.randn(7, generator=g).to(torch.bfloat16)),  # odd offset after it below
+        ("h", torch.randn(2, generator=g).to(torch.float16)),
+    ]
+
+
+def _entry(handle, named) -> str:
+    return tensor_share.bucket_request(
+        handle,
+        [n for n, _ in named],
+        [t.dtype for _, t in named],
+        [list(t.shape) for _, t in named],
+    )
+
+
+def test_a_shared_memory_bucket_reaches_the_receiver_whole_and_the_file_is_reused(tmp_path):
+    buffer = tensor_share.ShmBuffer()
+    mappings = tensor_share.Mappings()
+    try:
+        named = _bucket()
+        handle = buffer.write([t for _, t in named])
+        first_path = handle["path"]
+        got = tensor_share.open_bucket(_entry(handle, named), mappings)
+        assert [n for n, _ in got] == [n for n, _ in named]
+        for (_, want), (_, have) in zip(named, got, strict=True):
+            assert have.dtype == want.dtype and torch.equal(have, want)
+        # The next bucket goes into the same file and mapping: the receiver copied the last.
+        smaller = named[:2]
+        handle = buffer.write([t * 0 + 1 if t.is_floating_point() else t for _, t in smaller])
+        assert handle["path"] == first_path
+        again = dict(tensor_share.open_bucket(_entry(handle, smaller), mappings))
+        assert torch.equal(again["w"], torch.ones(3, 4))
+        # A bigger bucket needs a bigger file: a new one, the old one removed.
+        big = [("big", torch.zeros(10_000))]
+        handle = buffer.write([big[0][1]])
+        assert handle["path"] != first_path and not (tmp_path / first_path).exists()
+        assert torch.equal(dict(tensor_share.open_bucket(_entry(handle, big), mappings))["big"],
+                           big[0][1])  # fmt: skip
+    finally:
+        path = buffer.path
+        buffer.close()
+    assert path is not None and not path.exists()
+
+
+def test_the_receiver_opens_only_millstream_buckets_in_dev_shm(tmp_path):
+    outside = tmp_path / "millstream-weights-x"
+    outside.write_bytes(b"\0" * 8)
+    for path in (str(outside), "/dev/shm/../etc/passwd", "/etc/passwd"):
+        handle = {"kind": "shm", "path": path, "numel": 8}
+        with pytest.raises(ValueError, match="not a millstream weight bucket"):
+            tensor_share.open_flat(handle)
+    with pytest.raises(ValueError, match="unknown handle kind"):
+        tensor_share.open_flat({"kind": "pickle", "numel": 0})
+
+
+def test_a_bucket_request_must_cover_the_handle_exactly():
+    named = _bucket()
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    with pytest.raises(ValueError, match="the handle"):
+        _entry({"kind": "shm", "path": "/dev/shm/millstream-weights-y", "numel": nbytes + 1}, named)
+    entry = json.loads(_entry({"kind": "shm", "path": "p", "numel": nbytes}, named))
+    assert [m["end_idx"] for m in entry["metadata"]][-1] == nbytes  # SGLang's fields, in bytes
+    assert entry["metadata"][1] == {"name": "ids", "shape": [5], "dtype": "int64",
+                                    "start_idx": 48, "end_idx": 88, "numel": 5}  # fmt: skip
+
+
+def test_cuda_ipc_needs_a_cuda_tensor():
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        tensor_share.share(torch.zeros(4, dtype=torch.uint8))
