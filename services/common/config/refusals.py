@@ -80,10 +80,6 @@ REFUSED: dict[str, str] = {
         "picks Megatron's attention kernel; the torch backend runs the HF model's own "
         "attention and has no such choice: drop it"
     ),
-    "bf16": (
-        "asks for bf16 training; the torch backend trains in fp32 (weights, gradients and "
-        "optimizer state): drop it"
-    ),
     "log_probs_chunk_size": (
         "chunks Miles' logprob computation to save memory; the torch backend takes each "
         "micro-batch's log-softmax whole: drop it (or -1), or save memory with a smaller "

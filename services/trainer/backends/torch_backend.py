@@ -41,6 +41,7 @@ from ..observe.profiler import TrainProfiler
 from . import batching, shared_prefix
 from .base import TrainSample
 from .critic import ValueModel, load_value_model
+from .precision import MasterWeights
 
 log = logging.getLogger(__name__)
 
@@ -221,16 +222,20 @@ class TorchBackend:
         # The models and every forward's inputs live here; what `prepare` keeps between the
         # forwards (logprobs, advantages) stays on the CPU, moved in per micro-batch.
         self.device = train_device()
-        self.model = load_causal_lm(actor_dir).to(self.device)
+        # --bf16: the models compute in bf16, the optimizer steps fp32 masters (precision.py).
+        self.dtype = torch.bfloat16 if cfg.megatron.bf16 else torch.float32
+        self.master: MasterWeights | None = None
+        self.model = load_causal_lm(actor_dir).to(self.device)  # the dtype once masters exist
         self.model.train()
         self.ref = None
         if ref_dir:
-            self.ref = load_causal_lm(ref_dir).to(self.device).eval().requires_grad_(False)
+            self.ref = self._frozen(load_causal_lm(ref_dir))
         self.teacher = None
         if teacher_dir:
-            self.teacher = load_causal_lm(teacher_dir).to(self.device).eval().requires_grad_(False)
+            self.teacher = self._frozen(load_causal_lm(teacher_dir))
         self.total_steps = total_steps
         self.make_actor_optimizer()
+        self.model.to(self.dtype)  # the masters copied the checkpoint's fp32 weights first
         self.critic: ValueModel | None = None
         if critic_dir is not None:
             self.critic = load_value_model(critic_dir).to(self.device)
@@ -269,10 +274,20 @@ class TorchBackend:
         # --use-pytorch-profiler / --memory-snapshot-path: set by the build (rank 0), else off.
         self.profiler = TrainProfiler()
 
+    def _frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A model that only forwards (reference, teacher): on the device, in the actor's dtype."""
+        return model.to(self.device, self.dtype).eval().requires_grad_(False)
+
     def make_actor_optimizer(self) -> None:
         """The actor's optimizer and schedule over its parameters as they are now (again after
-        FSDP sharding replaced them)."""
+        FSDP sharding replaced them); with --bf16 over their fp32 masters, copied from them
+        as they are (the checkpoint's fp32 weights, before the model is cast to bf16)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.dtype != torch.float32:
+            if self.master is not None:
+                self.master.remove()
+            self.master = MasterWeights(params)
+            params = self.master.params
         self.optimizer, self.scheduler = make_optimizer(
             params, self.cfg, self.cfg.optimizer.lr, self.total_steps
         )
@@ -283,8 +298,10 @@ class TorchBackend:
         return None
 
     def clip_actor_gradients(self, max_norm: float) -> float:
-        """The actor's gradient norm (before clipping), its gradients clipped to `max_norm`."""
-        return _value(clip_grad_norm_(self.model.parameters(), max_norm))
+        """The actor's gradient norm (before clipping), its gradients clipped to `max_norm`
+        (with --bf16, the fp32 gradients of its masters)."""
+        params = self.master.params if self.master is not None else self.model.parameters()
+        return _value(clip_grad_norm_(params, max_norm))
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter a step updates (actor, then critic): DataParallel sums their grads."""
@@ -660,6 +677,8 @@ class TorchBackend:
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
+        if self.master is not None:
+            self.master.to_model()
         return metrics
 
     def accumulate_gradients(
@@ -739,13 +758,13 @@ class TorchBackend:
             directory / "model", state_dict=self.full_weights, safe_serialization=True
         )
         if save_optimizer and actor_optimizer:
-            torch.save(
-                {
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                },
-                directory / OPTIMIZER_FILE,
-            )
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            }
+            if self.master is not None:  # --bf16: the fp32 weights model/ rounds
+                state |= self.master.state_dict()
+            torch.save(state, directory / OPTIMIZER_FILE)
         if self.critic is not None:
             critic_dir = directory / CRITIC_DIR
             self.critic.save(critic_dir)
@@ -763,6 +782,8 @@ class TorchBackend:
         from safetensors.torch import load_model
 
         load_model(self.model, str(directory / "model" / "model.safetensors"), strict=False)
+        if self.master is not None:  # until the optimizer's state brings the fp32 ones
+            self.master.from_model()
 
     def load(self, directory: Path, load_optimizer: bool = True, *, actor: bool = True) -> None:
         """A checkpoint's actor (`actor=False`: loaded already, and its optimizer is the
@@ -781,6 +802,8 @@ class TorchBackend:
             state = torch.load(opt_path, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+            if self.master is not None and "master" in state:
+                self.master.load_state_dict(state)
         critic_dir = directory / CRITIC_DIR
         if self.critic is not None and critic_dir.is_dir():
             self.critic.load(critic_dir)
