@@ -247,12 +247,14 @@ def test_a_refused_flag_exits_2_through_the_cli_before_anything_starts(tmp_path)
 
 
 def test_several_refused_flags_are_named_in_one_message():
-    cfg = parse_run_config(_base("--colocate", "--tensor-model-parallel-size", "2", "--bf16"))
+    cfg = parse_run_config(
+        _base("--colocate", "--tensor-model-parallel-size", "2", "--offload-train")
+    )
     with pytest.raises(ConfigError) as err:
         refusals.check(cfg)
     message = str(err.value)
     assert message.startswith("--tensor-model-parallel-size 2 needs --train-backend megatron")
-    assert message.endswith("(also refused: --bf16, --colocate)")
+    assert message.endswith("(also refused: --colocate, --offload-train)")
 
 
 def _script_argv(script: Path, env: dict[str, str]) -> list[str]:

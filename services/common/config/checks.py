@@ -87,7 +87,7 @@ def _check_parallel(cfg: RunConfig, environ: Mapping[str, str]) -> None:
             f"--context-parallel-size {cp} must divide the trainer's {ranks} rank(s): each "
             "such group of ranks holds one copy of the model between them"
         )
-    if cfg.megatron.bf16 and (ranks > 1 or cfg.ckpt.train_backend != "torch"):
+    if cfg.perf.bf16 and (ranks > 1 or cfg.ckpt.train_backend != "torch"):
         raise ConfigError(
             "--bf16 is built for the torch backend on one rank (fp32 masters beside the bf16 "
             "weights, backends/precision.py); with --train-backend fsdp or megatron, or "

@@ -125,11 +125,6 @@ class MegatronConfig:
     attention_backend: str | None = flag(
         None, "Megatron's attention kernel; refused by the torch backend (the HF model's own)"
     )
-    bf16: bool = flag(
-        False,
-        "bf16 training as Megatron means it: bf16 weights and activations, fp32 master "
-        "weights, optimizer state, log-probs and loss (the torch backend, one rank)",
-    )
     actor_num_nodes: int = flag(1, "trainer nodes")
     actor_num_gpus_per_node: int = flag(1, "trainer ranks per node (torchrun --nproc-per-node)")
     colocate: bool = flag(

@@ -21,11 +21,22 @@ class PerfConfig:
         "millstream: forward a prompt once for the samples of a micro-batch that share it, "
         "where that computes less (default; --no-shared-prefix: each sample whole, as Miles)",
     )
+    bf16: bool = flag(
+        False,
+        "bf16 training as Megatron means it: bf16 weights and activations, fp32 master "
+        "weights, optimizer state, log-probs and loss (the torch backend, one rank)",
+    )
     log_probs_chunk_size: int = flag(
-        -1, "Miles: chunk the logprob computation; only -1 (off): the torch backend takes it whole"
+        -1,
+        "Miles: the response positions whose vocabulary-wide logits and log-softmax exist at "
+        "once (the peak of a GRPO step with a large vocabulary); -1: all of a micro-batch's",
     )
 
     def __post_init__(self) -> None:
+        if self.log_probs_chunk_size == 0 or self.log_probs_chunk_size < -1:
+            raise ConfigError(
+                f"--log-probs-chunk-size must be > 0, or -1 for none (got {self.log_probs_chunk_size})"
+            )
         if self.micro_batch_size <= 0:
             raise ConfigError(f"--micro-batch-size must be > 0 (got {self.micro_batch_size})")
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:

@@ -80,11 +80,6 @@ REFUSED: dict[str, str] = {
         "picks Megatron's attention kernel; the torch backend runs the HF model's own "
         "attention and has no such choice: drop it"
     ),
-    "log_probs_chunk_size": (
-        "chunks Miles' logprob computation to save memory; the torch backend takes each "
-        "micro-batch's log-softmax whole: drop it (or -1), or save memory with a smaller "
-        "--micro-batch-size or --max-tokens-per-gpu"
-    ),
     "colocate": (
         "shares GPUs between the trainer and the engines, offloading each while the other "
         "runs; millstream runs the engines as separate services, never on the trainer's "

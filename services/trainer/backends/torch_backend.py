@@ -38,7 +38,7 @@ from millstream.common.errors import MillstreamError
 from ..algorithms.advantages import token_advantages
 from ..algorithms.loss import Denominator, approx_kl, policy_loss, value_loss
 from ..observe.profiler import TrainProfiler
-from . import batching, shared_prefix
+from . import batching, chunked, shared_prefix
 from .base import TrainSample
 from .critic import ValueModel, load_value_model
 from .precision import MasterWeights
@@ -223,7 +223,7 @@ class TorchBackend:
         # forwards (logprobs, advantages) stays on the CPU, moved in per micro-batch.
         self.device = train_device()
         # --bf16: the models compute in bf16, the optimizer steps fp32 masters (precision.py).
-        self.dtype = torch.bfloat16 if cfg.megatron.bf16 else torch.float32
+        self.dtype = torch.bfloat16 if cfg.perf.bf16 else torch.float32
         self.master: MasterWeights | None = None
         self.model = load_causal_lm(actor_dir).to(self.device)  # the dtype once masters exist
         self.model.train()
@@ -457,8 +457,22 @@ class TorchBackend:
     def _logprobs(
         self, model: torch.nn.Module, samples: list[TrainSample], with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(logp_BT, entropy_BT or None, valid_BT) over the response positions of each sample."""
+        """(logp_BT, entropy_BT or None, valid_BT) over the response positions of each sample.
+        With --log-probs-chunk-size C, a Hugging Face model's output layer runs on C response
+        positions' hidden states at a time (`chunked.py`): the [positions, vocabulary] logits
+        are never whole, in the forward or the backward."""
         inputs, (row_BT, col_BT), target_BT, valid_BT = self._inputs(samples)
+        chunk = self.cfg.perf.log_probs_chunk_size
+        if chunk > 0 and (head := chunked.output_layer(model)) is not None:
+            hidden_BTH = chunked.final_hidden(model, inputs)[row_BT, col_BT]
+            logp_BT, entropy_BT = chunked.token_logprobs(
+                hidden_BTH, head, target_BT, self.temperature, chunk, with_entropy
+            )
+            return (
+                logp_BT * valid_BT,
+                None if entropy_BT is None else entropy_BT * valid_BT,
+                valid_BT,
+            )
         logits_BTV = at_least_fp32(self._logits(model, inputs)[row_BT, col_BT]) / self.temperature
         logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
         logp_BT = logp_BTV.gather(-1, target_BT[..., None]).squeeze(-1) * valid_BT
