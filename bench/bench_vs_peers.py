@@ -93,7 +93,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -496,21 +496,24 @@ def spans_by_iteration(spans: list[dict], name: str) -> dict[int, dict]:
     return {s["attributes"]["millstream.iteration"]: s for s in spans if s["name"] == name}
 
 
-def window_start(run_dir: Path, lines: int = 5000) -> float | None:
-    """The start of the trainer's eval before step 1 (time.time()), from the head of its trace
-    file (None until that span is written)."""
+def head_spans(run_dir: Path, lines: int = 5000) -> Iterator[dict]:
+    """The first `lines` spans of the trainer's trace files, as far as they are written (a
+    running trainer's last line may be torn)."""
     for path in (run_dir / "traces").glob("trainer-*.jsonl"):
         with path.open() as f:
             for _, line in zip(range(lines), f, strict=False):
                 try:
-                    span = json.loads(line)
+                    yield json.loads(line)
                 except json.JSONDecodeError:
                     break
-                if (
-                    span["name"] == "trainer.eval"
-                    and span["attributes"].get("millstream.iteration") == 0
-                ):
-                    return span["start_ns"] / 1e9
+
+
+def window_start(run_dir: Path, lines: int = 5000) -> float | None:
+    """The start of the trainer's eval before step 1 (time.time()), from the head of its trace
+    file (None until that span is written)."""
+    for span in head_spans(run_dir, lines):
+        if span["name"] == "trainer.eval" and span["attributes"].get("millstream.iteration") == 0:
+            return span["start_ns"] / 1e9
     return None
 
 
@@ -563,19 +566,12 @@ def millstream_trace(run_dir: Path, budget_s: float | None) -> dict:
 def first_request(run_dir: Path, lines: int = 5000) -> float | None:
     """When the trainer first asked for rollouts (time.time()): the start of its first eval or
     prompt hand-off span, from its trace file (None with tracing off)."""
-    starts = []
-    for path in (run_dir / "traces").glob("trainer-*.jsonl"):
-        with path.open() as f:
-            for _, line in zip(range(lines), f, strict=False):
-                try:
-                    span = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                name = span["name"]
-                if name == "trainer.eval" or (
-                    name.startswith("send ") and name.endswith(":prompts")
-                ):
-                    starts.append(span["start_ns"] / 1e9)
+    starts = [
+        span["start_ns"] / 1e9
+        for span in head_spans(run_dir, lines)
+        if span["name"] == "trainer.eval"
+        or (span["name"].startswith("send ") and span["name"].endswith(":prompts"))
+    ]
     return min(starts, default=None)
 
 

@@ -167,18 +167,22 @@ class _UpdateCommon(Strict):
         return value
 
 
-class UpdateWeightsFromDistributedReqIn(_UpdateCommon):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
+class _FlattenedOrNot(_UpdateCommon):
+    """An update that may come as SGLang's flattened_bucket: a bucket's tensors as one run of
+    bytes, in order (one broadcast of them, or one shared handle to them)."""
 
     @field_validator("load_format")
     @classmethod
     def _format(cls, value: str | None) -> str | None:
-        # SGLang's flattened_bucket: one broadcast of every tensor's bytes, in order.
         _unsupported("load_format", value, FLATTENED_BUCKET)
         return value
+
+
+class UpdateWeightsFromDistributedReqIn(_FlattenedOrNot):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
 
     @model_validator(mode="after")
     def _aligned(self) -> UpdateWeightsFromDistributedReqIn:
@@ -190,19 +194,13 @@ class UpdateWeightsFromDistributedReqIn(_UpdateCommon):
         return self
 
 
-class UpdateWeightsFromTensorReqIn(_UpdateCommon):
+class UpdateWeightsFromTensorReqIn(_FlattenedOrNot):
     # Base64 of safetensors blobs (see weights.py), not SGLang's pickled tensors; with
     # load_format flattened_bucket, one entry (one tensor parallel rank) holding the JSON of a
     # shared bucket: its handle, CUDA IPC or shared memory, and each tensor's place in it
     # (common/tensor_share.py).
     serialized_named_tensors: list[str]
     disable_draft_model: bool | None = None
-
-    @field_validator("load_format")
-    @classmethod
-    def _format(cls, value: str | None) -> str | None:
-        _unsupported("load_format", value, FLATTENED_BUCKET)
-        return value
 
     @model_validator(mode="after")
     def _one_rank(self) -> UpdateWeightsFromTensorReqIn:
