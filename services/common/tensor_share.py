@@ -38,6 +38,7 @@ the same GPU (`gpu_uuid`). Either side may still refuse a handle; the sync then 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import socket
@@ -54,8 +55,10 @@ SHM_PREFIX = "millstream-weights-"
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
+@functools.cache
 def host_id(shm_dir: str = SHM_DIR) -> str:
-    """Same value in two processes = one machine that shares `shm_dir` between them."""
+    """Same value in two processes = one machine that shares `shm_dir` between them (read
+    once per process: every weight sync asks)."""
     boot = _BOOT_ID.read_text().strip() if _BOOT_ID.is_file() else socket.gethostname()
     try:
         st = os.stat(shm_dir)

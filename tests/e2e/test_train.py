@@ -173,6 +173,9 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
         assert counts["admitted"] == counts["trained"] == 6 and counts["dropped_at_end"] == 0
     versions = [r["version"] for r in _records(run_dir)]
     assert versions == [1, 2, 3]
+    # Said at start-up: how the weights reach the engine (one machine, CPU: shared memory).
+    assert "weight transport to http://127.0.0.1:" in proc.stdout
+    assert "tensor over shared memory (on this machine, on a CPU)" in proc.stdout
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
     if command == "train-async":
         assert max(r["staleness_max"] for r in _records(run_dir)) <= 2

@@ -3,10 +3,12 @@
     engines = router GET /list_workers (after POST /add_worker for engines asking to join)
     1. pause    every engine: /pause_generation {mode: --pause-mode}                 concurrently
                 (the last sync's members are paused while the router lists the engines)
-    2. group    when there is none or membership changed: destroy the old one (rank 0 and, best
+    2. route    each engine's way (transport.py, --update-weight-transport): the update group
+                below, a shared handle (tensor) or files (disk); the routes run side by side
+    3. group    when there is none or membership changed: destroy the old one (rank 0 and, best
                 effort, the engines), then every engine /init_weights_update_group {master
-                address, a fresh port, rank_offset 1+i, world_size 1+n} while rank 0 joins
-    3. buckets  for each bucket of <= --update-weight-buffer-size bytes: every engine
+                address, a fresh port, rank_offset 1+i, world_size 1+n} while rank 0 joins;
+                for each bucket of <= --update-weight-buffer-size bytes: every engine
                 /update_weights_from_distributed {names, dtypes, shapes, group_name,
                 load_format} concurrently with rank 0's broadcast of the bucket: one
                 broadcast of its bytes (flattened_bucket, the default) or one per tensor
@@ -85,7 +87,6 @@ from .transport import (
     TENSOR,
     Route,
     choose,
-    gather_routes,
     group_backend,
     opening_failed,
     push_disk,
@@ -488,7 +489,8 @@ class WeightSync:
     ) -> dict[str, Route]:
         new = [u for u in engines if u not in self._placements]
         if new:
-            self._placements |= await gather_routes(lambda u: self._placement(calls, u), new)
+            found = await asyncio.gather(*(self._placement(calls, u) for u in new))
+            self._placements |= dict(zip(new, found, strict=True))
         routes = {}
         for url in engines:
             if url in self._moved_to_group:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -224,14 +224,6 @@ def opening_failed(why: object) -> bool:
     """An engine's tensor update failed at opening the handle: the memory is not shared with
     it (another machine after all, a container's private /dev/shm), so the group can serve."""
     return "opening the shared bucket" in str(why)
-
-
-async def gather_routes(
-    fetch: Callable[[str], Awaitable[Mapping[str, Any] | None]], urls: Sequence[str]
-) -> dict[str, Mapping[str, Any] | None]:
-    """Each engine's placement, fetched concurrently."""
-    found = await asyncio.gather(*(fetch(u) for u in urls))
-    return dict(zip(urls, found, strict=True))
 
 
 def trainer_placement(buckets: Sequence[Bucket]) -> dict[str, Any]:
