@@ -8,6 +8,9 @@
 # or MODE=train (strictly on-policy). On the 2-core CPU machine async reaches 85% greedy
 # accuracy first (7.2 s vs 9.7 s) and at 3586 vs 2645 completions/s (README), so it is the
 # default.
+# On a machine with a GPU (COLOCATE=auto, the default) the trainer and the engine share it,
+# taking turns (--colocate, docs/colocation.md), and the trainer steps in bf16 with fp32
+# masters (--bf16); COLOCATE=0 keeps the flags as written.
 # Extra flags after the script's name go last, so they win (compose passes --redis-url,
 # --router-url and --coordinator-port: the trainer then joins the running services).
 set -euo pipefail
@@ -78,6 +81,15 @@ SERVICE_ARGS=(
    --rollout-max-concurrency 128
    --log-level warning
 )
+
+# One GPU: colocate, as Miles does when GPUs are scarce (not when the engines run elsewhere).
+PYTHON="$(dirname "$MILLSTREAM")/python"
+if [ "${COLOCATE:-auto}" != 0 ] && [[ " $* " != *" --router-url "* ]] \
+   && "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
+then
+   PERF_ARGS+=(--colocate --bf16)
+   echo "[run.sh] a GPU is visible: --colocate --bf16 (COLOCATE=0 to run as written)" >&2
+fi
 
 MODE="${MODE:-train-async}"
 case "$MODE" in

@@ -17,7 +17,9 @@ from millstream.common.config.errors import ConfigError
 from millstream.common.config.schema import add_group, flag, from_namespace
 from millstream.common.http_limits import DEFAULT_MAX_REQUEST_BYTES
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHES = ("auto", "dynamic", "static")
+DEFAULT_MEM_FRACTION = 0.85
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,28 @@ class EngineConfig:
         None, "most KV tokens (prompt + max_new_tokens) reserved by the running batch"
     )
     context_length: int | None = flag(None, "longest prompt + output (default: the model's)")
-    dtype: str = flag("float32", "model dtype", choices=DTYPES)
+    device: str = flag(
+        "auto", "where the model runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda[:N]"
+    )
+    dtype: str = flag(
+        "auto", "model dtype (auto: bfloat16 on a GPU, float32 on the CPU)", choices=DTYPES
+    )
+    kv_cache: str = flag(
+        "auto",
+        "the KV cache: static (preallocated once, every row decodes into the same column: "
+        "what CUDA graphs need), dynamic (grown and trimmed per step), auto (static on a GPU, "
+        "dynamic on the CPU)",
+        choices=KV_CACHES,
+    )
+    mem_fraction_static: float | None = flag(
+        None,
+        "SGLang's: the share of the GPU's memory for weights plus the static KV cache "
+        f"(default {DEFAULT_MEM_FRACTION} on a GPU; Miles' --sglang-mem-fraction-static maps to it)",
+    )
+    cuda_graph_max_bs: int | None = flag(
+        None, "largest decode batch captured in a CUDA graph (default: --max-running-requests)"
+    )
+    disable_cuda_graph: bool = flag(False, "decode eagerly on the GPU (no CUDA graphs)")
     weight_version: str = flag("default", "weight version reported until the first update")
     weight_update_timeout: float = flag(
         300.0, "seconds an update-group init or a distributed weight update may take"
@@ -76,6 +99,14 @@ class EngineConfig:
             raise ConfigError(f"--port must be in 1..65535 (got {self.port})")
         if self.admin_token is not None and not self.admin_token.strip():
             raise ConfigError("--admin-token must not be empty")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(
+                f"--mem-fraction-static must be in (0, 1) (got {self.mem_fraction_static})"
+            )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
+            raise ConfigError(f"--cuda-graph-max-bs must be > 0 (got {self.cuda_graph_max_bs})")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
         if self.weight_update_timeout <= 0:
             raise ConfigError(
                 f"--weight-update-timeout must be > 0 (got {self.weight_update_timeout})"
@@ -93,7 +124,7 @@ class EngineConfig:
 def build_parser(prog: str = "millstream engine") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="CPU/dev inference server speaking SGLang's HTTP API",
+        description="inference server speaking SGLang's HTTP API (CPU or one GPU)",
         # A typo'd or partial flag is an error, never silently another flag.
         allow_abbrev=False,
     )

@@ -1,4 +1,5 @@
-"""Control endpoints: abort, pause/continue, flush, and the weight updates (SGLang's API).
+"""Control endpoints: abort, pause/continue, flush, memory release/resume, and the weight
+updates (SGLang's API).
 
 Every control call becomes a scheduler command that runs between two decode steps (see
 scheduler.py), awaited without blocking the event loop. Blocking work — joining a process
@@ -39,6 +40,7 @@ from .protocol import (
     DestroyWeightsUpdateGroupReqIn,
     FlushCacheReqIn,
     InitWeightsUpdateGroupReqIn,
+    MemoryOccupationReqIn,
     PauseGenerationReqIn,
     UpdateWeightFromDiskReqIn,
     UpdateWeightsFromDistributedReqIn,
@@ -120,6 +122,26 @@ async def continue_generation(
 ) -> dict[str, Any]:
     await asyncio.wrap_future(_core(request).scheduler.resume())
     return {"success": True, "status": "ok", "message": "Generation continued."}
+
+
+@router.post("/release_memory_occupation")
+async def release_memory_occupation(
+    request: Request, req: MemoryOccupationReqIn | None = None
+) -> dict[str, Any]:
+    """Free GPU memory for a trainer on the same GPU (--colocate): running requests are
+    retracted and wait, with every new one, for /resume_memory_occupation (scheduler.py)."""
+    tags = req.tags if req is not None else None
+    freed = await asyncio.wrap_future(_core(request).scheduler.release_memory(tags))
+    return {"success": True, "message": f"released {sorted(freed)}", "bytes": freed}
+
+
+@router.post("/resume_memory_occupation")
+async def resume_memory_occupation(
+    request: Request, req: MemoryOccupationReqIn | None = None
+) -> dict[str, Any]:
+    tags = req.tags if req is not None else None
+    allocated = await asyncio.wrap_future(_core(request).scheduler.resume_memory(tags))
+    return {"success": True, "message": f"resumed {sorted(allocated)}", "bytes": allocated}
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

@@ -59,6 +59,17 @@ class RunningBatch:
     def clear(self) -> None:
         self.seqs, self.cache, self.mask_BT = [], None, None
 
+    def release(self) -> int:
+        """Drop the cache (its rows were retracted); the dynamic cache holds no other memory."""
+        self.clear()
+        return 0
+
+    def resume(self) -> int:
+        return 0  # grown again by the next prefill
+
+    def forget_graphs(self) -> None:
+        pass  # eager decoding captures nothing
+
     def add(self, seqs: list[Sequence], cache: Any, mask_BT: torch.Tensor) -> None:
         """Merge prefilled rows (their own cache, `mask_BT` marking real columns) in."""
         if not seqs:
@@ -84,7 +95,7 @@ class RunningBatch:
             self.clear()
             return
         assert self.mask_BT is not None
-        index_B = torch.tensor(rows)
+        index_B = torch.tensor(rows, device=self.mask_BT.device)
         live_T = self.mask_BT[index_B].any(dim=0)
         first = int(live_T.nonzero()[0])
         for layer in self.cache.layers:
@@ -97,8 +108,9 @@ class RunningBatch:
     def decode(self, model: Any) -> torch.Tensor:
         """One decode step over every row; returns next-token logits_BV."""
         assert self.mask_BT is not None
-        input_ids_B1 = torch.tensor([[s.output_ids[-1]] for s in self.seqs])
-        position_ids_B1 = torch.tensor([[s.next_position] for s in self.seqs])
+        device = self.mask_BT.device
+        input_ids_B1 = torch.tensor([[s.output_ids[-1]] for s in self.seqs], device=device)
+        position_ids_B1 = torch.tensor([[s.next_position] for s in self.seqs], device=device)
         self.mask_BT = torch.cat([self.mask_BT, self.mask_BT.new_ones(len(self.seqs), 1)], dim=1)
         out = model(
             input_ids=input_ids_B1,

@@ -136,6 +136,13 @@ class PauseGenerationReqIn(Strict):
     mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
+class MemoryOccupationReqIn(Strict):
+    """SGLang's Release/ResumeMemoryOccupationReqInput: which memory ("weights", "kv_cache",
+    "cuda_graph"); None: all of it."""
+
+    tags: list[str] | None = None
+
+
 class ContinueGenerationReqIn(Strict):
     torch_empty_cache: bool = True
 

@@ -57,12 +57,12 @@ class SamplingParams:
 def _filter_probs(probs_BV: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Zero the tokens top-k / top-p / min-p remove; returns probabilities in sorted order
     together with the sort index (so row b's j-th column is token order_BV[b, j])."""
-    vocab = probs_BV.shape[-1]
-    top_k_B = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-    top_p_B = torch.tensor([p.top_p for p in params], dtype=probs_BV.dtype)
-    min_p_B = torch.tensor([p.min_p for p in params], dtype=probs_BV.dtype)
+    vocab, device = probs_BV.shape[-1], probs_BV.device
+    top_k_B = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p_B = torch.tensor([p.top_p for p in params], dtype=probs_BV.dtype, device=device)
+    min_p_B = torch.tensor([p.min_p for p in params], dtype=probs_BV.dtype, device=device)
     sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-    rank_V = torch.arange(vocab)
+    rank_V = torch.arange(vocab, device=device)
     keep_BV = rank_V[None, :] < top_k_B[:, None]
     mass_before_BV = sorted_BV.cumsum(dim=-1) - sorted_BV
     keep_BV &= mass_before_BV < top_p_B[:, None]
@@ -76,7 +76,8 @@ def _inverse_cdf(probs_BV: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     a column with zero probability is never picked (rounding at the top falls back to the
     row's most likely column)."""
     cdf_BV = probs_BV.cumsum(dim=-1)
-    u_B1 = torch.tensor(uniforms, dtype=cdf_BV.dtype)[:, None] * cdf_BV[:, -1:]
+    u_B = torch.tensor(uniforms, dtype=cdf_BV.dtype, device=cdf_BV.device)
+    u_B1 = u_B[:, None] * cdf_BV[:, -1:]
     pick_B = torch.searchsorted(cdf_BV, u_B1, right=True)[:, 0].clamp_(max=probs_BV.shape[1] - 1)
     picked_B = probs_BV.gather(-1, pick_B[:, None])[:, 0]
     return torch.where(picked_B > 0, pick_B, probs_BV.argmax(dim=-1))
@@ -89,7 +90,8 @@ def sample_next(
 ) -> tuple[list[int], list[float]]:
     """Sample one token per row; returns (token ids, their logprobs as defined above)."""
     logits_BV = logits_BV.float()
-    temps_B = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+    device = logits_BV.device
+    temps_B = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
     logp_BV = torch.log_softmax(logits_BV / temps_B[:, None], dim=-1)
     token_B = logits_BV.argmax(dim=-1)
 
@@ -97,10 +99,10 @@ def sample_next(
     plain = [b for b in sampled if not params[b].truncates]
     truncated = [b for b in sampled if params[b].truncates]
     if plain:
-        rows_R = torch.tensor(plain)
+        rows_R = torch.tensor(plain, device=device)
         token_B[rows_R] = _inverse_cdf(logp_BV[rows_R].exp(), [rngs[b].random() for b in plain])
     if truncated:
-        rows_R = torch.tensor(truncated)
+        rows_R = torch.tensor(truncated, device=device)
         kept_RV, order_RV = _filter_probs(logp_BV[rows_R].exp(), [params[b] for b in truncated])
         choice_R = _inverse_cdf(kept_RV, [rngs[b].random() for b in truncated])
         token_B[rows_R] = order_RV.gather(-1, choice_R[:, None])[:, 0]

@@ -26,6 +26,13 @@ Pause modes (SGLang's /pause_generation): "abort" aborts everything in flight an
 "in_place" stops stepping and keeps the batch and its KV cache; "retract" drops the KV cache
 and puts running sequences back at the head of the queue, to be re-prefilled on continue.
 While paused, new requests queue up and run after /continue_generation.
+
+Memory occupation (SGLang's /release_memory_occupation, for a trainer sharing the GPU:
+--colocate): releasing "kv_cache" drops the cache, and the running sequences go back to the
+head of the queue as in a retract; releasing "weights" moves the model to host memory
+(model_runner.py). No step runs while anything is released (requests queue up), whatever the
+pause state; /resume_memory_occupation brings back what it names, and stepping resumes once
+nothing is released and generation is not paused.
 """
 
 from __future__ import annotations
@@ -49,6 +56,11 @@ from .sequence import FinishReason, InputLogprobs, Sequence, StopChecker
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU memory types
+
+
+def _sizes(nbytes: dict[str, int]) -> str:
+    return ", ".join(f"{tag} {n / 2**20:.1f} MiB" for tag, n in nbytes.items()) or "nothing moved"
 
 
 class RequestError(ValueError):
@@ -66,7 +78,7 @@ def score_prompt(logits_KV: torch.Tensor, seq: Sequence, holder: InputLogprobs) 
     start, prompt = holder.start, seq.prompt_ids
     assert logits_KV.shape[0] == len(prompt) - start
     temperature = 1.0 if seq.params.greedy else seq.params.temperature
-    next_K = torch.tensor(prompt[start + 1 :], dtype=torch.long)
+    next_K = torch.tensor(prompt[start + 1 :], dtype=torch.long, device=logits_KV.device)
     scored: list[float | None] = [None]
     for lo in range(0, len(next_K), SCORE_CHUNK):
         hi = min(lo + SCORE_CHUNK, len(next_K))
@@ -121,6 +133,7 @@ class Scheduler:
         max_total_tokens: int | None = None,
         context_length: int | None = None,
         weight_version: str = "default",
+        batch: Any = None,
     ):
         self.runner = runner
         self.max_running_requests = max_running_requests
@@ -129,10 +142,11 @@ class Scheduler:
         self.weight_version = weight_version
         self.stats = SchedulerStats()
         self.paused = False
+        self.released: set[str] = set()  # memory tags released (module docstring)
         self._stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids)
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
-        self._batch = RunningBatch()
+        self._batch = batch if batch is not None else RunningBatch()
         self._prefilling: list[Sequence] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
@@ -198,6 +212,23 @@ class Scheduler:
     def resume(self) -> Future[None]:
         return self.call(lambda: setattr(self, "paused", False))
 
+    def release_memory(self, tags: list[str] | None) -> Future[dict[str, int]]:
+        """Release the memory of `tags` (None: all); their bytes freed, by tag."""
+        return self.call(lambda: self._release(self._tags(tags)))
+
+    def resume_memory(self, tags: list[str] | None) -> Future[dict[str, int]]:
+        """Bring back the memory of `tags` (None: all); their bytes allocated, by tag."""
+        return self.call(lambda: self._resume(self._tags(tags)))
+
+    @staticmethod
+    def _tags(tags: list[str] | None) -> list[str]:
+        if tags is None:
+            return list(MEMORY_TAGS)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise RequestError(f"tags: {unknown} are not among {list(MEMORY_TAGS)}")
+        return list(tags)
+
     def update_weights(
         self, copy_in: Callable[[], None], weight_version: str | None, abort_all: bool = False
     ) -> Future[None]:
@@ -218,6 +249,7 @@ class Scheduler:
             "num_running_reqs": len(self._batch),
             "num_waiting_reqs": len(self._waiting),
             "paused": self.paused,
+            "memory_released": sorted(self.released),
             "max_running_requests": self.max_running_requests,
             "kv_cache_columns": self._batch.width,
             **vars(self.stats),
@@ -228,9 +260,10 @@ class Scheduler:
     def _run(self) -> None:
         with torch.inference_mode():
             while not self._stopping:
-                busy = not self.paused and (self._batch.seqs or self._waiting)
+                stepping = not self.paused and not self.released
+                busy = stepping and (self._batch.seqs or self._waiting)
                 self._drain_commands(block=not busy)
-                if self._stopping or self.paused:
+                if self._stopping or self.paused or self.released:
                     continue
                 try:
                     self._step()
@@ -308,11 +341,15 @@ class Scheduler:
                 self._finish(group[i], FinishReason("length", length=0))
         fresh = [i for i in fresh if not group[i].done]
         if fresh:  # only the rows that sample: the copies share their distinct row's logits
-            rows_F = torch.tensor([row_of[i] for i in fresh], dtype=torch.long)
+            rows_F = torch.tensor(
+                [row_of[i] for i in fresh], dtype=torch.long, device=mask_UT.device
+            )
             self._append_sampled([group[i] for i in fresh], logits_UKV[rows_F, -1, :])
         rows = [i for i, s in enumerate(group) if not s.done]
         if rows != list(range(len(distinct))):
-            index_B = torch.tensor([row_of[i] for i in rows], dtype=torch.long)
+            index_B = torch.tensor(
+                [row_of[i] for i in rows], dtype=torch.long, device=mask_UT.device
+            )
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[index_B], layer.values[index_B]
             mask_UT = mask_UT[index_B]
@@ -373,6 +410,33 @@ class Scheduler:
             self.stats.retracted += len(retracted)
             return len(retracted)
         return 0
+
+    def _release(self, tags: list[str]) -> dict[str, int]:
+        freed: dict[str, int] = {}
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            retracted = self._batch.seqs
+            self._batch.clear()
+            self._waiting.extendleft(reversed(retracted))
+            self.stats.retracted += len(retracted)
+            freed["kv_cache"] = self._batch.release()
+        if "weights" in tags and "weights" not in self.released:
+            freed["weights"] = self.runner.release_weights()
+        if tags:  # captured graphs hold the addresses of both: captured again after a resume
+            self._batch.forget_graphs()
+        self.released |= set(tags)
+        self.runner.empty_device_cache()
+        log.info("released %s (%s)", tags, _sizes(freed))
+        return freed
+
+    def _resume(self, tags: list[str]) -> dict[str, int]:
+        allocated: dict[str, int] = {}
+        if "weights" in tags and "weights" in self.released:
+            allocated["weights"] = self.runner.resume_weights()
+        if "kv_cache" in tags and "kv_cache" in self.released:
+            allocated["kv_cache"] = self._batch.resume()
+        self.released -= set(tags)
+        log.info("resumed %s (%s)", tags, _sizes(allocated))
+        return allocated
 
     def _fail_running(self, message: str) -> None:
         failed = self._batch.seqs + [

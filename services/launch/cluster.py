@@ -48,7 +48,7 @@ from millstream.common.http_pool import make_client
 from millstream.common.keys import RunKeys
 from millstream.common.redis_conn import connect, redact
 
-from .plan import cpu_budget, given_router_url
+from .plan import cpu_budget, engine_device_args, given_router_url, visible_gpus
 from .procs import (
     Child,
     RunDirLock,
@@ -424,6 +424,7 @@ class LocalCluster:
                 str(self.cfg.sglang.weight_sync_timeout),
                 "--num-threads",
                 str(self.budget.engine),
+                *engine_device_args(self.cfg, visible_gpus()),
             )
             # SIGKILL as the death signal: the engine ignores SIGTERM while it loads its model,
             # and a death signal is sent once; a lost one would leave an orphan.

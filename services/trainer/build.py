@@ -23,6 +23,7 @@ from millstream.common.streams import default_consumer_name
 from .admission import Admission, TerminalCounts
 from .backends import distributed
 from .backends.distributed import DataParallel
+from .backends.offload import TrainOffload
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
 from .checkpoints import checkpoint, megatron_ckpt
@@ -35,11 +36,24 @@ from .observe.prom import TrainerMetrics
 from .observe.watch import Watch
 from .teacher import TeacherClient
 from .trainer import Parts, Trainer
+from .weights.colocate import Colocation
 from .weights.coordinator import Coordinator, host_address
 from .weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 Closer = Callable[[], Awaitable[None]]
+
+
+def colocation(cfg: RunConfig, backend: Any, sync: WeightSync) -> Colocation | None:
+    """--colocate's turns (weights/colocate.py), with Miles' offload defaults: each of
+    --offload-train and --offload-rollout as given, else on with --offload or --colocate."""
+    s = cfg.sglang
+    if not s.colocate:
+        return None
+    train = s.offload_train if s.offload_train is not None else s.offload or s.colocate
+    rollout = s.offload_rollout if s.offload_rollout is not None else s.offload or s.colocate
+    offload = TrainOffload(getattr(backend, "backend", backend)) if train else None
+    return Colocation(sync, offload, rollout)
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:
@@ -262,6 +276,7 @@ async def build_trainer(
             teacher,
             watch,
             janitor,
+            colocation(cfg, backend, sync),
         )
         trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
         metrics.watch(trainer)

@@ -55,6 +55,7 @@ class Parts:
     teacher: Any | None = None  # .score(samples) -> samples with teacher logprobs (OPD)
     watch: Watch | None = None  # progress and stall detection of long waits
     janitor: Callable[[], Awaitable[None]] | None = None  # trims streams while the run goes
+    colocation: Any | None = None  # --colocate: turns on one GPU (weights/colocate.py)
 
 
 class Trainer:
@@ -90,6 +91,8 @@ class Trainer:
         # How the weights will reach each engine, said before anything trains (the engines
         # that join later get their line at their first sync).
         await self.p.weight_sync.routes(self.p.backend.device)
+        if self.p.colocation is not None:
+            await self.p.colocation.start()
         self._pump = asyncio.create_task(self._admission_pump(), name="admission")
         self.p.buffer.watch_feeder(self._pump)
         janitor = asyncio.create_task(self.p.janitor(), name="janitor") if self.p.janitor else None
@@ -155,9 +158,13 @@ class Trainer:
             if self.p.teacher is not None:
                 samples = await self.p.teacher.score(samples)
             steps = self.cfg.rollout.num_steps_per_rollout
+            if self.p.colocation is not None:
+                await self.p.colocation.before_train()
             train = await threads.compute(
                 self.p.backend.train_rollout, samples, steps, self.iteration
             )
+            if self.p.colocation is not None:
+                await self.p.colocation.before_sync()
         t2 = time.monotonic()
         joins = self.p.coordinator.take_pending_joins() if self.p.coordinator else ()
         report = await self._watched(
@@ -178,12 +185,16 @@ class Trainer:
             ),
             stall=False,  # bounded by --weight-sync-timeout; cancelling it mid-way is worse
         )
+        if self.p.colocation is not None:
+            await self.p.colocation.after_sync()
         self._publish_version(self.version + 1)
         t3 = time.monotonic()
         self.iteration = it
         self.completions += len(samples)
         metrics = {**stats, **train, **self._timings(t0, t1, t2, t3), **self._counts()}
         metrics["engines_removed"] = len(report.removed)
+        if self.p.colocation is not None:
+            metrics["colocate_time"] = self.p.colocation.seconds
         metrics["group_ids"] = [g.group.prompt.group_id for g in groups]
         if (
             self.p.evaluator

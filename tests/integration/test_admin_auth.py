@@ -37,6 +37,8 @@ ADMIN_ROUTES = {
     ("POST", "/update_weights_from_distributed"),
     ("POST", "/update_weights_from_tensor"),
     ("POST", "/update_weights_from_disk"),
+    ("POST", "/release_memory_occupation"),
+    ("POST", "/resume_memory_occupation"),
 }
 OPEN_ROUTES = {
     ("POST", "/generate"),

@@ -266,6 +266,31 @@ def test_pause_abort_in_place_and_continue(client: httpx.Client, pool: ThreadPoo
     assert kept.result(60)["meta_info"]["finish_reason"] == {"type": "length", "length": 1000}
 
 
+def test_release_and_resume_memory_occupation(client: httpx.Client, pool: ThreadPoolExecutor):
+    """SGLang's colocation endpoints: a release retracts what runs and holds every request
+    until the resume; the retracted request ends as it would have without the release."""
+    body = {"input_ids": list(b"colocated"), "sampling_params": {**LONG, "temperature": 0}}
+    alone = post(client, "/generate", body)
+    running = pool.submit(post, client, "/generate", body)
+    wait_for(lambda: info(client)["num_running_reqs"] == 1)
+    try:
+        released = post(client, "/release_memory_occupation", {})
+        assert released["success"] and set(released["bytes"]) == {"kv_cache", "weights"}
+        state = info(client)
+        assert state["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
+        assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 1
+        post(client, "/continue_generation", {})  # not enough: memory is still released
+        time.sleep(0.3)
+        assert not running.done(), "a request ran while the engine's memory was released"
+        post(client, "/resume_memory_occupation", {"tags": ["weights"]})
+        assert info(client)["memory_released"] == ["cuda_graph", "kv_cache"]
+    finally:  # never leave the module's shared engine released for the next test
+        post(client, "/resume_memory_occupation", {})
+    after = running.result(60)
+    assert after["output_ids"] == alone["output_ids"]
+    assert info(client)["memory_released"] == []
+
+
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
@@ -286,6 +311,7 @@ def test_pause_abort_in_place_and_continue(client: httpx.Client, pool: ThreadPoo
         ("/generate", {"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
         ("/abort_request", {}, "rid"),
         ("/pause_generation", {"mode": "sideways"}, "mode"),
+        ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
         ("/init_weights_update_group", {"master_address": "x"}, "master_port"),
         ("/update_weights_from_distributed", {"names": ["a"], "dtypes": [], "shapes": []}, "names"),
         ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),

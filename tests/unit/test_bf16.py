@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from millstream.common.config import ConfigError, checks, parse_run_config
+from millstream.common.config import checks, parse_run_config
 from millstream.trainer.backends.base import TrainSample
 from millstream.trainer.backends.torch_backend import TorchBackend
 
@@ -110,12 +110,28 @@ def test_a_bf16_checkpoint_resumes_from_the_fp32_masters(tiny_model_dir, tmp_pat
         assert torch.equal(m, p.detach().float())
 
 
-def test_bf16_is_refused_where_it_is_not_built():
+def test_bf16_is_taken_by_every_backend_and_rank_count():
+    """The torch backend on one rank or several, FSDP and megatron (tests/unit/
+    test_bf16_parallel.py trains each); checks.py refused all but the first before."""
     base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rm-type", "math",
             "--num-rollout", "1", "--bf16"]  # fmt: skip
-    checks.check(_cfg(*base))
-    for extra in (["--train-backend", "fsdp"], ["--train-backend", "megatron"]):
-        with pytest.raises(ConfigError, match="--bf16 is built for the torch backend"):
-            checks.check(_cfg(*base, *extra))
-    with pytest.raises(ConfigError, match="2 trainer ranks"):
-        checks.check(_cfg(*base), environ={"WORLD_SIZE": "2"})
+    for extra in ([], ["--train-backend", "fsdp"], ["--train-backend", "megatron"]):
+        for world in ("1", "2"):
+            checks.check(_cfg(*base, *extra), environ={"WORLD_SIZE": world})
+    tp2 = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"]
+    checks.check(_cfg(*base, *tp2), environ={"WORLD_SIZE": "2"})
+
+
+def test_bf16_with_megatrons_distributed_optimizer_on_a_gpu_is_refused_by_name(
+    tiny_model_dir, monkeypatch
+):
+    """Not built: megatron's distributed optimizer keeping the masters (a GPU's only; on a CPU
+    the flag keeps the plain optimizer, which steps MasterWeights). Refused before any model
+    is loaded."""
+    from millstream.common.errors import MillstreamError
+    from millstream.trainer.backends.megatron.backend import MegatronBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = _cfg("--bf16", "--train-backend", "megatron", "--use-distributed-optimizer")
+    with pytest.raises(MillstreamError, match="--bf16 with --use-distributed-optimizer on a GPU"):
+        MegatronBackend(cfg, tiny_model_dir, ref_dir=None, total_steps=1)

@@ -16,7 +16,7 @@ def test_defaults_follow_sglang():
     assert (cfg.host, cfg.port) == ("127.0.0.1", 30000)
     assert cfg.max_running_requests == 64
     assert cfg.weight_version == "default"
-    assert cfg.dtype == "float32"
+    assert cfg.dtype == "auto" and cfg.device == "auto"  # bfloat16 on a GPU, float32 on the CPU
     assert cfg.model_name == "/m"
     assert cfg.url == "http://127.0.0.1:30000"
 

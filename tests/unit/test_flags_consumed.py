@@ -237,24 +237,31 @@ def test_the_defaults_miles_scripts_spell_out_pass():
 def test_a_refused_flag_exits_2_through_the_cli_before_anything_starts(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "millstream.cli", "train", *_base("--colocate"), "--run-dir",
+        [sys.executable, "-m", "millstream.cli", "train", *_base("--rollout-num-gpus", "4"), "--run-dir",
          str(run_dir)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert "millstream train: error: --colocate shares GPUs" in proc.stderr
+    assert "millstream train: error: --rollout-num-gpus 4 gives the engines GPUs" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (run_dir / "logs").exists() and not (run_dir / "redis").exists()
 
 
 def test_several_refused_flags_are_named_in_one_message():
     cfg = parse_run_config(
-        _base("--colocate", "--tensor-model-parallel-size", "2", "--offload-train")
+        _base(
+            "--rollout-num-gpus",
+            "4",
+            "--tensor-model-parallel-size",
+            "2",
+            "--rollout-num-gpus-per-engine",
+            "2",
+        )
     )
     with pytest.raises(ConfigError) as err:
         refusals.check(cfg)
     message = str(err.value)
     assert message.startswith("--tensor-model-parallel-size 2 needs --train-backend megatron")
-    assert message.endswith("(also refused: --colocate, --offload-train)")
+    assert message.endswith("(also refused: --rollout-num-gpus, --rollout-num-gpus-per-engine)")
 
 
 def _script_argv(script: Path, env: dict[str, str]) -> list[str]:
@@ -273,8 +280,8 @@ def test_the_miles_qwen3_script_is_refused_for_what_the_torch_backend_does_not_d
     cfg = parse_run_config(argv, mode="async", prog="millstream train-async")
     assert list(refusals.refused(cfg)) == [
         "--tensor-model-parallel-size", "--sequence-parallel", "--recompute-granularity",
-        "--recompute-method", "--recompute-num-layers", "--attention-backend", "--colocate",
-        "--rollout-num-gpus-per-engine", "--sglang-mem-fraction-static",
+        "--recompute-method", "--recompute-num-layers", "--attention-backend",
+        "--rollout-num-gpus-per-engine",
     ]  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--tensor-model-parallel-size 2 needs --train-backend"):
         checks.check(cfg)

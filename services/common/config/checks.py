@@ -40,6 +40,37 @@ def check(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> None:
     _check_group_size(cfg)
     _check_reward(cfg)
     _check_profiling(cfg)
+    _check_colocation(cfg, os.environ if environ is None else environ)
+
+
+def _check_colocation(cfg: RunConfig, environ: Mapping[str, str]) -> None:
+    """--colocate shares one device between the trainer and the engines `millstream train`
+    starts (docs/colocation.md); the offloads only mean something there."""
+    m = cfg.sglang
+    if not m.colocate:
+        for name, given in (
+            ("--offload", m.offload),
+            ("--offload-train", m.offload_train),
+            ("--offload-rollout", m.offload_rollout),
+        ):
+            if given:
+                raise ConfigError(
+                    f"{name} frees memory for engines on the trainer's GPU, which only "
+                    "--colocate puts there: add --colocate, or drop it"
+                )
+        return
+    if cfg.service.router_url or cfg.sglang.sglang_router_ip:
+        raise ConfigError(
+            "--colocate puts the engines `millstream train` starts on the trainer's GPU; "
+            "with --router-url (or --sglang-router-ip) the engines run elsewhere: drop one of them"
+        )
+    ranks = int(environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 or cfg.ckpt.train_backend != "torch":
+        raise ConfigError(
+            "--colocate is built for one trainer rank with the torch backend (one GPU); "
+            f"with {ranks} ranks or --train-backend {cfg.ckpt.train_backend} it is not built "
+            "yet: drop it and give the engines their own devices"
+        )
 
 
 def _check_required(cfg: RunConfig) -> None:
@@ -86,12 +117,6 @@ def _check_parallel(cfg: RunConfig, environ: Mapping[str, str]) -> None:
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
             f"--context-parallel-size {cp} must divide the trainer's {ranks} rank(s): each "
             "such group of ranks holds one copy of the model between them"
-        )
-    if cfg.perf.bf16 and (ranks > 1 or cfg.ckpt.train_backend != "torch"):
-        raise ConfigError(
-            "--bf16 is built for the torch backend on one rank (fp32 masters beside the bf16 "
-            "weights, backends/precision.py); with --train-backend fsdp or megatron, or "
-            f"{ranks} trainer ranks, it is not built yet: drop it to train in fp32"
         )
     if cfg.megatron.use_distributed_optimizer and tp * pp * cp > 1:
         raise ConfigError(

@@ -93,8 +93,16 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("--critic-num-gpus-per-node", _RAY),
     ("--pin-rollout-manager-to-head", _RAY),
     ("--train-env-vars", _RAY),
-    ("--offload-rollout-level", "belongs to --offload-rollout, which is refused: drop it"),
-    ("--offload-train-", "belongs to --offload-train, which is refused: drop it"),
+    (
+        "--offload-rollout-level",
+        "picks which engine memory --offload-rollout frees; here it is always the KV cache "
+        "and the weights: drop it",
+    ),
+    (
+        "--offload-train-",
+        "tunes how --offload-train moves the trainer's state; here it moves all of it to "
+        "host memory: drop it",
+    ),
     (
         "--update-weight-",
         (

@@ -127,15 +127,3 @@ class MegatronConfig:
     )
     actor_num_nodes: int = flag(1, "trainer nodes")
     actor_num_gpus_per_node: int = flag(1, "trainer ranks per node (torchrun --nproc-per-node)")
-    colocate: bool = flag(
-        False,
-        "Miles: trainer and engines share GPUs; refused: millstream runs the engines as "
-        "separate services",
-    )
-    offload: bool = flag(False, "Miles: --offload-train and --offload-rollout; refused")
-    offload_train: bool | None = flag(
-        None, "Miles: the trainer's GPU memory freed while colocated engines generate; refused"
-    )
-    offload_rollout: bool | None = flag(
-        None, "Miles: the engines' GPU memory freed while a colocated trainer trains; refused"
-    )

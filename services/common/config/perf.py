@@ -24,7 +24,7 @@ class PerfConfig:
     bf16: bool = flag(
         False,
         "bf16 training as Megatron means it: bf16 weights and activations, fp32 master "
-        "weights, optimizer state, log-probs and loss (the torch backend, one rank)",
+        "weights, optimizer state, log-probs and loss (every --train-backend, any ranks)",
     )
     log_probs_chunk_size: int = flag(
         -1,

@@ -80,23 +80,6 @@ REFUSED: dict[str, str] = {
         "picks Megatron's attention kernel; the torch backend runs the HF model's own "
         "attention and has no such choice: drop it"
     ),
-    "colocate": (
-        "shares GPUs between the trainer and the engines, offloading each while the other "
-        "runs; millstream runs the engines as separate services, never on the trainer's "
-        "devices: drop it"
-    ),
-    "offload": (
-        "offloads the trainer and the engines in turn while they share GPUs (--colocate); "
-        "millstream never puts them on the same devices, so there is nothing to offload: drop it"
-    ),
-    "offload_train": (
-        "offloads the trainer's GPU memory while engines on the same GPUs generate "
-        "(--colocate); millstream never puts them on the same devices: drop it"
-    ),
-    "offload_rollout": (
-        "offloads the engines' GPU memory while a trainer on the same GPUs trains "
-        "(--colocate); millstream never puts them on the same devices: drop it"
-    ),
     "rollout_num_gpus": (
         "gives the engines GPUs (Miles starts one engine per --rollout-num-gpus-per-engine "
         "of them); the engines millstream starts are CPU processes: say how many with "
@@ -106,11 +89,6 @@ REFUSED: dict[str, str] = {
         "is the GPUs of one engine (SGLang's tensor parallelism); an engine millstream starts "
         "is one CPU process: drop it, or set tp where you launch your own SGLang servers and "
         "pass --router-url"
-    ),
-    "sglang_mem_fraction_static": (
-        "is an SGLang server setting (the GPU memory share of its static pool) and millstream "
-        "starts no SGLang server, its own engines have no such pool: drop it, and give "
-        "--mem-fraction-static where you launch your SGLang servers (then pass --router-url)"
     ),
     "eval_function_path": (
         "is Miles' whole-batch eval rollout, generate_rollout(args, rollout_id, data_source, "

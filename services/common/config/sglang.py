@@ -17,11 +17,27 @@ class SglangConfig:
     rollout_num_gpus_per_engine: int = flag(
         1, "Miles: GPUs (SGLang tp) per engine; only 1: an engine started here is one process"
     )
-    # SGLang server settings: millstream starts no SGLang server, so none is passed through.
+    colocate: bool = flag(
+        False,
+        "Miles: the engines run on the trainer's GPU and take turns with it (one GPU: "
+        "the engine's memory is released while the trainer steps; docs/colocation.md)",
+    )
+    offload: bool = flag(False, "Miles: both --offload-train and --offload-rollout")
+    offload_train: bool | None = flag(
+        None,
+        "Miles: the trainer's parameters, gradients and optimizer state go to host memory "
+        "while colocated engines generate (default: on with --colocate)",
+    )
+    offload_rollout: bool | None = flag(
+        None,
+        "Miles: the engines release their KV cache and weights while a colocated trainer "
+        "trains (default: on with --colocate)",
+    )
+
     sglang_mem_fraction_static: float | None = flag(
         None,
-        "an SGLang server setting; refused: millstream starts no SGLang server (set it where "
-        "you launch yours, then pass --router-url)",
+        "the share of a GPU for an engine's weights and static KV cache (its "
+        "--mem-fraction-static; default 0.85 on a GPU of its own, 0.4 on the trainer's GPU)",
     )
     sglang_server_concurrency: int = flag(
         512, "Miles: in-flight requests per engine; only 512: use --rollout-max-concurrency"
@@ -64,6 +80,9 @@ class SglangConfig:
     )
 
     def __post_init__(self) -> None:
+        fraction = self.sglang_mem_fraction_static
+        if fraction is not None and not 0 < fraction < 1:
+            raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1) (got {fraction})")
         if self.rollout_num_engines <= 0:
             raise ConfigError(f"--rollout-num-engines must be > 0 (got {self.rollout_num_engines})")
         if self.update_weight_buffer_size <= 0:

@@ -31,6 +31,16 @@ sums and the per-rank shares are over it; a tensor parallel group trains the sam
 together), every rank gathers the whole weights after each rollout (rank 0 keeps them) and
 saves its optimizer slice like an FSDP shard.
 
+--bf16 (backends/precision.py): the data parallel actor is not wrapped in DDP, whose buckets
+would sum its bf16 gradients; the hooks move each into its fp32 master during the backward, and
+after it the masters' gradients are summed over the ranks in fp32 (`sum_master_gradients`), so
+every rank steps identical masters. FSDP shards the fp32 weights instead, with its own mixed
+precision (bf16 to compute, the gradients reduce-scattered in fp32): the shards are the
+masters, saved beside each rank's optimizer shard, and the weights gathered after a rollout are
+cast to bf16, what the engines get from one rank. The megatron backend's actor keeps
+MasterWeights, whose gradients are summed over its data parallel group the same way, and whose
+slices each rank saves with its optimizer slice.
+
 Samples cross as tensors, never pickles: a header [command, num_steps, n_samples, the lengths
 of the flat payloads, rollout_id], then per-sample ints (len(tokens), prompt_len,
 len(loss_mask), len(rollout_logprobs), len(teacher_logprobs), behavior_version, version_lag),
@@ -159,8 +169,11 @@ def _fully_shard(backend: TorchBackend) -> None:
     """--train-backend fsdp: the actor sharded with torch's fully_shard (FSDP2), one unit per
     decoder layer and the root (embeddings, final norm, head), gradients summed in the
     reduce-scatter (each rank's loss is over the whole slice already); the optimizer made
-    again over the sharded parameters."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    again over the sharded parameters. --bf16: FSDP's mixed precision, over the fp32 weights
+    (the masters the backend made, which it drops): each unit gathers its shards as bf16 to
+    compute, and reduce-scatters the bf16 gradients in fp32 into the fp32 shards' gradients
+    (several micro-batches summed there, in fp32)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     model = backend.model
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -169,9 +182,17 @@ def _fully_shard(backend: TorchBackend) -> None:
             f"--train-backend fsdp shards a Hugging Face causal LM by its decoder layers "
             f"(model.model.layers); {type(model).__name__} has none"
         )
+    policy = MixedPrecisionPolicy()
+    if backend.master is not None:
+        masters = backend.master
+        masters.remove()
+        model.to(torch.float32)
+        masters.to_model()  # the fp32 weights themselves, not their bf16 rounding
+        backend.master, backend.keeps_masters = None, False
+        policy = MixedPrecisionPolicy(param_dtype=backend.dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -243,7 +264,11 @@ class DataParallel:
             _fully_shard(backend)
             backend.lockstep = self._max_across_ranks
         elif backend.world_size > 1 and not backend.sums_own_gradients:
-            backend.train_model = _summing_ddp(backend.model, self.group)
+            master = backend.master
+            if master is not None:  # --bf16: the masters' fp32 gradients, not DDP's bf16 ones
+                backend.sum_master_gradients = lambda: master.sum_grads(self.group)
+            else:
+                backend.train_model = _summing_ddp(backend.model, self.group)
         self._gather_weights()
         if backend.critic is not None:  # the critic is never sharded
             backend.train_critic = _summing_ddp(backend.critic, self.group)
@@ -310,8 +335,8 @@ class DataParallel:
         full = {}
         for name, param in self.backend.model.named_parameters():
             value = param.full_tensor() if isinstance(param, DTensor) else param
-            if self.rank == 0:
-                full[name] = value.detach()
+            if self.rank == 0:  # --bf16: the fp32 shards' rounding, as one rank's weights
+                full[name] = value.detach().to(self.backend.dtype)
         self.backend.full_weights = full if self.rank == 0 else {}
 
     def _sum_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -352,10 +377,39 @@ class DataParallel:
                     "optimizer": _local_state(self.backend.optimizer.state_dict()),
                     "scheduler": self.backend.scheduler.state_dict(),
                     "world_size": dist.get_world_size(),
+                    **self._masters(),
                 },
                 directory / SHARD_FILE.format(rank=self.rank),
             )
         dist.barrier()  # every shard is written before rank 0 makes the checkpoint the latest
+
+    def _masters(self) -> dict[str, list[torch.Tensor]]:
+        """--bf16: this rank's fp32 masters, which the bf16 model/ only rounds: FSDP's shards
+        of the fp32 weights, or megatron's MasterWeights (its slices and stage); else none."""
+        if self.backend.master is not None:
+            return self.backend.master.state_dict()
+        if self.sharded and self.backend.cfg.perf.bf16:
+            return {"master": [p.to_local().detach().clone() for p in self._sharded_params()]}
+        return {}
+
+    def _load_masters(self, state: dict) -> None:
+        if "master" not in state:
+            return
+        if self.backend.master is not None:
+            self.backend.master.load_state_dict(state)
+            return
+        params = self._sharded_params()
+        if len(params) != len(state["master"]):
+            raise MillstreamError(
+                f"the optimizer shard holds {len(state['master'])} fp32 weight shards for "
+                f"{len(params)} parameters: not this model's"
+            )
+        with torch.no_grad():
+            for param, saved in zip(params, state["master"], strict=True):
+                param.to_local().copy_(saved)
+
+    def _sharded_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.backend.model.parameters() if p.requires_grad]
 
     def load(self, directory: Path, load_optimizer: bool = True) -> None:
         """Sharded: the actor's weights were loaded before sharding (`build`); here the critic
@@ -380,3 +434,4 @@ class DataParallel:
         state = torch.load(directory / SHARD_FILE.format(rank=self.rank), weights_only=True)
         _load_local_state(self.backend.optimizer, state["optimizer"])
         self.backend.scheduler.load_state_dict(state["scheduler"])
+        self._load_masters(state)  # (their bf16 rounding is what model/ held: gathered already)

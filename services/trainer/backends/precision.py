@@ -16,6 +16,20 @@ the loss and its reductions are fp32 (the backend upcasts the logits before the 
 
 The masters are checkpointed with the optimizer (`state_dict`), so a resume continues from the
 fp32 weights, not from the bf16 ones the Hugging Face `model/` holds.
+
+Where each backend keeps them (docs/backends.md, "bf16 training"):
+
+- the torch backend, one rank or data parallel: these masters. With several ranks nothing wraps
+  the actor in DDP (its buckets would sum the bf16 gradients); after each step's backward the
+  masters' fp32 gradients are summed over the ranks instead (`sum_grads`, which DataParallel
+  makes the backend's `sum_master_gradients`), so every rank steps the same masters alike;
+- --train-backend fsdp: FSDP2's own mixed precision (`MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`, backends/distributed.py): its fp32 shards are the masters, gathered to
+  bf16 for each forward and backward, the gradients reduce-scattered in fp32;
+- --train-backend megatron: megatron's TransformerConfig(bf16=True) and the model cast to bf16
+  (megatron/model.py), with these masters: megatron's own Float16OptimizerWithFloat16Params
+  and distributed optimizer need CUDA. Its tensor, pipeline and context parallel gradient sums
+  and its clipping read each parameter's gradient where it is kept (`master_of`).
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ class MasterWeights:
         self.params = [
             torch.nn.Parameter(p.detach().to(torch.float32).clone()) for p in self.model_params
         ]
+        self._master = dict(zip(self.model_params, self.params, strict=True))
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._move_grad(m))
             for p, m in zip(self.model_params, self.params, strict=True)
@@ -52,6 +67,30 @@ class MasterWeights:
             param.grad = None
 
         return hook
+
+    def master_of(self, param: torch.Tensor) -> torch.nn.Parameter:
+        """The master of a model parameter: the one whose `.grad` holds its gradient."""
+        return self._master[param]
+
+    def sum_grads(self, group: Any = None, bucket: int = 1 << 24) -> None:
+        """Sum the masters' fp32 gradients over the ranks of `group` (None: all): every rank
+        calls it after its backward and ends with the same sums. In flat buckets of about
+        `bucket` elements, each with one more element per master: how many ranks had its
+        gradient. A master none had one for keeps None (the optimizer skips it, as on one
+        rank); one that only some had counts zeros for the others."""
+        import torch.distributed as dist
+
+        for masters in _buckets(self.params, bucket):
+            flat = torch.cat(
+                [m.grad.reshape(-1) if m.grad is not None else m.new_zeros(m.numel())
+                 for m in masters]
+                + [torch.tensor([float(m.grad is not None) for m in masters],
+                                device=masters[0].device)]
+            )  # fmt: skip
+            dist.all_reduce(flat, group=group)
+            *grads, had = flat.split([m.numel() for m in masters] + [len(masters)])
+            for m, grad, ranks in zip(masters, grads, had.tolist(), strict=True):
+                m.grad = grad.view_as(m) if ranks else None
 
     def to_model(self) -> None:
         """The bf16 parameters from the masters (after every optimizer step)."""
@@ -87,3 +126,16 @@ class MasterWeights:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _buckets(params: list[torch.nn.Parameter], size: int) -> list[list[torch.nn.Parameter]]:
+    """`params` in order, cut into runs of at most `size` elements (a larger one alone)."""
+    out: list[list[torch.nn.Parameter]] = []
+    count = size
+    for p in params:
+        if count + p.numel() > size:
+            out.append([])
+            count = 0
+        out[-1].append(p)
+        count += p.numel()
+    return out

@@ -222,8 +222,11 @@ class TorchBackend:
         # The models and every forward's inputs live here; what `prepare` keeps between the
         # forwards (logprobs, advantages) stays on the CPU, moved in per micro-batch.
         self.device = train_device()
-        # --bf16: the models compute in bf16, the optimizer steps fp32 masters (precision.py).
+        # --bf16: the models compute in bf16, the optimizer steps fp32 masters (precision.py):
+        # MasterWeights beside the actor's bf16 parameters (`keeps_masters`), except under
+        # FSDP's mixed precision, whose fp32 shards are the masters (backends/distributed.py).
         self.dtype = torch.bfloat16 if cfg.perf.bf16 else torch.float32
+        self.keeps_masters = self.dtype != torch.float32
         self.master: MasterWeights | None = None
         self.model = load_causal_lm(actor_dir).to(self.device)  # the dtype once masters exist
         self.model.train()
@@ -234,8 +237,7 @@ class TorchBackend:
         if teacher_dir:
             self.teacher = self._frozen(load_causal_lm(teacher_dir))
         self.total_steps = total_steps
-        self.make_actor_optimizer()
-        self.model.to(self.dtype)  # the masters copied the checkpoint's fp32 weights first
+        self._start_actor()
         self.critic: ValueModel | None = None
         if critic_dir is not None:
             self.critic = load_value_model(critic_dir).to(self.device)
@@ -261,6 +263,9 @@ class TorchBackend:
         # Whether train_model sums the actor's gradients over the data parallel ranks itself
         # (megatron's DistributedDataParallel), so DataParallel leaves it unwrapped.
         self.sums_own_gradients = False
+        # With --bf16 over several data parallel ranks, set by DataParallel in place of DDP:
+        # sums the masters' fp32 gradients over them after each step's backward.
+        self.sum_master_gradients: Callable[[], None] | None = None
         self.train_critic: torch.nn.Module | None = self.critic
         # With --train-backend fsdp (DataParallel shards the actor): every forward of the actor
         # is a collective, so each rank runs as many as the rank with the most micro-batches
@@ -278,12 +283,19 @@ class TorchBackend:
         """A model that only forwards (reference, teacher): on the device, in the actor's dtype."""
         return model.to(self.device, self.dtype).eval().requires_grad_(False)
 
+    def _start_actor(self) -> None:
+        """The actor's optimizer, then the actor in its dtype: the masters copy the
+        checkpoint's fp32 weights before the cast to bf16 (the megatron backend builds its
+        own actor and does the same with it)."""
+        self.make_actor_optimizer()
+        self.model.to(self.dtype)
+
     def make_actor_optimizer(self) -> None:
         """The actor's optimizer and schedule over its parameters as they are now (again after
         FSDP sharding replaced them); with --bf16 over their fp32 masters, copied from them
         as they are (the checkpoint's fp32 weights, before the model is cast to bf16)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.dtype != torch.float32:
+        if self.keeps_masters:
             if self.master is not None:
                 self.master.remove()
             self.master = MasterWeights(params)
@@ -296,6 +308,11 @@ class TorchBackend:
         """The process group whose ranks split the samples and sum their gradients (None: all
         of them; megatron's tensor parallel ranks share their samples)."""
         return None
+
+    def grad_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The parameter whose `.grad` holds an actor parameter's gradient at the step: its
+        fp32 master with --bf16 (the hooks moved it there), else itself."""
+        return param if self.master is None else self.master.master_of(param)
 
     def clip_actor_gradients(self, max_norm: float) -> float:
         """The actor's gradient norm (before clipping), its gradients clipped to `max_norm`
@@ -667,6 +684,8 @@ class TorchBackend:
         metrics: dict[str, float] = {}
         if not critic_only:
             metrics |= self.accumulate_gradients(samples, prepared, denom)
+            if self.sum_master_gradients is not None:
+                self.sum_master_gradients()
         if self.critic is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
             metrics |= self.accumulate_critic_gradients(samples, prepared, denom)
@@ -771,6 +790,9 @@ class TorchBackend:
         self.model.save_pretrained(
             directory / "model", state_dict=self.full_weights, safe_serialization=True
         )
+        if self.model.dtype != self.dtype:  # FSDP's --bf16: fp32 shards, bf16 weights gathered
+            self.model.config.dtype = str(self.dtype).removeprefix("torch.")
+            self.model.config.save_pretrained(directory / "model")
         if save_optimizer and actor_optimizer:
             state = {
                 "optimizer": self.optimizer.state_dict(),

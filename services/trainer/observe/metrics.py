@@ -103,6 +103,7 @@ TAGS: dict[str, str] = {
     "rollout_time": "perf/rollout_time",
     "train_time": "perf/train_time",
     "sync_time": "perf/update_weights_time",
+    "colocate_time": "perf/colocate_time",
     "total_time": "perf/step_time",
     "completions_per_s": "perf/completions_per_s",
 }

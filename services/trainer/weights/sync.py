@@ -411,6 +411,12 @@ class WeightSync:
         """The engines the router lists now."""
         return await self._clients()[1].engines()
 
+    async def each_engine(self, path: str, body: dict[str, Any]) -> dict[str, Failure]:
+        """POST `body` to `path` of every engine the router lists (admin token, timeout as
+        every sync call); the engines that failed, with why."""
+        calls, router = self._clients()
+        return await calls.each(await router.engines(), path, lambda _i, _u: body)
+
     async def close(self) -> None:
         """Leave the update group on both sides (best effort on engines); close the client."""
         try:

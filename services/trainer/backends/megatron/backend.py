@@ -26,6 +26,16 @@ parallel groups train as the torch backend's ranks do (backends/distributed.py: 
 norm sums each split parameter's slices over the group (`clip_actor_gradients`), and the
 whole weights are gathered by every rank after each rollout, rank 0 keeping them for weight
 syncs and checkpoints (`gather_weights`).
+
+--bf16 (backends/precision.py): megatron's TransformerConfig(bf16=True) and the GPTModel cast
+to bf16 after its fp32 weights are loaded and copied into the fp32 masters (megatron/model.py),
+which the plain torch optimizer steps as in the torch backend. megatron's own fp32-master
+optimizers cannot run on CPU (Float16OptimizerWithFloat16Params makes its unit loss scale with
+device="cuda" and accepts only torch.cuda tensor types; its distributed optimizer needs
+megatron's DistributedDataParallel, whose buffers are CUDA's), and --use-distributed-optimizer
+with --bf16 on a GPU is refused (not built). The gradient sums over the tensor, pipeline and
+context parallel groups and the clipping read each parameter's gradient on its master
+(`grad_param`); the weights leave in bf16.
 """
 
 from __future__ import annotations
@@ -83,6 +93,12 @@ class MegatronBackend(TorchBackend):
         critic_dir: str | Path | None = None,
         teacher_dir: str | Path | None = None,
     ):
+        if cfg.perf.bf16 and cfg.megatron.use_distributed_optimizer and torch.cuda.is_available():
+            raise MillstreamError(
+                "--bf16 with --use-distributed-optimizer on a GPU is not built yet (megatron's "
+                "distributed optimizer keeping the fp32 masters): drop --use-distributed-"
+                "optimizer to step fp32 masters with the plain optimizer, or drop --bf16"
+            )
         super().__init__(
             cfg, actor_dir, ref_dir=ref_dir, total_steps=total_steps, critic_dir=critic_dir,
             teacher_dir=teacher_dir,
@@ -97,6 +113,7 @@ class MegatronBackend(TorchBackend):
         init_model_parallel(self.tensor_parallel, self.pipeline_parallel, self.context_parallel)
         recompute = {"granularity": m.recompute_granularity, "method": m.recompute_method,
                      "num_layers": m.recompute_num_layers}  # fmt: skip
+        bf16 = self.dtype == torch.bfloat16
         # Miles (Megatron-LM) turns --sequence-parallel off with one tensor parallel rank.
         self.sequence_parallel = m.sequence_parallel and self.tensor_parallel > 1
         layout = megatron_model.Layout(
@@ -105,11 +122,13 @@ class MegatronBackend(TorchBackend):
         )  # fmt: skip
         # our norms (megatron_model.SequenceNorm) are built on the CPU, megatron's layers on
         # the GPU when there is one: all of it where the trainer computes
-        model = megatron_model.build(self.hf.config, layout, recompute, cfg.ckpt.seed)
+        model = megatron_model.build(self.hf.config, layout, recompute, cfg.ckpt.seed, bf16)
         model = model.to(self.device)
         whole = megatron_model.hf_to_megatron(self.hf.state_dict(), self.hf.config)
         self._load_megatron(model, whole, f"the checkpoint {actor_dir}")
-        self.hf.to("cpu")  # a GPU holds the actor once: the skeleton is for config and saving
+        # a GPU holds the actor once: the skeleton is for config and saving (in the dtype the
+        # saved weights have)
+        self.hf.to("cpu", self.dtype)
         # Pipelined: every weight's shape, to gather the stages' (megatron/pipeline.py).
         tied = self.hf.config.tie_word_embeddings
         self.megatron_shapes = {
@@ -137,8 +156,12 @@ class MegatronBackend(TorchBackend):
             self.sums_own_gradients = True
             self.optimizer = megatron_optimizer.Optimizer(self.train_model, cfg)  # type: ignore[assignment]
             self.scheduler = megatron_optimizer.Schedule(self.optimizer, cfg, total_steps)  # type: ignore[assignment]
-        else:
+        else:  # --bf16: the masters copy the fp32 weights, then the model is cast
             self.make_actor_optimizer()
+            megatron_model.cast(model, self.dtype)
+
+    def _start_actor(self) -> None:
+        """Nothing yet: the actor is megatron's GPTModel, built (its optimizer too) below."""
 
     def actor_step(self, max_norm: float) -> dict[str, float]:
         if not self.distributed_optimizer:
@@ -239,8 +262,9 @@ class MegatronBackend(TorchBackend):
         state = megatron_model.unshard(self.model, self.hf.config, self.tensor_parallel, all_gather)
         if self.pipeline_parallel > 1:  # each stage has its own layers: all of them, everywhere
             state = megatron_pipeline.gather_stages(
-                state, self.megatron_shapes, self.hf.config.num_hidden_layers
-            )
+                state, self.megatron_shapes, self.hf.config.num_hidden_layers,
+                next(self.model.parameters()).dtype,
+            )  # fmt: skip
         return megatron_model.megatron_to_hf(state, self.hf.config)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -268,10 +292,12 @@ class MegatronBackend(TorchBackend):
             self._sum_partial_gradients()
         copy = None
         if self.pipeline_parallel > 1 and self.hf.config.tie_word_embeddings:
-            megatron_pipeline.sum_tied_gradients(self.model)
-            copy = self.model.output_layer.weight if self.model.post_process else None
-        grads = [(p.grad, getattr(p, "tensor_model_parallel", False))
-                 for p in self.model.parameters() if p.grad is not None]  # fmt: skip
+            megatron_pipeline.sum_tied_gradients(self.model, self.grad_param)
+            if self.model.post_process:
+                copy = self.grad_param(self.model.output_layer.weight)
+        grads = [(self.grad_param(p).grad, getattr(p, "tensor_model_parallel", False))
+                 for p in self.model.parameters()
+                 if self.grad_param(p).grad is not None]  # fmt: skip
         split = torch.zeros((), dtype=torch.float64, device=self.device)
         whole = torch.zeros((), dtype=torch.float64, device=self.device)
         for grad, is_split in grads:
@@ -300,7 +326,8 @@ class MegatronBackend(TorchBackend):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        held = [self.grad_param(p).grad for p in self.model.parameters()]
+        grads = [g for g in held if g is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=parallel_state.get_context_parallel_group())
         for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
@@ -316,7 +343,8 @@ class MegatronBackend(TorchBackend):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        partial = [p.grad for p in self.partial_params if p.grad is not None]
+        held = [self.grad_param(p).grad for p in self.partial_params]
+        partial = [g for g in held if g is not None]
         if partial:
             flat = torch.cat([g.reshape(-1) for g in partial])
             dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
@@ -356,12 +384,14 @@ class MegatronBackend(TorchBackend):
         its slices; any parallel layout saved them), else its Hugging Face model/."""
         if megatron_dist.is_torch_dist(directory):
             megatron_dist.load(self.model, directory, self.hf.config)
-            return
-        from safetensors.torch import load_file
+        else:
+            from safetensors.torch import load_file
 
-        hf_state = load_file(str(directory / "model" / "model.safetensors"))
-        whole = megatron_model.hf_to_megatron(hf_state, self.hf.config)
-        self._load_megatron(self.model, whole, f"the checkpoint {directory}")
+            hf_state = load_file(str(directory / "model" / "model.safetensors"))
+            whole = megatron_model.hf_to_megatron(hf_state, self.hf.config)
+            self._load_megatron(self.model, whole, f"the checkpoint {directory}")
+        if self.master is not None:  # until the optimizer's state brings the fp32 ones
+            self.master.from_model()
 
 
 def init_model_parallel(

@@ -24,6 +24,12 @@ The fused QKV is megatron's layout: per query group, that group's query heads, t
 head, then its value head (rows of head_dim each). Qwen3's q_norm/k_norm are the layer's
 q_layernorm/k_layernorm.
 
+bf16 (--bf16): TransformerConfig(bf16=True), so that megatron's attention takes bf16 scores and
+softmaxes them in fp32 (attention_softmax_in_fp32); the model is built and loaded in fp32 (the
+checkpoint's weights, which the backend's fp32 masters copy), then cast to bf16 (`cast`: what
+megatron's Float16Module does to the module it wraps, its config's params_dtype saying so). The
+logits leave in bf16 and the backend upcasts them before the softmax, as Float16Module would.
+
 Tensor parallel (`shard`, `unshard`): each rank holds a slice of every layer megatron splits
 (the parameter's `partition_dim`): rows of the fused QKV (whole query groups: the layout above
 keeps a group's rows together), of the embedding and output layer (the padded vocabulary), and
@@ -78,11 +84,14 @@ def unpadded_logits(logits: torch.Tensor, hf: Any) -> torch.Tensor:
 
 
 def transformer_config(
-    hf: Any, layout: Layout = Layout(), recompute: dict[str, Any] | None = None
+    hf: Any,
+    layout: Layout = Layout(),
+    recompute: dict[str, Any] | None = None,
+    bf16: bool = False,
 ) -> Any:
     """megatron's TransformerConfig for the Hugging Face config `hf` split as `layout` says;
     `recompute`: Miles' --recompute-granularity/-method/-num-layers as TransformerConfig's
-    recompute_* fields."""
+    recompute_* fields; `bf16`: the model will compute in bf16 (module docstring)."""
     tensor_parallel, pipeline_parallel = layout.tensor, layout.pipeline
     if hf.model_type not in SUPPORTED:
         raise MillstreamError(
@@ -109,14 +118,16 @@ def transformer_config(
         )
     qkv_bias = hf.model_type == "qwen2"
     try:
-        config = _transformer_config(hf, layout, qkv_bias, recompute or {})
+        config = _transformer_config(hf, layout, qkv_bias, recompute or {}, bf16)
         config.sequence_parallel = layout.sequence and tensor_parallel > 1
         return config
     except (ValueError, AssertionError) as err:  # megatron's own validation of the settings
         raise MillstreamError(f"megatron-core refuses the model's settings: {err}") from None
 
 
-def _transformer_config(hf: Any, layout: Layout, qkv_bias: bool, recompute: dict[str, Any]) -> Any:
+def _transformer_config(
+    hf: Any, layout: Layout, qkv_bias: bool, recompute: dict[str, Any], bf16: bool
+) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -143,7 +154,8 @@ def _transformer_config(hf: Any, layout: Layout, qkv_bias: bool, recompute: dict
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
-        params_dtype=torch.float32,
+        bf16=bf16,
+        params_dtype=torch.float32,  # bf16 after `cast`
         tensor_model_parallel_size=layout.tensor,
         pipeline_model_parallel_size=layout.pipeline,
         pipeline_dtype=torch.float32,
@@ -205,7 +217,11 @@ def _seed_cuda_rng_tracker(seed: int) -> None:
 
 
 def build(
-    hf: Any, layout: Layout = Layout(), recompute: dict[str, Any] | None = None, seed: int = 0
+    hf: Any,
+    layout: Layout = Layout(),
+    recompute: dict[str, Any] | None = None,
+    seed: int = 0,
+    bf16: bool = False,
 ) -> torch.nn.Module:
     """The GPTModel for `hf` (random weights: load them with `hf_to_megatron` and `shard`).
     Needs the default process group and megatron's parallel state with `layout`'s sizes
@@ -216,7 +232,8 @@ def build(
     first, the final norm and output layer on the last; a tied model is built untied there
     (the two copies kept equal by the backend, as megatron's embedding group does). With
     context parallel ranks, a forward takes this rank's share of the sequence
-    (megatron_context.split). On a GPU `seed` seeds megatron's CUDA RNG tracker."""
+    (megatron_context.split). On a GPU `seed` seeds megatron's CUDA RNG tracker. `bf16`: its
+    config's; the parameters are fp32 until `cast`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import (
@@ -226,7 +243,7 @@ def build(
 
     if not megatron_cpu.apply():
         _seed_cuda_rng_tracker(seed)
-    config = transformer_config(hf, layout, recompute)
+    config = transformer_config(hf, layout, recompute, bf16)
     layer = _layer_spec(config.qk_layernorm, layout.context > 1)
     spec = TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=SequenceNorm
@@ -244,6 +261,12 @@ def build(
         # every rank gets the whole vocabulary's logits: the loss code is the torch backend's
         parallel_output=False,
     )
+
+
+def cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The model's parameters in `dtype`, and its config's params_dtype and pipeline_dtype."""
+    model.to(dtype)
+    model.config.params_dtype = model.config.pipeline_dtype = dtype
 
 
 def layer_offset(model: torch.nn.Module) -> int:

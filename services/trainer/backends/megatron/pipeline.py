@@ -44,12 +44,12 @@ class _FromLaterStages(torch.autograd.Function):
     def forward(
         ctx: Any, hidden: torch.Tensor, logits: torch.Tensor, next_rank: int
     ) -> torch.Tensor:  # type: ignore[override]
-        ctx.shape, ctx.next_rank = hidden.shape, next_rank
+        ctx.shape, ctx.dtype, ctx.next_rank = hidden.shape, hidden.dtype, next_rank
         return logits.clone()
 
     @staticmethod
     def backward(ctx: Any, grad_logits: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        grad = torch.empty(ctx.shape)
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype)
         dist.recv(grad, src=ctx.next_rank)
         return grad, None, None
 
@@ -58,18 +58,20 @@ def stage_logits(
     model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: Any, vocab_rows: int
 ) -> torch.Tensor:
     """[B, S, vocab_rows] logits of a forward through every stage, on every stage (a
-    collective of the pipeline group: each of its ranks calls it with the same rows)."""
+    collective of the pipeline group: each of its ranks calls it with the same rows). The
+    hidden states and logits cross in the model's dtype (--bf16: bf16)."""
     from megatron.core import parallel_state as ps
 
     gpt = getattr(model, "module", model)  # DDP wraps it with data parallel ranks
     B, S = ids.shape
+    dtype = next(gpt.parameters()).dtype
     group = ps.get_pipeline_model_parallel_group()
     last = ps.get_pipeline_model_parallel_last_rank()
     if not ps.is_pipeline_first_stage():
         # megatron's [s, b, h]; sequence parallel: this tensor parallel rank's slice of s
         tensor_parallel = gpt.config.tensor_model_parallel_size
         rows = S // tensor_parallel if gpt.config.sequence_parallel else S
-        hidden_in = torch.empty(rows, B, gpt.config.hidden_size)
+        hidden_in = torch.empty(rows, B, gpt.config.hidden_size, dtype=dtype)
         prev = ps.get_pipeline_model_parallel_prev_rank()
         dist.recv(hidden_in, src=prev)
         if torch.is_grad_enabled():
@@ -82,7 +84,7 @@ def stage_logits(
         return out
     next_rank = ps.get_pipeline_model_parallel_next_rank()
     dist.send(out.detach().contiguous(), dst=next_rank)
-    logits = torch.empty(B, S, vocab_rows)
+    logits = torch.empty(B, S, vocab_rows, dtype=dtype)
     dist.broadcast(logits, src=last, group=group)
     return _FromLaterStages.apply(out, logits, next_rank)
 
@@ -97,11 +99,14 @@ def stage_of(name: str, num_layers: int, stages: int) -> int:
 
 
 def gather_stages(
-    local: dict[str, torch.Tensor], shapes: dict[str, torch.Size], num_layers: int
+    local: dict[str, torch.Tensor],
+    shapes: dict[str, torch.Size],
+    num_layers: int,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """Every stage's weights (megatron names, global layer indices) on every rank of the
     pipeline group: each stage broadcasts its own as one flat tensor, in name order. `local`:
-    this stage's; `shapes`: every name's shape (the whole model's)."""
+    this stage's; `shapes`: every name's shape (the whole model's); `dtype`: the weights'."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
@@ -114,22 +119,23 @@ def gather_stages(
         if stage == ps.get_pipeline_model_parallel_rank():
             flat = torch.cat([local[n].reshape(-1) for n in names])
         else:
-            flat = torch.empty(sum(sizes))
+            flat = torch.empty(sum(sizes), dtype=dtype)
         dist.broadcast(flat, src=ranks[stage], group=group)
         for name, part in zip(names, flat.split(sizes), strict=True):
             out[name] = part.view(shapes[name])
     return out
 
 
-def sum_tied_gradients(model: torch.nn.Module) -> None:
+def sum_tied_gradients(model: torch.nn.Module, grad_param: Any = lambda p: p) -> None:
     """A tied model's two copies (the first stage's embedding, the last stage's output layer):
-    each has the gradient of its own use; their sum is the tied weight's, given to both."""
+    each has the gradient of its own use; their sum is the tied weight's, given to both.
+    `grad_param(weight)`: the parameter holding its gradient (--bf16: its fp32 master)."""
     from megatron.core import parallel_state as ps
 
     if not ps.is_rank_in_embedding_group():
         return
     gpt = getattr(model, "module", model)
-    weight = (
+    weight = grad_param(
         gpt.embedding.word_embeddings.weight
         if ps.is_pipeline_first_stage()
         else gpt.output_layer.weight
