@@ -504,7 +504,8 @@ def goals(rows: list[Row]) -> list[dict[str, Any]]:
         if r.name == "millstream torch, --bf16":
             out.append(goal("train step, --bf16 vs the plain bf16 loop", r, True,
                             GOALS["train"], r.ratio, "x"))  # fmt: skip
-    engine = [r for r in measured if r.section == "engine" and "concurrency" in r.extra]
+    engine = [r for r in measured
+              if r.section == "engine" and "concurrency" in r.extra and not r.extra.get("fp8")]  # fmt: skip
     if engine:
         top = max(engine, key=lambda r: r.extra["concurrency"])
         out.append(goal(f"engine at concurrency {top.extra['concurrency']} vs HF generate", top,
@@ -575,6 +576,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
                         help="default: the highest --concurrency")  # fmt: skip
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--no-fp8", action="store_true",
+                        help="skip the engine's FP8 row (an FP8 copy of the model)")  # fmt: skip
     parser.add_argument("--bucket-mb", type=int, default=512, help="the sync's bucket size")
     parser.add_argument("--arith-rollouts", type=int, default=90, help="run.sh's NUM_ROLLOUT")
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run.sh")
@@ -643,6 +646,11 @@ def engine_and_sync(model_dir: Path, args: argparse.Namespace, tmp: Path) -> lis
         engine.wait_ready("/health", timeout_s=600)
         if "engine" in args.only:
             rows = engine_section(engine.url, rows[0], args)
+        if "engine" in args.only and not args.no_fp8:
+            engine.stop()  # the FP8 engine gets the memory
+            rows += fp8_engine_rows(model_dir, rows, args, tmp)
+            engine = ServiceProcess("engine", ["--model-path", str(model_dir), *flags], tmp)
+            engine.wait_ready("/health", timeout_s=600)
         if "sync" in args.only:
             router = ServiceProcess("router", ["--worker-urls", engine.url], tmp)
             router.wait_ready("/health")
@@ -655,6 +663,45 @@ def engine_and_sync(model_dir: Path, args: argparse.Namespace, tmp: Path) -> lis
         if r.section == "engine":
             r.extra["engine_flags"] = flags
     return rows
+
+
+def fp8_engine_rows(
+    model_dir: Path, rows: list[Row], args: argparse.Namespace, tmp: Path
+) -> list[Row]:
+    """The engine on an FP8 copy of the model (examples/arith/make_fp8.py: e4m3 weights with
+    128 x 128 block scales, engine/fp8.py) at the highest concurrency: ratio to HF generate,
+    and to the bf16 engine in the note."""
+    import importlib.util
+
+    from bench_engine import engine_run
+
+    from tests.support.router_proc import ServiceProcess
+
+    spec = importlib.util.spec_from_file_location("make_fp8", ARITH / "make_fp8.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    progress("engine: making an FP8 copy of the model ...")
+    fp8_dir = module.make_fp8(model_dir, tmp / "model-fp8")
+    conc = max(args.concurrency)
+    hf = rows[0].value or 1.0
+    bf16 = next((r.value for r in rows if r.extra.get("concurrency") == conc), None)
+    progress(f"engine: FP8, concurrency {conc} ...")
+    engine = ServiceProcess("engine", ["--model-path", str(fp8_dir), *engine_flags(args)], tmp)
+    try:
+        engine.wait_ready("/health", timeout_s=600)
+        asyncio.run(engine_run(engine.url, prompts(conc, args.prompt_tokens, 99), 8, conc))
+        count = conc * args.rounds
+        made, seconds = asyncio.run(
+            engine_run(engine.url, prompts(count, args.prompt_tokens, conc), args.new_tokens, conc)
+        )
+    finally:
+        engine.stop()
+    tps = made / seconds
+    note = f"{tps / bf16:.2f}x the bf16 engine" if bf16 else ""
+    return [Row("engine", f"millstream engine FP8 (e4m3, 128x128 blocks), concurrency {conc}",
+                tps, "tokens/s", tps / hf, "HF generate", note=note,
+                extra={"tokens": made, "seconds": seconds, "concurrency": conc, "fp8": True})]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("millstream.rollout.main:main", "rollout worker: {run}:prompts -> {run}:generated"),
     "reward": ("millstream.reward.main:main", "reward worker: {run}:generated -> {run}:scored"),
     "reward-celery": ("millstream.reward.main:celery_worker", "Celery worker running reward tasks"),
+    "plan": (
+        "millstream.launch.plan:main",
+        "print the GPU plan of `train` flags ([--gpus N]; starts nothing)",
+    ),
     "trace": ("millstream.common.trace_cli:main", "summarise a run's traces"),
     "plot": ("millstream.trainer.observe.plot:main", "draw a run's metric curves"),
     "convert": (

@@ -9,7 +9,7 @@
 # accuracy first (7.2 s vs 9.7 s) and at 3586 vs 2645 completions/s (README), so it is the
 # default.
 # On a machine with a GPU (COLOCATE=auto, the default) the trainer and the engine share it,
-# taking turns (--colocate, docs/colocation.md), and the trainer steps in bf16 with fp32
+# taking turns (--colocate, docs/gpus.md), and the trainer steps in bf16 with fp32
 # masters (--bf16); COLOCATE=0 keeps the flags as written.
 # Extra flags after the script's name go last, so they win (compose passes --redis-url,
 # --router-url and --coordinator-port: the trainer then joins the running services).

@@ -181,6 +181,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "vocab_size": core.runner.vocab_size,
         "eos_token_ids": sorted(core.runner.eos_token_ids),
         "dtype": core.config.dtype,
+        "quantization": core.runner.quantization,
     }
 
 
@@ -191,7 +192,14 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     state = core.scheduler.info()
     return {
         **config,
+        # SGLang's server_args name: "fp8" for an FP8 checkpoint (engine/fp8.py), else None;
+        # and how its Linears compute, --fp8-gemm resolved.
+        "quantization": core.runner.quantization,
+        "fp8_gemm": core.runner.fp8_gemm,
         "version": "millstream-engine",
+        # SGLang's names: GPUs (ranks in a weight-update group) per engine; one here.
+        "tp_size": 1,
+        "dp_size": 1,
         "weight_version": core.weight_version,
         "weight_update_groups": core.groups.names,
         # Where this engine computes and how it takes weights: the trainer picks the weight

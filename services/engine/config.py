@@ -19,6 +19,7 @@ from millstream.common.http_limits import DEFAULT_MAX_REQUEST_BYTES
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHES = ("auto", "dynamic", "static")
+FP8_GEMMS = ("auto", "scaled_mm", "dequant")  # engine/fp8.py GEMMS; this module imports no torch
 DEFAULT_MEM_FRACTION = 0.85
 
 
@@ -55,6 +56,13 @@ class EngineConfig:
         None, "largest decode batch captured in a CUDA graph (default: --max-running-requests)"
     )
     disable_cuda_graph: bool = flag(False, "decode eagerly on the GPU (no CUDA graphs)")
+    fp8_gemm: str = flag(
+        "auto",
+        "an FP8 checkpoint's Linears: scaled_mm (FP8 weights and activations, torch._scaled_mm), "
+        "dequant (FP8 weights dequantized for each matmul), auto (scaled_mm on a GPU of compute "
+        "capability >= 8.9, else dequant)",
+        choices=FP8_GEMMS,
+    )
     weight_version: str = flag("default", "weight version reported until the first update")
     weight_update_timeout: float = flag(
         300.0, "seconds an update-group init or a distributed weight update may take"

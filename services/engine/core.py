@@ -75,7 +75,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         assert config.model_path is not None
         self.config = config
-        self.runner = ModelRunner(config.model_path, config.dtype, config.device)
+        self.runner = ModelRunner(
+            config.model_path, config.dtype, config.device, fp8_gemm=config.fp8_gemm
+        )
         batch, context_length = running_batch(config, self.runner)
         if isinstance(batch, PoolBatch) and batch.graphs is not None:
             batch.graphs.capture_all()

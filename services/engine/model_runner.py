@@ -11,6 +11,9 @@ off; the scheduler thread runs every forward under `torch.inference_mode`.
 
 Only full-attention decoders are supported: the running batch moves a row's cached tokens
 between cache columns (kv_batch.py), which sliding-window caches do not allow.
+
+A checkpoint whose config.json has an FP8 quantization_config is served in FP8: its quantized
+Linears hold the e4m3 weights and block scales (fp8.py); `quantization` says "fp8".
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 import torch
 
 from millstream.common.errors import MillstreamError
+
+from . import fp8
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +113,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
 class ModelRunner:
     """The model, its tokenizer, and the prefill forward (decode lives in RunningBatch)."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu"):
+    def __init__(
+        self, model_path: str, dtype: str = "float32", device: str = "cpu", fp8_gemm: str = "auto"
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
         from transformers.utils import logging as hf_logging
 
@@ -123,14 +130,25 @@ class ModelRunner:
         self.device = resolve_device(device)
         dtype = resolve_dtype(dtype, self.device)
         self.dtype = DTYPES[dtype]
+        fp8_block = fp8.read_block(path)
+        self.quantization = "fp8" if fp8_block else None
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, dtype=self.dtype
-            )
+            if fp8_block:
+                model = fp8.load_model(model_path, self.dtype, fp8_block)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, local_files_only=True, dtype=self.dtype
+                )
         except OSError as err:
             raise MillstreamError(f"--model-path {model_path}: cannot load: {err}") from err
         self.model = model.to(self.device).eval().requires_grad_(False)
+        self.fp8_gemm: str | None = None  # how the FP8 Linears compute (fp8.py); None: not FP8
+        if fp8_block:
+            self.fp8_gemm = fp8.choose_gemm(fp8_gemm, self.device)
+            counts = fp8.set_gemm(self.model, self.fp8_gemm)
+            fp8.probe_scaled_mm(self.model, self.device, self.dtype)
+            log.info("FP8 Linears in 128x128 blocks, computed by %s", counts)
         self._cache_class = DynamicCache
         probe = DynamicCache(config=self.model.config)
         if any(getattr(layer, "is_sliding", False) for layer in probe.layers):

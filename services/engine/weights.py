@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from . import fp8
 from .scheduler import RequestError
 
 log = logging.getLogger(__name__)
@@ -208,10 +209,15 @@ def read_safetensors_dir(model_path: str) -> NamedTensors:
 
 
 class WeightLoader:
-    """Checks named tensors against the model and copies them in (scheduler thread)."""
+    """Checks named tensors against the model and copies them in (scheduler thread).
+
+    An FP8 layer (fp8.py) takes its weight in full precision, of the full [out, in] shape,
+    cast to FP8 here; or already in FP8 with its `weight_scale_inv` in the same update
+    (Miles' megatron sender quantizes before sending)."""
 
     def __init__(self, model: torch.nn.Module):
         self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._fp8 = fp8.fp8_layers(model)
 
     def check_specs(self, names: list[str], shapes: list[list[int]]) -> None:
         unknown = [n for n in names if n not in self._params]
@@ -225,8 +231,18 @@ class WeightLoader:
 
     def check(self, tensors: NamedTensors) -> None:
         self.check_specs([n for n, _ in tensors], [list(t.shape) for _, t in tensors])
+        if why := fp8.update_refusal(self._fp8, tensors):
+            raise RequestError(why)
 
     def copy_in(self, tensors: NamedTensors) -> None:
+        given = dict(tensors)
         with torch.no_grad():
             for name, tensor in tensors:
-                self._params[name].copy_(tensor)
+                layer = self._fp8.get(name)
+                if layer is None:
+                    if not fp8.is_scale_of(name, self._fp8):  # a scale goes with its weight
+                        self._params[name].copy_(tensor)
+                elif tensor.dtype == fp8.FP8_DTYPE:
+                    layer.load_quantized(tensor, given[name + fp8.SCALE_SUFFIX])
+                else:
+                    layer.load_full(tensor)

@@ -48,7 +48,8 @@ from millstream.common.http_pool import make_client
 from millstream.common.keys import RunKeys
 from millstream.common.redis_conn import connect, redact
 
-from .plan import cpu_budget, engine_device_args, given_router_url, visible_gpus
+from . import engines as engine_commands
+from .plan import GpuPlan, cpu_budget, engine_device_args, given_router_url, gpu_plan, visible_gpus
 from .procs import (
     Child,
     RunDirLock,
@@ -165,6 +166,8 @@ class LocalCluster:
         )
         self.starts_anything = not cfg.connection.redis_url or given_router_url(cfg) is None
         self.budget = cpu_budget(cfg)
+        self.plan: GpuPlan | None = None  # made when engines are started (it imports torch)
+        self.sglang_engines: dict[str, tuple[int, ...]] = {}  # URL -> its GPUs
         self.children: list[Child] = []
         self.urls: ClusterUrls | None = None
         self._state = "running"  # -> "stopping" -> "stopped"
@@ -265,6 +268,18 @@ class LocalCluster:
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop()
+
+    def engine_placements(self) -> dict[str, dict[str, Any]]:
+        """Where the SGLang servers started here live (they do not say so themselves; the
+        weight sync needs it to tell the trainer's GPU from another: trainer/weights/)."""
+        if not self.sglang_engines:
+            return {}
+        from millstream.common import tensor_share  # torch: only with SGLang servers started
+
+        return {
+            url: tensor_share.placement(f"cuda:{gpus[0]}")
+            for url, gpus in self.sglang_engines.items()
+        }
 
     # -- watch and stop -------------------------------------------------------------------
 
@@ -405,32 +420,48 @@ class LocalCluster:
             )
         if not Path(model).is_dir():
             raise MillstreamError(f"engine model path {model!r} is not a directory")
+        self.plan = plan = gpu_plan(self.cfg, visible_gpus())
+        self.say(plan.describe())
+        sglang = engine_commands.sglang_installed()
+        engine_commands.check(self.cfg, sglang)
         started = []
-        for i in range(self.cfg.sglang.rollout_num_engines):
+        for i in range(len(plan.engines)):
             port = free_port(HOST)
-            argv = self._service_argv(
-                "engine",
-                "--model-path",
-                str(Path(model).resolve()),
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-                "--weight-version",
-                str(self.weight_version),
-                "--max-running-requests",
-                str(self.cfg.sglang.engine_max_running_requests),
-                "--weight-update-timeout",
-                str(self.cfg.sglang.weight_sync_timeout),
-                "--num-threads",
-                str(self.budget.engine),
-                *engine_device_args(self.cfg, visible_gpus()),
+            env = self._env(
+                self.budget.engine,
+                MILLSTREAM_ADMIN_TOKEN=self.cfg.service.admin_token,
+                **plan.engine_env(i),
             )
+            if sglang:
+                argv = engine_commands.sglang_command(
+                    self.cfg, str(Path(model).resolve()), HOST, port, str(self.weight_version),
+                    plan.engine_fraction(self.cfg), on_gpu=bool(plan.engines[i]),
+                ).argv  # fmt: skip
+            else:
+                argv = self._service_argv(
+                    "engine",
+                    "--model-path",
+                    str(Path(model).resolve()),
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(port),
+                    "--weight-version",
+                    str(self.weight_version),
+                    "--max-running-requests",
+                    str(self.cfg.sglang.engine_max_running_requests),
+                    "--weight-update-timeout",
+                    str(self.cfg.sglang.weight_sync_timeout),
+                    "--num-threads",
+                    str(self.budget.engine),
+                    *engine_device_args(plan, self.cfg, i),
+                ) + engine_commands.engine_flags(self.cfg)  # the user's --sglang-X win
             # SIGKILL as the death signal: the engine ignores SIGTERM while it loads its model,
             # and a death signal is sent once; a lost one would leave an orphan.
-            env = self._env(self.budget.engine, MILLSTREAM_ADMIN_TOKEN=self.cfg.service.admin_token)
             child = self._spawn(f"engine-{i}", argv, TIER_ENGINE, env, signal.SIGKILL)
             started.append((child, f"http://{HOST}:{port}"))
+            if sglang and plan.engines[i]:  # on the CPU there is no GPU to tell apart
+                self.sglang_engines[started[-1][1]] = plan.engines[i]
 
         def waits(client: httpx.AsyncClient) -> list[Coroutine[Any, Any, None]]:
             return [

@@ -32,7 +32,8 @@ from millstream.common.auth import refusal
 from millstream.common.http_limits import BodyLimit
 from millstream.common.http_pool import make_client
 
-from .config import RouterConfig, normalize_worker_url
+from .config import RouterConfig, normalize_worker_url, parse_host_port
+from .discovery import Discovery, Resolve, resolve_addresses
 from .health import HealthChecker
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policies import make_policy
@@ -59,6 +60,7 @@ class Router:
         cfg: RouterConfig,
         transport: httpx.AsyncBaseTransport | None = None,
         tracer: trace.Tracer | None = None,
+        resolve: Resolve = resolve_addresses,
     ):
         self.cfg = cfg
         self.registry = Registry(cfg.health_failure_threshold, cfg.health_success_threshold)
@@ -86,12 +88,28 @@ class Router:
         )
         for url in cfg.worker_urls:
             self.registry.add(url)
+        self.discovery: Discovery | None = None
+        if cfg.discover_workers:
+            self.discovery = Discovery(
+                [parse_host_port(target) for target in cfg.discover_workers],
+                cfg.discover_interval,
+                cfg.health_check_timeout,
+                registry=self.registry,
+                add=self.add,
+                remove=self.remove,
+                answers=self.health.answers,
+                resolve=resolve,
+            )
 
     async def start(self) -> None:
         await self.health.check_all()  # admit reachable workers before the first request
         self.health.start()
+        if self.discovery is not None:
+            self.discovery.start()  # its first round at once, in the background
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.health.stop()
         await self.client.aclose()
 
@@ -364,13 +382,15 @@ def build_app(
     cfg: RouterConfig,
     transport: httpx.AsyncBaseTransport | None = None,
     tracer: trace.Tracer | None = None,
+    resolve: Resolve = resolve_addresses,
 ) -> FastAPI:
-    """The router app; its lifespan runs the first health round and the health loop.
+    """The router app; its lifespan runs the first health round, the health loop and, with
+    --discover-workers, the discovery loop.
 
-    `transport` and `tracer` default to real sockets and the process's tracer provider;
-    tests pass their own.
+    `transport`, `tracer` and `resolve` default to real sockets, the process's tracer
+    provider and the system resolver; tests pass their own.
     """
-    router = Router(cfg, transport, tracer)
+    router = Router(cfg, transport, tracer, resolve)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

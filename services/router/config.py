@@ -3,7 +3,8 @@
 Flag names follow sglang-router where one exists (--worker-urls, --cache-threshold,
 --balance-abs-threshold, --balance-rel-threshold, --max-tree-size, --health-*), so a launch
 line written for it reads the same here. The admin token may come from the environment
-(MILLSTREAM_ADMIN_TOKEN) so it stays out of process listings.
+(MILLSTREAM_ADMIN_TOKEN) so it stays out of process listings. --discover-workers and
+--discover-interval are millstream's own (DNS discovery, discovery.py).
 
 Imports no torch: this module is loaded by the router process and by tests alone.
 """
@@ -40,11 +41,30 @@ def normalize_worker_url(url: str) -> str:
     return text
 
 
+def parse_host_port(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (a DNS name, an IPv4 address or a bracketed IPv6 one) -> (host, port);
+    ValueError naming the text otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{text!r} must look like HOST:PORT (e.g. sglang:30000)")
+    if "/" in host or (":" in host and not text.strip().startswith("[")):
+        raise ValueError(f"{text!r} must look like HOST:PORT (an IPv6 host in brackets)")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = flag("127.0.0.1", "address to listen on")
     port: int = flag(30000, "port to listen on")
     worker_urls: list[str] = flag([], "engines to route to from the start (more via /add_worker)")
+    discover_workers: list[str] = flag(
+        [],
+        "HOST:PORT whose DNS A/AAAA records are workers: each address becomes http://IP:PORT, "
+        "added once it answers /health and removed when it no longer resolves (a replicated "
+        "service's name, e.g. compose's sglang:30000)",
+    )
+    discover_interval: float = flag(5.0, "seconds between --discover-workers lookups")
     router_policy: str = flag(
         "least_inflight", "how a worker is chosen for a request", choices=POLICIES
     )
@@ -90,6 +110,7 @@ class RouterConfig:
         positive = (
             "health_check_interval",
             "health_check_timeout",
+            "discover_interval",
             "health_failure_threshold",
             "health_success_threshold",
             "request_timeout",
@@ -126,6 +147,14 @@ class RouterConfig:
             except ValueError as err:
                 raise ConfigError(f"--worker-urls: {err}") from None
         object.__setattr__(self, "worker_urls", list(dict.fromkeys(urls)))
+        targets = []
+        for text in self.discover_workers:
+            try:
+                host, port = parse_host_port(text)
+            except ValueError as err:
+                raise ConfigError(f"--discover-workers: {err}") from None
+            targets.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        object.__setattr__(self, "discover_workers", list(dict.fromkeys(targets)))
 
 
 def _opt(name: str) -> str:

@@ -66,6 +66,15 @@ class HealthChecker:
                 "" if worker.status == HEALTHY else f" ({worker.last_error})",
             )
 
+    async def answers(self, url: str) -> bool:
+        """`url` answers GET /health with 200 within the timeout: a worker not registered
+        yet (discovery.py) that is up."""
+        try:
+            response = await self.client.get(url + "/health", timeout=self.timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
     def _record_version(self, worker: Worker, response: httpx.Response, probed_at: float) -> None:
         try:
             version = response.json()["weight_version"]

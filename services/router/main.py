@@ -36,11 +36,16 @@ def main(argv: Sequence[str]) -> int:
         app = build_app(cfg)
         heap.freeze_startup_heap()
         logging.getLogger("millstream.router").info(
-            "router on http://%s:%d, policy %s, %d worker(s) from flags",
+            "router on http://%s:%d, policy %s, %d worker(s) from flags%s",
             cfg.host,
             cfg.port,
             cfg.router_policy,
             len(cfg.worker_urls),
+            (
+                f", discovering {' '.join(cfg.discover_workers)} every {cfg.discover_interval:g}s"
+                if cfg.discover_workers
+                else ""
+            ),
         )
         config = uvicorn.Config(
             app,

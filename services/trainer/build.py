@@ -20,6 +20,7 @@ from millstream.common.keys import RunKeys
 from millstream.common.prom import start_metrics
 from millstream.common.streams import default_consumer_name
 
+from . import preflight
 from .admission import Admission, TerminalCounts
 from .backends import distributed
 from .backends.distributed import DataParallel
@@ -197,6 +198,7 @@ async def build_trainer(
     redis: Any,
     budget: threads.CpuBudget | None = None,
     prepared: Prepared | None = None,
+    placements: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Trainer, list[Closer]]:
     """The trainer and what to close after it; `budget`: the local launcher's CPU split, when
     it started the engines here (lend_idle_cores); `prepared`: `prepare(cfg)`, made already."""
@@ -244,6 +246,7 @@ async def build_trainer(
             load_format=None if cfg.sglang.weight_sync_format == "per_tensor" else "flattened_bucket",
             master_address=master_address(cfg), transport=cfg.sglang.update_weight_transport,
             disk_dir=cfg.sglang.update_weight_disk_dir or Path(cfg.run_dir) / "weight_updates",
+            placements=placements,
         )  # fmt: skip
         closers.append(sync.close)
         metrics = TrainerMetrics()
@@ -338,14 +341,17 @@ def resume_iteration(cfg: RunConfig) -> int | None:
 
 
 def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
-    """The actor from --hf-checkpoint; the reference when a KL needs it; the critic (ppo)
-    from --critic-load or the actor's weights; a local teacher from --opd-teacher-load."""
+    """The actor from --hf-checkpoint (an FP8 one: from --ref-load, docs/fp8.md); the reference
+    when a KL needs it; the critic (ppo) from --critic-load or the actor's weights; a local
+    teacher from --opd-teacher-load."""
     a = cfg.algo
     actor = cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load
     needs_ref = a.use_kl_loss or a.use_kl_in_reward
     ref_load = cfg.ckpt.ref_load
     if megatron_ckpt.torch_dist_dir(ref_load):  # the megatron backend's (preflight): it
         ref_load = None  # loads the weights into the --hf-checkpoint skeleton
+    if ref_load and preflight.fp8_checkpoint(cfg.ckpt.hf_checkpoint):
+        actor = ref_load  # FP8 rollout: the engines serve the FP8 copy (docs/fp8.md)
     ref = (ref_load or cfg.ckpt.hf_checkpoint) if needs_ref else None
     critic = (a.critic_load or actor) if a.uses_critic else None
     teacher = a.opd_teacher_load if a.distills else None

@@ -242,7 +242,9 @@ async def train_loop(
     from .build import build_trainer, close_all
 
     debug.dump_tasks_on_sigusr2()  # `kill -USR2`: where each coroutine waits
-    trainer, closers = await build_trainer(cfg, redis, cluster.budget, prepared)
+    trainer, closers = await build_trainer(
+        cfg, redis, cluster.budget, prepared, placements=cluster.engine_placements()
+    )
     run = asyncio.create_task(trainer.run(), name="trainer")
     watch = asyncio.create_task(cluster.watch(), name="watchdog")
     try:

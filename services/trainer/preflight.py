@@ -23,9 +23,11 @@ In order, cheapest first:
    trainer's own (--custom-rollout-log-function-path,
    --custom-eval-rollout-log-function-path, --data-source-path), loaded as the trainer loads
    them (observe/log_hooks.py), whether or not the workers run here;
-4. files: the model dirs, the MODEL_ARGS given against the model's config.json
-   (refusals.check_model), a --load checkpoint that is there (a Megatron checkpoint given
-   to --load, --ref-load or a model dir flag is named as one: checkpoints/megatron_ckpt.py;
+4. files: the model dirs (an FP8 --hf-checkpoint is served, and the trainer starts from a
+   --ref-load that is never FP8: check_fp8_checkpoints), the MODEL_ARGS given against the
+   model's config.json (refusals.check_model), a --load checkpoint that is there (a
+   Megatron checkpoint given to --load, --ref-load or a model dir flag is named as one:
+   checkpoints/megatron_ckpt.py;
    the Megatron backend reads torch_dist as --load and --ref-load), and the
    prompt data and eval sets, read up to their first usable row with the data source's own row parser.
 
@@ -39,6 +41,7 @@ worker, so steps 2 and 3 skip what only those workers need.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -77,6 +80,7 @@ def check(cfg: RunConfig) -> None:
     _check_local_engines_model(cfg)
     checks.check(cfg)
     check_machine(cfg)
+    check_placement(cfg)
     check_plugins(cfg)
     check_log_functions(cfg)
     check_files(cfg)
@@ -100,6 +104,22 @@ def _check_local_engines_model(cfg: RunConfig) -> None:
         "--hf-checkpoint is required to start local engines (--ref-load is not served); "
         "or pass --router-url to use running ones"
     )
+
+
+def check_placement(cfg: RunConfig) -> None:
+    """The GPU plan fits this machine, and the engines to be started take their --sglang-*
+    flags (launch/plan.py, launch/engines.py); nothing to check when none is started here."""
+    if given_router_url(cfg) is not None:
+        return
+    from millstream.launch import engines
+    from millstream.launch.plan import gpu_plan, visible_gpus
+
+    try:
+        plan = gpu_plan(cfg, visible_gpus())
+    except MillstreamError as err:
+        raise ConfigError(str(err)) from None
+    if plan.engines:
+        engines.check(cfg, engines.sglang_installed())
 
 
 def check_machine(cfg: RunConfig) -> None:
@@ -225,6 +245,7 @@ def check_files(cfg: RunConfig) -> None:
         and not (megatron and megatron_ckpt.torch_dist_dir(ckpt.ref_load))
     ):
         _model_dir("--ref-load", ckpt.ref_load, ckpt.hf_checkpoint)
+    check_fp8_checkpoints(cfg)
     refusals.check_model(cfg)
     if ckpt.load and not (megatron and megatron_ckpt.torch_dist_dir(ckpt.load)):
         _check_load(ckpt.load, ckpt.hf_checkpoint)
@@ -242,6 +263,42 @@ def check_files(cfg: RunConfig) -> None:
             e.eval_label_key or r.label_key, e.eval_metadata_key or r.metadata_key, r.tool_key,
             r.apply_chat_template, r.skip_bad_lines, labels_are_text(cfg),
         )  # fmt: skip
+
+
+def fp8_checkpoint(path: str | None) -> bool:
+    """A Hugging Face dir whose config.json says its weights are FP8 (quant_method fp8)."""
+    try:
+        config = json.loads(Path(path, "config.json").read_text()) if path else {}
+    except (OSError, ValueError):
+        return False
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "fp8"
+
+
+def check_fp8_checkpoints(cfg: RunConfig) -> None:
+    """FP8 rollout is Miles' "BF16 train + FP8 inference" (docs/fp8.md): the engines serve an
+    FP8 --hf-checkpoint, and the trainer trains, and anchors its KL term to, the full-precision
+    weights of --ref-load (build.py). So an FP8 --hf-checkpoint needs a --ref-load, and
+    --ref-load is never FP8: a reference model of FP8-rounded weights is not the actor's start,
+    and the KL term would pull towards it without a word."""
+    ckpt = cfg.ckpt
+    if fp8_checkpoint(ckpt.ref_load):
+        raise ConfigError(
+            f"--ref-load {ckpt.ref_load} is an FP8 checkpoint (config.json quantization_config "
+            "quant_method fp8): the reference model, the KL anchor, would be its FP8-rounded "
+            "weights, not the actor's start; give --ref-load the full-precision (bf16/fp32) "
+            "checkpoint and --hf-checkpoint the FP8 copy the engines serve"
+        )
+    if not fp8_checkpoint(ckpt.hf_checkpoint):
+        return
+    if not ckpt.ref_load:
+        raise ConfigError(
+            f"--hf-checkpoint {ckpt.hf_checkpoint} is an FP8 checkpoint: the engines serve it, "
+            "and the trainer trains full-precision weights, from --ref-load (Miles' BF16 train "
+            "+ FP8 rollout); give --ref-load the checkpoint the FP8 copy was made from"
+        )
+    if not megatron_ckpt.torch_dist_dir(ckpt.ref_load):
+        _model_dir("--ref-load", ckpt.ref_load, ckpt.hf_checkpoint)
 
 
 def _model_dir(flag: str, path: str, hf_checkpoint: str | None = None) -> None:

@@ -1,6 +1,6 @@
 """`make run`'s arith job with --colocate, on the CPU: every iteration the engine releases its
 KV cache and weights before the trainer steps and resumes them around the weight sync, and the
-trainer's state goes to host memory and back (docs/colocation.md). On the CPU nothing moves,
+trainer's state goes to host memory and back (docs/gpus.md). On the CPU nothing moves,
 so what this proves is the turns themselves (the engine's own log counts them), that a
 retracted rollout resumes, and that the job still learns, sync and async."""
 

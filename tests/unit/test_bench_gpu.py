@@ -27,13 +27,16 @@ def test_cpu_smoke_run_measures_every_row(tmp_path):
     rows = result["rows"]
     sections = [r["section"] for r in rows]
     assert sections.count("train") == 3
-    assert sections.count("engine") == 1 + len(bench.SIZES["concurrency"][1].split(","))
+    # HF generate, one row per concurrency, and the FP8 engine at the highest
+    assert sections.count("engine") == 2 + len(bench.SIZES["concurrency"][1].split(","))
     assert sections.count("sync") == 2
     assert set(sections) == {"train", "engine", "sync"}
     for r in rows:
         assert r["value"] is not None and r["value"] > 0, r
         assert r["ratio"] is not None and r["ratio"] > 0, r
-        assert r["note"] == "", r
+        assert r["note"] == "" or r["extra"].get("fp8"), r
+    (fp8,) = [r for r in rows if r["extra"].get("fp8")]
+    assert fp8["note"].endswith("x the bf16 engine")
     assert any(r["name"] == "millstream torch, --bf16" for r in rows)
     assert "shared memory" in rows[-1]["name"]  # the CPU's tensor route
     assert [g["unit"] for g in result["goals"]] == ["x", "x", " ms/GB"]

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from millstream.common.config import ConfigError, checks, parse_run_config
-from millstream.launch.plan import engine_device_args
 from millstream.trainer.backends.offload import TrainOffload
 from millstream.trainer.backends.torch_backend import TorchBackend
 from millstream.trainer.build import colocation
@@ -60,12 +59,9 @@ def test_colocation_is_refused_where_it_cannot_work(flags, environ, message):
 def test_colocate_and_the_memory_fraction_pass_the_checks():
     cfg = _run_cfg("--colocate", "--sglang-mem-fraction-static", "0.7")
     checks.check(cfg, {})
-    assert engine_device_args(cfg, gpus=1) == ["--device", "cuda", "--mem-fraction-static", "0.7"]
-    assert engine_device_args(_run_cfg("--colocate"), gpus=1)[-1] == "0.6"
-    assert engine_device_args(_run_cfg(), gpus=1)[-1] == "0.4"  # shares the trainer's GPU
-    assert engine_device_args(cfg, gpus=0) == ["--device", "cpu"]
     with pytest.raises(SystemExit):
         _run_cfg("--sglang-mem-fraction-static", "1.2")
+    # The fractions by placement: tests/unit/test_placement.py.
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])

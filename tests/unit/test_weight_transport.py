@@ -154,3 +154,26 @@ def test_a_bucket_request_must_cover_the_handle_exactly():
 def test_cuda_ipc_needs_a_cuda_tensor():
     with pytest.raises(ValueError, match="CUDA tensor"):
         tensor_share.share(torch.zeros(4, dtype=torch.uint8))
+
+
+def test_an_sglang_server_on_the_trainers_gpu_gets_files():
+    """A placement the launcher gave (no weight_transports: a real SGLang server) on the
+    trainer's GPU: neither NCCL (two ranks on one GPU) nor our handle; files."""
+    trainer = {"host": "h", "device": "cuda:0", "gpu_uuid": "GPU-a"}
+    sglang_here = {"host": "h", "device": "cuda:0", "gpu_uuid": "GPU-a"}
+    sglang_there = {"host": "h", "device": "cuda:1", "gpu_uuid": "GPU-b"}
+    assert choose("auto", trainer, sglang_here).transport == DISK
+    assert choose("auto", trainer, sglang_there).transport == GROUP
+
+
+def test_engines_with_several_gpus_take_as_many_ranks_in_the_update_group():
+    """SGLang joins each tensor-parallel rank at rank_offset + its rank: an engine with tp 2
+    takes two ranks, and the next engine's offset follows them (Miles' layout)."""
+    from millstream.trainer.weights.sync import _engine_ranks, group_layout
+
+    assert group_layout([1, 1, 1]) == ([1, 2, 3], 4)
+    assert group_layout([2, 2]) == ([1, 3], 5)
+    assert group_layout([4, 1, 2]) == ([1, 5, 6], 8)
+    assert _engine_ranks({"tp_size": 2, "dp_size": 2}) == 4
+    assert _engine_ranks({"tp_size": 2}) == 2
+    assert _engine_ranks({}) == 1 and _engine_ranks({"tp_size": "x"}) == 1

@@ -30,7 +30,7 @@ from .reward import RewardConfig
 from .rollout import RolloutConfig, resolve_batch_knobs
 from .schema import add_group, from_namespace
 from .service import ConnectionConfig, ServiceConfig
-from .sglang import SglangConfig
+from .sglang import SglangConfig, split_server_args
 
 __all__ = ["ConfigError", "RunConfig", "build_parser", "parse_run_config", "resolve_run_config"]
 
@@ -152,6 +152,8 @@ def parse_run_config(
     Without --admin-token, the token is MILLSTREAM_ADMIN_TOKEN's, as for router and engines."""
     parser = build_parser(prog)
     ns, extras = parser.parse_known_args(list(argv))
+    # SGLang's own server flags, as Miles takes them: --sglang-X, handed on (launch/engines.py)
+    ns.sglang_server_args, extras = split_server_args(extras)
     if message := unknown_flags_error(extras):  # a Miles, Megatron or SGLang flag: say why
         parser.error(message)
     env = os.environ if environ is None else environ

@@ -45,7 +45,7 @@ def check(cfg: RunConfig, environ: Mapping[str, str] | None = None) -> None:
 
 def _check_colocation(cfg: RunConfig, environ: Mapping[str, str]) -> None:
     """--colocate shares one device between the trainer and the engines `millstream train`
-    starts (docs/colocation.md); the offloads only mean something there."""
+    starts (docs/gpus.md); the offloads only mean something there."""
     m = cfg.sglang
     if not m.colocate:
         for name, given in (

@@ -21,8 +21,8 @@ _MEGATRON = (
     "custom model provider or optimizer offload): drop it"
 )
 _SGLANG = (
-    "is an SGLang server setting; millstream starts no SGLang server (its own engines are CPU "
-    "processes): give it where you launch your SGLang servers, then pass --router-url"
+    "is not how SGLang's server flags are given here: as in Miles, pass --sglang-X (the "
+    "engines `millstream train` starts get --X), without the no- form"
 )
 _LORA = "is LoRA training, which is not built: millstream trains every parameter; drop it"
 _TOOLING = "is Miles' own test and debug tooling, which has no counterpart here: drop it"
@@ -45,7 +45,6 @@ _SESSIONS = (
 
 # (flag or prefix, why millstream does not take it), first match wins.
 FAMILIES: tuple[tuple[str, str], ...] = (
-    ("--sglang-", _SGLANG),
     ("--no-sglang-", _SGLANG),
     ("--lora-", _LORA),
     ("--multi-lora-", _LORA),

@@ -21,10 +21,11 @@ starts, naming the flag and why. Each field of each RunConfig group is one of:
 - accepted (ACCEPTED): nothing to do, and --help says so: what the flag asks for is already
   so here (fp32 gradients), or the checkpoint's modeling code decides it and config.json has
   no key to check it against (--qk-layernorm).
-- passed through (PASSED_THROUGH): settings of real SGLang servers, handed on to them. None
-  today: millstream starts no SGLang server (the engines it starts are its own CPU processes;
-  with --router-url the servers are yours, configured where you launch them), so the
-  --sglang-* server settings are refused rather than pretended.
+- passed through (PASSED_THROUGH): settings of the engines `millstream train` starts, handed
+  on to them. Every --sglang-X flag millstream does not name itself goes to SGLang's
+  launch_server as --X (cfg.sglang.sglang_server_args), or, where SGLang is not installed, to
+  millstream's engine where it has the setting, refused by name where it has not
+  (launch/engines.py).
 
 A new flag belongs to one of these; the test fails for one that nothing reads.
 """
@@ -79,16 +80,6 @@ REFUSED: dict[str, str] = {
     "attention_backend": (
         "picks Megatron's attention kernel; the torch backend runs the HF model's own "
         "attention and has no such choice: drop it"
-    ),
-    "rollout_num_gpus": (
-        "gives the engines GPUs (Miles starts one engine per --rollout-num-gpus-per-engine "
-        "of them); the engines millstream starts are CPU processes: say how many with "
-        "--rollout-num-engines, or run GPU engines yourself and pass --router-url"
-    ),
-    "rollout_num_gpus_per_engine": (
-        "is the GPUs of one engine (SGLang's tensor parallelism); an engine millstream starts "
-        "is one CPU process: drop it, or set tp where you launch your own SGLang servers and "
-        "pass --router-url"
     ),
     "eval_function_path": (
         "is Miles' whole-batch eval rollout, generate_rollout(args, rollout_id, data_source, "
@@ -240,7 +231,9 @@ ACCEPTED: dict[str, str] = {
     ),
 }
 
-# --sglang-* flag's field -> where it goes. Empty: see the module docstring.
+# --sglang-* flag's field -> where it goes, for one that nothing here reads. Empty: the ones
+# millstream names are read (--sglang-mem-fraction-static by launch/plan.py), and every other
+# --sglang-X is collected into cfg.sglang.sglang_server_args (module docstring).
 PASSED_THROUGH: dict[str, str] = {}
 
 

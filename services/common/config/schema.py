@@ -36,6 +36,15 @@ def flag(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def derived(default: Any = None, help: str = "") -> Any:
+    """A config field that is not a flag of its own: filled from the command line by
+    `parse_run_config` (e.g. the --sglang-* server flags handed on to SGLang)."""
+    metadata = {"help": help, "derived": True}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 def _unwrap(tp: Any) -> tuple[Any, bool]:
     """(inner type, optional?) for `X | None`."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
@@ -49,6 +58,8 @@ def _unwrap(tp: Any) -> tuple[Any, bool]:
 def add_group(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("derived"):
+            continue
         tp, optional = _unwrap(typing.get_type_hints(cls)[f.name])
         option = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help") or None}

@@ -5,22 +5,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .schema import flag
+from .schema import derived, flag
+
+SERVER_PREFIX = "--sglang-"
+
+
+def split_server_args(extras: list[str]) -> tuple[list[str], list[str]]:
+    """(the --sglang-X flags argparse did not know, each with the values that follow it;
+    the rest). Values are the arguments up to the next one that starts with "--"."""
+    server: list[str] = []
+    rest: list[str] = []
+    taking = False
+    for arg in extras:
+        if arg.startswith("--"):
+            taking = arg.startswith(SERVER_PREFIX)
+        (server if taking else rest).append(arg)
+    return server, rest
 
 
 @dataclass(frozen=True)
 class SglangConfig:
     rollout_num_engines: int = flag(1, "inference engines `millstream train` starts locally")
     rollout_num_gpus: int | None = flag(
-        None, "Miles: the engines' GPUs; refused: engines started here run on CPU"
+        None,
+        "Miles: GPUs for the engines started here (with --colocate: default the trainer's; "
+        "0: engines on the CPU); placement: launch/plan.py",
     )
     rollout_num_gpus_per_engine: int = flag(
-        1, "Miles: GPUs (SGLang tp) per engine; only 1: an engine started here is one process"
+        1, "Miles: GPUs per engine (SGLang's --tp-size; millstream's own engine takes 1)"
     )
     colocate: bool = flag(
         False,
         "Miles: the engines run on the trainer's GPU and take turns with it (one GPU: "
-        "the engine's memory is released while the trainer steps; docs/colocation.md)",
+        "the engine's memory is released while the trainer steps; docs/gpus.md)",
     )
     offload: bool = flag(False, "Miles: both --offload-train and --offload-rollout")
     offload_train: bool | None = flag(
@@ -38,6 +55,11 @@ class SglangConfig:
         None,
         "the share of a GPU for an engine's weights and static KV cache (its "
         "--mem-fraction-static; default 0.85 on a GPU of its own, 0.4 on the trainer's GPU)",
+    )
+    # Every other --sglang-X [value] on the command line, in order: SGLang server settings,
+    # handed to `sglang.launch_server` as --X [value] as Miles does (launch/engines.py).
+    sglang_server_args: list[str] = derived(
+        [], "the --sglang-* server flags given, for the SGLang servers started here"
     )
     sglang_server_concurrency: int = flag(
         512, "Miles: in-flight requests per engine; only 512: use --rollout-max-concurrency"
@@ -85,6 +107,13 @@ class SglangConfig:
             raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1) (got {fraction})")
         if self.rollout_num_engines <= 0:
             raise ConfigError(f"--rollout-num-engines must be > 0 (got {self.rollout_num_engines})")
+        if self.rollout_num_gpus is not None and self.rollout_num_gpus < 0:
+            raise ConfigError(f"--rollout-num-gpus must be >= 0 (got {self.rollout_num_gpus})")
+        if self.rollout_num_gpus_per_engine <= 0:
+            raise ConfigError(
+                "--rollout-num-gpus-per-engine must be > 0 "
+                f"(got {self.rollout_num_gpus_per_engine})"
+            )
         if self.update_weight_buffer_size <= 0:
             raise ConfigError(
                 f"--update-weight-buffer-size must be > 0 (got {self.update_weight_buffer_size})"

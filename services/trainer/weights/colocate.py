@@ -1,4 +1,4 @@
-"""--colocate: the trainer and the engines take turns on one GPU (docs/colocation.md).
+"""--colocate: the trainer and the engines take turns on one GPU (docs/gpus.md).
 
 One iteration, in Miles' order (--offload-rollout: the engines' turns; --offload-train: the
 trainer's):

@@ -7,7 +7,8 @@
                 below, a shared handle (tensor) or files (disk); the routes run side by side
     3. group    when there is none or membership changed: destroy the old one (rank 0 and, best
                 effort, the engines), then every engine /init_weights_update_group {master
-                address, a fresh port, rank_offset 1+i, world_size 1+n} while rank 0 joins;
+                address, a fresh port, rank_offset (1 + the ranks of the engines before it:
+                one per GPU, SGLang's tp_size x dp_size), world_size 1 + all ranks} while rank 0 joins;
                 for each bucket of <= --update-weight-buffer-size bytes: every engine
                 /update_weights_from_distributed {names, dtypes, shapes, group_name,
                 load_format} concurrently with rank 0's broadcast of the bucket: one
@@ -135,6 +136,22 @@ def _in_daemon_thread(fn: Callable[[], None]) -> asyncio.Future[None]:
 
     threading.Thread(target=run, name="weight-sync-rendezvous", daemon=True).start()
     return future
+
+
+def group_layout(ranks: Sequence[int]) -> tuple[list[int], int]:
+    """(each engine's rank_offset, the group's world size) for engines taking `ranks` ranks
+    each, after the trainer's rank 0: [1, 1, 1] -> ([1, 2, 3], 4); [2, 2] -> ([1, 3], 5)."""
+    offsets = list(itertools.accumulate([1, *ranks[:-1]])) if ranks else []
+    return offsets, 1 + sum(ranks)
+
+
+def _engine_ranks(info: dict[str, Any]) -> int:
+    """The ranks an engine takes in an update group, from its /get_server_info: one per GPU,
+    SGLang's tp_size x dp_size (1 where it does not say)."""
+    try:
+        return max(1, int(info.get("tp_size") or 1)) * max(1, int(info.get("dp_size") or 1))
+    except (TypeError, ValueError):
+        return 1
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -296,6 +313,7 @@ class WeightSync:
         transport: str = AUTO,
         disk_dir: str | Path | None = None,
         shm_dir: str = tensor_share.SHM_DIR,
+        placements: Mapping[str, dict[str, Any]] | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s (--weight-sync-timeout) must be > 0 (got {timeout_s})")
@@ -324,6 +342,12 @@ class WeightSync:
         # its weights take (transport.py), and the engines whose tensor update could not open
         # a handle, which the group serves from then on. An engine removed is forgotten.
         self._placements: dict[str, dict[str, Any] | None] = {}
+        # Where engines that do not say so themselves live, from whoever started them (the
+        # launcher's GPU plan for the SGLang servers it started).
+        self._known = dict(placements or {})
+        # Ranks each engine takes in an update group: its GPUs (SGLang's tp_size x dp_size in
+        # its /get_server_info; each of its ranks joins at rank_offset + its own rank).
+        self._ranks: dict[str, int] = {}
         self._routes: dict[str, Route] = {}
         self._moved_to_group: set[str] = set()
         self._shm = tensor_share.ShmBuffer(shm_dir)  # the tensor route's file, kept between syncs
@@ -517,10 +541,12 @@ class WeightSync:
             resp = await asyncio.wait_for(calls.http.get(url + "/get_server_info"), probe_s)
             info = resp.json() if resp.status_code == 200 else {}
         except (TimeoutError, httpx.HTTPError, ValueError):
-            return None
+            return self._known.get(url)
+        if isinstance(info, dict):
+            self._ranks[url] = _engine_ranks(info)
         place = info.get("placement") if isinstance(info, dict) else None
         if not isinstance(place, dict):
-            return None
+            return self._known.get(url)
         return {**place, "weight_transports": list(info.get("weight_transports", []))}
 
     async def _push_all(
@@ -657,14 +683,17 @@ class WeightSync:
         # Old members that left between syncs are asked too: they may still hold the group.
         await self._drop_group(calls, [u for u in self._members if u not in report.removed])
         name = f"{self.group_name}_{self._instance}_{next(self._generation)}"
-        group = UpdateGroup(name, 1 + len(engines), backend, self.master_address, self.timeout_s)
+        # Engine i's ranks follow the ranks of those before it (an SGLang server with tp 2
+        # joins as rank_offset and rank_offset + 1), after the trainer's rank 0.
+        offsets, world = group_layout([self._ranks.get(u, 1) for u in engines])
+        group = UpdateGroup(name, world, backend, self.master_address, self.timeout_s)
         self._group, self._members = group, list(engines)
 
         def body(i: int, _url: str) -> dict[str, Any]:
             return {
                 "master_address": self.master_address,
                 "master_port": group.port,
-                "rank_offset": 1 + i,
+                "rank_offset": offsets[i],
                 "world_size": group.world_size,
                 "group_name": name,
                 "backend": backend,

@@ -17,10 +17,11 @@ The routes (`Route.transport`):
     disk     safetensors files in a directory both sides see (--update-weight-disk-dir) and
              `/update_weights_from_disk`: slow, and works wherever a file system is shared
 
-`auto` (the default) picks per engine: the trainer's GPU -> tensor (CUDA IPC); the same machine
-with either side on a CPU -> tensor (shared memory: bench_weight_sync.py measures it against
-gloo); anything else, or an engine that does not say where it lives (a real SGLang server) ->
-group. `nccl` (Miles' name for the group), `tensor` and `disk` force one, and a forced one that
+`auto` (the default) picks per engine: the trainer's GPU -> tensor (CUDA IPC), or disk for an
+engine there that takes no shared tensors (an SGLang server `millstream train` started on the
+trainer's GPU: the launcher knows where it put it); the same machine with either side on a
+CPU -> tensor (shared memory: bench_weight_sync.py measures it against gloo); anything else,
+or an engine that does not say where it lives (a real SGLang server elsewhere) -> group. `nccl` (Miles' name for the group), `tensor` and `disk` force one, and a forced one that
 cannot work for an engine is refused with the reason (`TransportError`) instead of a hang.
 An engine whose tensor update fails to open the handle (a container with a private /dev/shm)
 is moved to the group for the rest of the run: a sync never dies on a topology it can handle.
@@ -106,6 +107,8 @@ def choose(setting: str, trainer: Mapping[str, Any], engine: Mapping[str, Any] |
         return Route(GROUP, "the engine does not say where it lives")
     if same_gpu and takes_tensors:
         return Route(TENSOR, "on the trainer's GPU", CUDA_IPC)
+    if same_gpu:  # an SGLang server the launcher put there: no handle it takes, no NCCL
+        return Route(DISK, "on the trainer's GPU, taking no shared tensors (NCCL cannot)")
     if same_host and takes_tensors and (_on_cpu(trainer) or _on_cpu(engine)):
         return Route(TENSOR, "on this machine, on a CPU", SHM)
     return Route(GROUP, "on another GPU" if same_host else "on another machine")

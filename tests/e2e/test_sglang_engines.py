@@ -1,0 +1,60 @@
+"""`millstream train` with SGLang installed starts `python -m sglang.launch_server` per engine
+(launch/engines.py). Here SGLang is the stand-in package of tests/support/sglang_standin,
+whose launch_server runs millstream's engine with the arguments translated: the command line,
+the registration with the router, the health wait and every weight sync go through the code a
+real SGLang server gets. The trainer is told `--update-weight-transport nccl`, the route a
+real SGLang server gets (it does not say where it lives): gloo on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "arith" / "run.sh"
+STANDIN = REPO / "tests" / "support" / "sglang_standin"
+
+
+def test_the_arith_job_trains_on_engines_started_as_sglang_servers(tmp_path):
+    import subprocess
+
+    run_dir, record = tmp_path / "run", tmp_path / "sglang-argv.jsonl"
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]),
+        "SGLANG_STANDIN_RECORD": str(record),
+        "MILLSTREAM": str(Path(sys.executable).with_name("millstream")),
+        "RUN_DIR": str(run_dir),
+        "NUM_ROLLOUT": "3",
+        "MODE": "train",
+        "COLOCATE": "0",
+    }
+    flags = ["--eval-interval", "3", "--update-weight-transport", "nccl",
+             "--sglang-context-length", "256", "--sglang-random-seed", "5"]  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *flags], env=env, capture_output=True, text=True, timeout=280
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+
+    (argv,) = [json.loads(line) for line in record.read_text().splitlines()]  # one engine
+    assert argv[:2] == ["--model-path", str((REPO / "examples" / "arith" / "model").resolve())]
+    pairs = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert pairs["--tp-size"] == "1" and pairs["--weight-version"] == "0"
+    assert argv[argv.index("--device") + 1] == "cpu"  # the plan gave it no GPU
+    assert argv[-4:] == ["--context-length", "256", "--random-seed", "5"]  # handed on, in order
+    assert "GPU plan: no GPU here; trainer: CPU; engine-0: CPU" in out
+    assert "weight transport to http://127.0.0.1:" in out and ": group (" in out
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["grad_norm"] > 0 for r in rows)
+    # The router routes only to engines at the trainer's version: the eval after the third
+    # sync ran on the SGLang-started engine holding version 3.
+    assert "[trainer] eval at iter 3 (version 3):" in out
