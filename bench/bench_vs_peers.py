@@ -443,7 +443,9 @@ def read_written(path: Path) -> list[dict]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return read_written(run_dir / "metrics.jsonl")
+    """Its iteration rows; a resumed trainer's `resumed_from` row (trainer/observe/history.py)
+    is none (the runs here start fresh: no row is ever discarded)."""
+    return [row for row in read_written(run_dir / "metrics.jsonl") if "step" in row]
 
 
 def run_dir_of(spec: Spec) -> Path:

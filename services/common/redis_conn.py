@@ -1,10 +1,22 @@
-"""Connect to Redis once, with a clear error naming the URL (never the password).
+"""Connect to Redis once, with a clear error naming the URL (never the password), and ride
+out Redis outages.
 
-The client rides out a Redis restart: a command that meets a dropped connection is sent
-again on a new one, with exponential backoff, for about `RECONNECT_BUDGET_S` seconds
-(`RECONNECT`), before its error reaches the caller. Commands may therefore run twice when
-a reply was lost; every write millstream makes is safe to repeat (XADD duplicates are
-dropped by group id downstream, hand-offs are guarded scripts, XACK is idempotent).
+Outages: every command of the client `connect` returns (a `Client`) that meets a dropped
+connection, a timeout or a Redis still loading its AOF (`OUTAGE_ERRORS`) is sent again, with
+backoff from 0.1 s doubling to 2 s, until Redis answers or the outage has lasted
+`--redis-outage-timeout` (`Outages`, one per client, so one per process: every caller waits
+on the same outage). The outage is said on the console once when it starts and once when it
+ends ("[rollout-0] Redis at redis://...: reconnected after 14.8 s"); past the timeout the
+last error reaches the caller, as without retries. Pipelines are not commands of the client:
+`streams.py` sends each through `outages_of(client).call` whole. redis-py's own retry is kept
+to one more try at once on a fresh connection: a pooled connection that a restart (already
+over) left dead is replaced without a console line.
+
+A command may run twice when its reply was lost; every write millstream makes is safe to
+repeat (XADD duplicates are dropped by group id downstream, hand-offs are guarded scripts,
+XACK is idempotent). A read whose reply was lost leaves its entries pending under the
+consumer; `Consumer` takes those back after every reconnect (`Outages.reconnects`).
+
 The first PING is not retried unless the caller asks to wait (`wait_s`: a stream worker,
 which may start during a Redis restart and has nothing to do without it): a wrong URL given
 to the trainer fails at once; a wrong password always does.
@@ -16,11 +28,13 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -29,19 +43,130 @@ from .errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 WORKER_WAIT_S = 60.0
 """How long a stream worker starting up waits for Redis to be reachable (a restart of Redis
 while a worker is replaced, as in the chaos tests, must not kill the new worker)."""
 
-RECONNECT_RETRIES = 4
-RECONNECT_BUDGET_S = 9.0
-"""redis-py retries a command, and inside each try its reconnect, with the same policy: 5
-tries of the command, each with up to 5 connects 0.1, 0.2, 0.4, 0.8 s apart, about 9 s in
-all before a command fails: a restart of a few seconds goes unnoticed."""
+OUTAGE_TIMEOUT_S = 120.0
+"""--redis-outage-timeout's default."""
+
+OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+"""What an outage looks like to a caller (BusyLoadingError, Redis loading its AOF, is a
+ConnectionError)."""
 
 
-def _reconnect() -> Retry:
-    return Retry(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_RETRIES)
+class Outages:
+    """Runs Redis calls through outages of up to `timeout_s`; see the module docstring.
+
+    An outage starts at the first failed call (at the start of that call for a timeout: a
+    stopped Redis is only noticed after the socket timeout) and ends at the first call that
+    succeeds having started after it began. `reconnects` counts the outages ended.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = OUTAGE_TIMEOUT_S,
+        who: str = "millstream",
+        *,
+        first_delay_s: float = 0.1,
+        max_delay_s: float = 2.0,
+        say: Callable[[str], None] | None = None,
+    ):
+        self.url = redact(url)
+        self.timeout_s = timeout_s
+        self.who = who
+        self.first_delay_s = first_delay_s
+        self.max_delay_s = max_delay_s
+        self.say = say or _print
+        self.reconnects = 0
+        self._since: float | None = None  # the outage's start (monotonic), while one lasts
+        self._noticed = 0.0  # when it was noticed: only calls started later can end it
+        self._gave_up = False
+
+    def configure(self, *, who: str, timeout_s: float) -> None:
+        """Name the process in the console lines and set --redis-outage-timeout (a worker
+        learns it from the run config, read through this client)."""
+        self.who = who
+        self.timeout_s = timeout_s
+
+    async def call(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`await attempt()`, again after each outage error until the outage has lasted
+        `timeout_s`; then that error is raised. `attempt` makes a new call each time."""
+        delay = self.first_delay_s
+        while True:
+            started = time.monotonic()
+            try:
+                result = await attempt()
+            except OUTAGE_ERRORS as err:
+                left = self._lost(err, started)
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(delay, left))
+                delay = min(2 * delay, self.max_delay_s)
+                continue
+            if self._since is not None and started >= self._noticed:
+                self._back()
+            return result
+
+    def _lost(self, err: BaseException, started: float) -> float:
+        """Note a failed call; the seconds the outage may still last."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = started if isinstance(err, (RedisTimeoutError, TimeoutError)) else now
+            self._noticed = now
+            reason = str(err).rstrip(".") or type(err).__name__
+            self.say(
+                f"[{self.who}] Redis at {self.url}: connection lost ({reason}); retrying for "
+                f"up to {self.timeout_s:g} s"
+            )
+        left = self._since + self.timeout_s - now
+        if left <= 0 and not self._gave_up:
+            self._gave_up = True
+            self.say(
+                f"[{self.who}] Redis at {self.url}: still unreachable after {now - self._since:.1f}"
+                f" s (--redis-outage-timeout {self.timeout_s:g}); giving up"
+            )
+        return left
+
+    def _back(self) -> None:
+        assert self._since is not None
+        lasted = time.monotonic() - self._since
+        self._since = None
+        self._gave_up = False
+        self.reconnects += 1
+        self.say(f"[{self.who}] Redis at {self.url}: reconnected after {lasted:.1f} s")
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+class Client(aioredis.Redis):
+    """The client `connect` returns: redis-py's, each command riding out outages (`outages`)."""
+
+    outages: Outages
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        send = super().execute_command
+        return await self.outages.call(lambda: send(*args, **options))
+
+
+def outages_of(redis: aioredis.Redis) -> Outages:
+    """The outage policy of a `Client`; for another client (tests make plain ones) a new one
+    with the default timeout, so pipelines sent through it still ride out outages."""
+    if isinstance(redis, Client):
+        return redis.outages
+    kw = redis.connection_pool.connection_kwargs
+    return Outages(f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}")
+
+
+def _one_fresh_try() -> Retry:
+    """redis-py's own retry: one more try at once, on a new connection, for a connection
+    that died while pooled (a restart Redis is back from); all else is `Outages`' job."""
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
 def redact(url: str) -> str:
@@ -70,17 +195,20 @@ async def connect(
     timeout_s: float = 5.0,
     max_connections: int = 64,
     wait_s: float = 0.0,
-) -> aioredis.Redis:
+    outage_timeout_s: float = OUTAGE_TIMEOUT_S,
+    who: str = "millstream",
+) -> Client:
     """An async client that has answered PING; ServiceUnavailable otherwise. `wait_s`: keep
     trying that long while Redis cannot be reached (refused, timed out, still loading its
-    AOF after a restart)."""
+    AOF after a restart). Later outages: `outage_timeout_s`, console lines named `who`
+    (`Outages`; a worker sets both from the run config with `outages.configure`)."""
     password = password_for(url, password)
 
-    def client(**retries: object) -> aioredis.Redis:
+    def pool(**retries: object) -> aioredis.BlockingConnectionPool:
         # A blocking pool: a burst of concurrent jobs waits for a free connection instead of
         # failing with "Too many connections" (a worker runs up to --rollout-max-concurrency
         # jobs, each of which talks to Redis).
-        pool = aioredis.BlockingConnectionPool.from_url(
+        return aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=timeout_s * 6,
@@ -89,10 +217,9 @@ async def connect(
             health_check_interval=30,
             **retries,
         )
-        return aioredis.Redis.from_pool(pool)  # the client owns (and closes) the pool
 
     try:
-        probe = client(retry=Retry(ExponentialBackoff(), 0))
+        probe = aioredis.Redis.from_pool(pool(retry=Retry(ExponentialBackoff(), 0)))
     except ValueError as err:
         raise ServiceUnavailable(f"bad Redis URL {redact(url)!r}: {err}") from None
     start = said = time.monotonic()
@@ -122,6 +249,6 @@ async def connect(
                 await asyncio.sleep(0.5)
     finally:
         await probe.aclose()
-    return client(
-        retry=_reconnect(), retry_on_error=[RedisConnectionError, RedisTimeoutError, OSError]
-    )
+    redis = Client.from_pool(pool(retry=_one_fresh_try()))  # it owns (and closes) the pool
+    redis.outages = Outages(url, outage_timeout_s, who)
+    return redis

@@ -14,6 +14,12 @@ Invariants it keeps:
   before its output exists. Hand-offs a worker's jobs make in the same event-loop turn go to
   Redis in one pipeline (`TurnBatch`, acks too): one round trip for a burst of finished groups
   (an eval's 200 of them), each script still atomic on its own.
+* Nothing is lost to an outage: a Redis call that meets one is sent again until Redis is
+  back or `--redis-outage-timeout` has passed (`redis_conn.Outages`: single commands by the
+  client, pipelines here). A read whose reply was lost with the connection left its entries
+  pending under this consumer, where no one else looks before `claim_idle_ms`: after every
+  reconnect (and at start) a consumer first takes back its own pending entries that no live
+  job of its worker holds (`_TAKE_BACK_OWN`), so none waits and none runs twice at once.
 * Nothing is lost to dead-lettering: an entry delivered more than `max_deliveries` times, or
   one that cannot be decoded, is copied to `{run}:dead` with the reason in the same script
   that acks it.
@@ -27,7 +33,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,6 +45,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from .config import RunConfig
 from .errors import MillstreamError
 from .keys import RunKeys
+from .redis_conn import Outages, outages_of
 
 SCHEMA_VERSION = 1
 """Version of the entry envelope and its protobuf payloads; consumers refuse other versions."""
@@ -67,6 +74,32 @@ end
 if #args == 5 then return 0 end
 args[#args + 1] = 'JUSTID'
 return #redis.call(unpack(args))
+"""
+
+# KEYS: stream. ARGV: group, consumer, cursor, count, then the ids this consumer's live jobs
+# hold. Looks at this consumer's own pending entries after `cursor` and takes back (XCLAIM to
+# itself: the fields, and one more delivery) up to `count` that no live job holds, those whose
+# delivery reply was lost with a connection. XPENDING counts no delivery, so a live job's
+# entry is left alone. Returns {cursor, entries, {id, deliveries, ...}}; the cursor is false
+# once the walk has seen the whole list. Atomic: another consumer cannot take one meanwhile.
+_TAKE_BACK_OWN = """
+local held = {}
+for i = 5, #ARGV do held[ARGV[i]] = true end
+local count = tonumber(ARGV[4])
+local page = count + #ARGV - 4
+local rows = redis.call('XPENDING', KEYS[1], ARGV[1], '(' .. ARGV[3], '+', page, ARGV[2])
+local ids, deliveries, cursor = {}, {}, false
+for i, row in ipairs(rows) do
+  if #ids == count then cursor = rows[i - 1][1]; break end
+  if not held[row[1]] then
+    ids[#ids + 1] = row[1]
+    deliveries[#deliveries + 1] = row[1]
+    deliveries[#deliveries + 1] = row[4] + 1
+  end
+end
+if not cursor and #rows == page then cursor = rows[#rows][1] end
+if #ids == 0 then return {cursor, {}, {}} end
+return {cursor, redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids)), deliveries}
 """
 
 # KEYS: stream. ARGV: '~' (approximate) or '=' (exact). Returns {min id kept, entries removed},
@@ -187,7 +220,9 @@ async def publish_many(
     messages: Iterable[Message],
     trace_fields: Mapping[str, str] | list[Mapping[str, str]] | None = None,
 ) -> list[str]:
-    """XADD many messages in one round trip and one MULTI/EXEC; returns their ids.
+    """XADD many messages in one round trip and one MULTI/EXEC; returns their ids. Sent
+    again whole while Redis is away (a repeat after a lost reply adds them twice: group
+    ids dedupe downstream).
 
     `trace_fields` is one context for all, or a list with one per message (one trace each).
     In a transaction, a consumer blocked on the stream wakes once, with all of them: without
@@ -198,10 +233,14 @@ async def publish_many(
     per_message = trace_fields if isinstance(trace_fields, list) else [trace_fields] * len(messages)
     if len(per_message) != len(messages):
         raise ValueError(f"{len(messages)} messages but {len(per_message)} trace contexts")
-    async with redis.pipeline(transaction=True) as pipe:
-        for message, trace in zip(messages, per_message, strict=True):
-            pipe.xadd(stream, entry_fields(message, trace))
-        return [_str(entry_id) for entry_id in await pipe.execute()]
+
+    async def send() -> list:
+        async with redis.pipeline(transaction=True) as pipe:
+            for message, trace in zip(messages, per_message, strict=True):
+                pipe.xadd(stream, entry_fields(message, trace))
+            return await pipe.execute()
+
+    return [_str(entry_id) for entry_id in await outages_of(redis).call(send)]
 
 
 def check_envelope(entry: StreamEntry) -> None:
@@ -227,6 +266,11 @@ def decode(entry: StreamEntry, message_type: type[M]) -> M:
             f"data of entry {entry.id} on {entry.stream} is not a valid "
             f"{message_type.DESCRIPTOR.full_name}: {err}"
         ) from err
+
+
+def _pairs(flat: list) -> dict:
+    """A script's field list [k1, v1, k2, v2, ...] as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _to_entry(stream: str, entry_id: bytes | str, fields: dict, deliveries: int) -> StreamEntry:
@@ -277,11 +321,14 @@ class TurnBatch:
     call stays what it was on its own (a script is atomic; nothing about the exactly-once
     guard changes). Redis that forgot a script (a restart, SCRIPT FLUSH) answers NOSCRIPT:
     the script is loaded and those calls run again, which is safe because a NOSCRIPT call
-    did nothing.
+    did nothing. A pipeline that meets an outage is sent again whole (`outages`): XACK and
+    the guarded scripts are safe to repeat (a hand-off repeated after a lost reply answers
+    None, as when another consumer had handed the entry off: it was, once).
     """
 
-    def __init__(self, redis: aioredis.Redis):
+    def __init__(self, redis: aioredis.Redis, outages: Outages):
         self.redis = redis
+        self.outages = outages
         self.batches = 0  # pipelines sent (tests)
         self._queued: list[tuple[tuple, AsyncScript | None, asyncio.Future]] = []
 
@@ -336,10 +383,13 @@ class TurnBatch:
                 future.set_result(result)
 
     async def _execute(self, calls: list[tuple]) -> list:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for args in calls:
-                pipe.execute_command(*args)
-            return list(await pipe.execute(raise_on_error=False))
+        async def send() -> list:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for args in calls:
+                    pipe.execute_command(*args)
+                return list(await pipe.execute(raise_on_error=False))
+
+        return await self.outages.call(send)
 
 
 class Consumer:
@@ -376,11 +426,17 @@ class Consumer:
         self.dead_stream = dead_stream
         self.block_ms = block_ms
         self.dead_lettered = 0
+        self.outages = outages_of(redis)
         self._claim_cursor = "0-0"
         self._next_claim = 0.0  # monotonic time of the next XAUTOCLAIM (see `read`)
-        self._batch = TurnBatch(redis)
+        # Where the walk of our own pending list is (None: not walking); from the start, so
+        # a consumer restarted under its name runs what it held at once.
+        self._own_cursor: str | None = "0-0"
+        self._reconnects_seen = self.outages.reconnects
+        self._batch = TurnBatch(redis, self.outages)
         self._ack_and_add = redis.register_script(_ACK_AND_ADD)
         self._renew = redis.register_script(_RENEW)
+        self._take_back_own = redis.register_script(_TAKE_BACK_OWN)
 
     @classmethod
     def for_run(
@@ -408,27 +464,44 @@ class Consumer:
             if "BUSYGROUP" not in str(err):
                 raise
 
-    async def read(self, count: int) -> list[StreamEntry]:
-        """Up to `count` entries: first those taken over from idle consumers, then new ones.
+    async def read(self, count: int, held: Collection[str] = ()) -> list[StreamEntry]:
+        """Up to `count` entries: first our own pending ones that no live job holds (`held`:
+        the ids our worker is running) after a reconnect, then those taken over from idle
+        consumers, then new ones.
 
-        Taken-over entries delivered more than `max_deliveries` times are dead-lettered here
-        and not returned. Blocks up to `block_ms` only when nothing was taken over.
+        Taken-back entries delivered more than `max_deliveries` times are dead-lettered here
+        and not returned. Blocks up to `block_ms` only when nothing was taken back.
         """
         if count <= 0:
             return []
-        entries = []
+        if self.outages.reconnects != self._reconnects_seen:
+            self._reconnects_seen = self.outages.reconnects
+            self._own_cursor = "0-0"
+        taken = await self._own(count, held) if self._own_cursor is not None else []
         # An entry becomes idle enough to take over claim_idle_ms after its last delivery, so
         # looking ten times per claim_idle_ms is enough (and one round trip less per read),
         # except while the cursor is still walking the pending list.
-        if time.monotonic() >= self._next_claim:
-            claimed = await self._claim(count)
+        if len(taken) < count and time.monotonic() >= self._next_claim:
+            claimed = await self._claim(count - len(taken))
             if self._claim_cursor == "0-0" and not claimed:
                 self._next_claim = time.monotonic() + self.claim_idle_ms / 10_000
-            entries = [e for e in claimed if not await self._over_delivered(e)]
+            taken += claimed
+        entries = [e for e in taken if not await self._over_delivered(e)]
         if len(entries) < count:
             block = None if entries or self.block_ms <= 0 else self.block_ms
             entries += await self._read_new(count - len(entries), block)
         return entries
+
+    async def _own(self, count: int, held: Collection[str]) -> list[StreamEntry]:
+        args = [self.group, self.name, self._own_cursor, count, *held]
+        cursor, claimed, deliveries = await self._take_back_own(keys=[self.stream], args=args)
+        self._own_cursor = None if cursor is None else _str(cursor)
+        times = dict(zip(deliveries[::2], deliveries[1::2], strict=True))
+        return [
+            _to_entry(self.stream, entry_id, _pairs(flat), int(times[entry_id]))
+            for entry_id, flat in claimed
+            if flat  # None: deleted from the stream while pending (Redis 6.2)
+        ]
 
     async def _claim(self, count: int) -> list[StreamEntry]:
         next_cursor, claimed, *_deleted = await self.redis.xautoclaim(
@@ -446,10 +519,14 @@ class Consumer:
         claimed = [(entry_id, fields) for entry_id, fields in claimed if fields is not None]
         if not claimed:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for entry_id, _ in claimed:
-                pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1)
-            pending = await pipe.execute()
+
+        async def deliveries() -> list:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for entry_id, _ in claimed:
+                    pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1)
+                return await pipe.execute()
+
+        pending = await self.outages.call(deliveries)
         # An entry acked by its previous owner between the claim and XPENDING has no row: skip.
         return [
             _to_entry(self.stream, entry_id, fields, int(rows[0]["times_delivered"]))

@@ -25,6 +25,12 @@ Leases: XAUTOCLAIM cannot tell a dead consumer from a slow one, so the ticker re
 time of this worker's in-flight entries every claim_idle_ms/3 (`Consumer.renew`); a live job
 longer than `--claim-idle-ms` is not taken over, and its delivery count does not climb.
 
+Redis outages: every Redis call here rides out an outage of up to --redis-outage-timeout
+(`redis_conn.Outages`): the reader, the ticker and each job's hand-off wait for Redis to come
+back, and in-flight jobs run on meanwhile and hand off after it; the first read after a
+reconnect takes back this consumer's pending entries that no job holds (`Consumer.read`).
+Past the timeout the worker drains and `run()` raises `RedisGone`.
+
 Invariant: an entry is acked only by its handler's hand-off (or by the worker after a clean
 return in auto-ack mode) or by dead-lettering; a crash, a cancel or a timeout leaves it pending
 for another consumer.
@@ -57,7 +63,7 @@ REDIS_LOST = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class RedisGone(ServiceUnavailable):
-    """Redis stayed unreachable longer than the client's reconnect budget."""
+    """Redis stayed unreachable longer than --redis-outage-timeout."""
 
 
 Handler = Callable[[StreamEntry], Awaitable[None]]
@@ -142,7 +148,7 @@ class StreamWorker:
                     for entry in entries:
                         await self._start(entry)
                     await self._reap()
-                except REDIS_LOST as err:  # the client's reconnect budget is spent
+                except REDIS_LOST as err:  # the outage outlasted --redis-outage-timeout
                     raise self._redis_gone(err) from None
         finally:
             await self._drain()
@@ -158,7 +164,8 @@ class StreamWorker:
 
         Entries Redis hands over just as the read is cancelled stay pending under this
         consumer and are taken over after claim_idle_ms, as after a crash: nothing is lost."""
-        read = asyncio.ensure_future(self.consumer.read(count=count))
+        held = list(self._in_flight_ids)
+        read = asyncio.ensure_future(self.consumer.read(count=count, held=held))
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -285,7 +292,7 @@ class StreamWorker:
             try:
                 await self._beat()
                 await self.consumer.renew(list(self._in_flight.values()))
-            except REDIS_LOST as err:  # the next read decides whether Redis is gone for good
+            except REDIS_LOST as err:  # past --redis-outage-timeout: the reader stops us
                 log.warning("%s: heartbeat failed, Redis unreachable: %s", self.name, err)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ticks_done.wait(), self._tick_s)
@@ -306,11 +313,11 @@ class StreamWorker:
         await client.set(key, json.dumps(state), ex=ttl_s)
 
     def _redis_gone(self, err: BaseException) -> RedisGone:
-        url = self.consumer.redis.connection_pool.connection_kwargs
-        where = f"{url.get('host', '?')}:{url.get('port', '?')}"
+        outages, reason = self.consumer.outages, str(err).rstrip(".")
         return RedisGone(
-            f"{self.name}: Redis at {where} is unreachable ({err}), also after "
-            "reconnecting; stopping. Its entries stay pending for other consumers."
+            f"{self.name}: Redis at {outages.url} is unreachable ({reason}), also after "
+            f"reconnecting for {outages.timeout_s:g} s (--redis-outage-timeout); stopping. "
+            "Its entries stay pending for other consumers."
         )
 
     async def _say_goodbye(self) -> None:

@@ -7,6 +7,11 @@ an admin token is set (JoinEngine carries the same token in its gRPC metadata).
 Registration retries with backoff (a router started alongside may not listen yet) and
 raises ServiceUnavailable with the router's last answer if it never succeeds; withdrawal is
 tried a few times and only logged, since the engine is exiting.
+
+A router that restarts forgets the engines it had. The engine does not announce itself
+again: the trainer adds back the engines it synced, gated on the current version first
+(trainer/weights/sync.py `readmit`, docs/weight-sync.md says why); a router used without a
+trainer gets its engines back from --worker-urls.
 """
 
 from __future__ import annotations

@@ -42,19 +42,28 @@ from millstream.common.types import Sample
 
 from .math_utils import last_boxed
 from .remote_rm import RemoteRM
-from .rm_hub import INSTANT_RULES, REMOTE, sample_rule_reward, split_rm_type, to_reward
+from .rm_hub import (
+    INSTANT_RULES,
+    REMOTE,
+    check_tokenizer,
+    sample_rule_reward,
+    split_rm_type,
+    to_reward,
+)
 
 T = TypeVar("T")
 
 
 def check_reward_config(cfg: RunConfig) -> None:
-    """Fail at start-up, not on the first sample, on a reward config that cannot work.
-    Loads no user code (a Celery-backed reward worker need not import it)."""
+    """Fail at start-up, not on the first sample, on a reward config that cannot work: the
+    flags, and the tokenizer an `exact` --rm-type reads (rm_hub.check_tokenizer). Loads no
+    user code (a Celery-backed reward worker need not import it)."""
     r = cfg.reward
     if r.group_rm and not r.custom_rm_path:
         raise MillstreamError("--group-rm scores with your function: set --custom-rm-path too")
     if r.rm_type:
         split_rm_type(r.rm_type)
+    check_tokenizer(cfg)
 
 
 class ThreadRunner:

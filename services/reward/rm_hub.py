@@ -27,6 +27,9 @@ skipping special tokens (a BOS or pad inside the answer makes it wrong even when
 `--rollout-skip-special-tokens` hides it from the text), less the stop token that ended it. A
 response cut by the length limit (no EOS: "82" then padding) or aborted scores 0; one whose EOS
 is exactly the last token allowed (finish_reason "length", as SGLang reports it) is finished.
+The tokens are decoded with --hf-checkpoint's tokenizer, which must load: a worker whose
+--rm-type is `exact` fails at start when it cannot (check_tokenizer), never scoring the text
+instead; without --hf-checkpoint the text is scored.
 Like Miles, the other built-ins score a truncated response by its text (Miles' rm_hub never
 looks at Sample.status; the text is what SGLang returned, with no_stop_trim and
 `--rollout-skip-special-tokens` as set).
@@ -46,6 +49,7 @@ import json
 import logging
 import math
 import numbers
+import os
 import re
 import string
 from collections import Counter
@@ -197,17 +201,28 @@ def sample_rule_reward(rm_type: str, sample: Any, cfg: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(path: str) -> tuple[Any, frozenset[int], frozenset[int]] | None:
+def load_tokenizer(path: str) -> tuple[Any, frozenset[int], frozenset[int]]:
     """(tokenizer, the ids generation stops on: its EOS and generation_config.json's, its
-    special ids), read from tokenizer.json with the `tokenizers` library: transformers'
-    AutoTokenizer would import torch into every reward worker (+220 MB each, measured)."""
+    special ids) of the model dir `path` (the run's --hf-checkpoint), read from tokenizer.json
+    with the `tokenizers` library: transformers' AutoTokenizer would import torch into every
+    reward worker (+220 MB each, measured). MillstreamError naming the path when it cannot
+    be loaded: `exact` never falls back to the response text, which would change the reward."""
     try:
         from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(f"{path}/tokenizer.json")
-    except Exception as err:  # no tokenizers package, or not a model dir (a test's fake one)
-        log.warning("exact reward: no tokenizer at %s (%s): scoring response_text", path, err)
-        return None
+    except ImportError as err:
+        raise MillstreamError(
+            f"the exact reward decodes responses with --hf-checkpoint {path}'s tokenizer, and "
+            f"the tokenizers package is not installed here ({err})"
+        ) from None
+    file = os.path.join(path, "tokenizer.json")
+    try:
+        tok = Tokenizer.from_file(file)
+    except Exception as err:
+        why = "no such file" if not os.path.exists(file) else f"{type(err).__name__}: {err}"
+        raise MillstreamError(
+            f"the exact reward cannot load the tokenizer of --hf-checkpoint {path} ({file}: "
+            f"{why}): is the model dir there, at this path, on this machine?"
+        ) from None
     special = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
     eos: set[int] = set()
     eos_token = _json_file(f"{path}/tokenizer_config.json").get("eos_token")
@@ -218,6 +233,16 @@ def _tokenizer(path: str) -> tuple[Any, frozenset[int], frozenset[int]] | None:
     gen = _json_file(f"{path}/generation_config.json").get("eos_token_id")
     eos.update(gen if isinstance(gen, list) else [gen] if isinstance(gen, int) else [])
     return tok, frozenset(eos), special
+
+
+def check_tokenizer(cfg: Any) -> None:
+    """At a reward worker's start: when the run's --rm-type is `exact` (plain or boxed_) and
+    the run config names --hf-checkpoint, its tokenizer loads here, or the worker fails now,
+    naming the path. A sample whose metadata asks for `exact` in a run of another --rm-type
+    loads it on first use, and a failure there fails that group with the same message."""
+    r, path = cfg.reward, cfg.ckpt.hf_checkpoint
+    if path and r.rm_type and not r.custom_rm_path and split_rm_type(r.rm_type)[1] == "exact":
+        load_tokenizer(str(path))
 
 
 def _json_file(path: str) -> dict[str, Any]:
@@ -238,15 +263,15 @@ def produced_text(sample: Any, cfg: Any) -> tuple[str, str | None]:
     A response whose last token is a stop token ended by it even when the engine says
     "length": like SGLang, the engine checks the length limit first, so an answer whose EOS is
     exactly the last token allowed is reported as "length" (Miles marks it TRUNCATED), yet the
-    model did finish it. Without a tokenizer (no --hf-checkpoint) or tokens: (response_text,
-    finish_reason)."""
+    model did finish it. Without --hf-checkpoint in the run config, or without tokens:
+    (response_text, finish_reason); a --hf-checkpoint whose tokenizer cannot be loaded raises
+    (load_tokenizer), so the sample's reward fails instead of scoring other text."""
     finish = sample.finish_reason or None
     path = cfg.ckpt.hf_checkpoint
     ids = list(sample.response_token_ids)
-    loaded = _tokenizer(str(path)) if path and ids else None
-    if loaded is None:
+    if not path or not ids:
         return sample.response_text, finish
-    tok, eos, special = loaded
+    tok, eos, special = load_tokenizer(str(path))
     stop_ids = eos | set(cfg.rollout.rollout_stop_token_ids or ())
     if finish == "stop" and (ids[-1] in stop_ids or ids[-1] in special):
         ids = ids[:-1]  # the token the engine stopped on

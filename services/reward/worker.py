@@ -1,7 +1,8 @@
 """The reward worker: `{run}:generated` -> score -> `{run}:scored`, one ScoredGroup per group.
 
 Owns nothing but the hand-off; the consume loop is the shared StreamWorker (group `reward`,
-takeover after `--claim-idle-ms`, dead letters after `--max-deliveries`, SIGTERM drains).
+takeover after `--claim-idle-ms`, dead letters after `--max-deliveries`, SIGTERM drains,
+Redis outages ridden out for `--redis-outage-timeout`).
 Each job: decode the SampleGroup (undecodable bytes are dead-lettered, never scored), score
 it (`GroupScorer`: kept / filtered / failed), and `publish_and_ack` the ScoredGroup, so the
 output appears exactly once per input entry even when a slow worker's entry was taken over.
@@ -83,6 +84,9 @@ class RewardWorker:
         self.scorer = scorer
         self.consumer = Consumer.for_run(
             redis, cfg, self.keys.generated, GROUP_REWARD, consumer_name
+        )
+        self.consumer.outages.configure(  # this process's Redis outages, as in rollout's
+            who=consumer_name, timeout_s=cfg.service.redis_outage_timeout
         )
         self.stream_worker = StreamWorker(
             self.consumer,

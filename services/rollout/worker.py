@@ -13,7 +13,8 @@ when the trainer stamped `admitted_unix`, `rollout_queue` (admission to the work
 Invariant: every PromptGroup entry yields exactly one SampleGroup on {run}:generated: the
 samples, or the group with `failure_reason` when the router could not generate (never a zero
 reward: the reward worker passes it through as failed). Other errors (a plugin's bug) leave
-the entry pending for redelivery and, past --max-deliveries, the dead stream.
+the entry pending for redelivery and, past --max-deliveries, the dead stream. A Redis outage
+shorter than --redis-outage-timeout only delays the hand-off (common/worker.py).
 
 Group slots: the StreamWorker runs up to `--rollout-max-concurrency` groups at once, as many
 as there are generation slots, so a group waiting on its long-tail sample (or parked for a
@@ -133,6 +134,10 @@ class RolloutWorker:
             )
         self.consumer = Consumer.for_run(
             redis, cfg, self.keys.prompts, GROUP_ROLLOUT, consumer_name
+        )
+        # This process's Redis outages: told under the worker's name, ridden out that long.
+        self.consumer.outages.configure(
+            who=consumer_name, timeout_s=cfg.service.redis_outage_timeout
         )
         self.stream_worker = StreamWorker(
             self.consumer,

@@ -7,16 +7,24 @@ Miles router compatible: `POST /add_worker` (url in `?url=` or a JSON body), `PO
 `GET /get_weight_version` (answered here, not proxied). Everything else goes to a worker.
 
 Invariants: mutating endpoints need `Authorization: Bearer <admin token>` when one is set
-(compared in constant time, common/auth.py); proxied traffic never does here: the caller's
-Authorization header goes on to the engine, which guards its own admin endpoints. No body
-over --max-request-bytes is read (413, common/http_limits.py). The router's own endpoints answer
-bad input with 4xx and a message naming the field, never 5xx.
+(compared in constant time, common/auth.py), and so do the engines' admin paths the proxy
+forwards (pause, weight updates, ...: proxy.py), whether or not the engine has a token; other
+proxied traffic never does. The caller's Authorization header goes on to the engine, which
+guards its own admin endpoints too. No body over --max-request-bytes is read (413,
+common/http_limits.py). The router's own endpoints answer bad input with 4xx and a message
+naming the field, never 5xx.
+
+Every answer of the router's own endpoints carries `X-Millstream-Router: <id>`, an id drawn
+at start: a client that sees it change knows the router restarted and forgot what it was
+told (its workers, the weight version), which the trainer then tells it again
+(trainer/weights/router_admin.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -44,6 +52,7 @@ PROXY_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 WORKER_FIELDS = {"url", "worker_url"}
 # sglang-router's worker spec fields we accept (and show in GET /workers) but do not act on.
 SGLANG_WORKER_FIELDS = {"url", "worker_type", "model_id", "priority", "cost", "labels"}
+ROUTER_ID_HEADER = "x-millstream-router"
 
 
 class ApiError(Exception):
@@ -63,6 +72,7 @@ class Router:
         resolve: Resolve = resolve_addresses,
     ):
         self.cfg = cfg
+        self.instance = secrets.token_hex(8)  # X-Millstream-Router: new at every start
         self.registry = Registry(cfg.health_failure_threshold, cfg.health_success_threshold)
         self.policy = make_policy(
             cfg.router_policy,
@@ -85,6 +95,7 @@ class Router:
             cfg.max_retries,
             tracer,
             version_wait_s=cfg.version_wait_timeout,
+            admin_token=cfg.admin_token,
         )
         for url in cfg.worker_urls:
             self.registry.add(url)
@@ -355,19 +366,31 @@ class ProxyFastPath:
 
     def __init__(self, app: Any, router: Router):
         self.app, self.router = app, router
+        self.stamp = (ROUTER_ID_HEADER.encode(), router.instance.encode())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if (
-            scope["type"] != "http"
-            or path in OWN_PATHS
-            or path.startswith(OWN_PREFIXES)
-            or scope["method"] not in PROXY_METHODS
-        ):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if path in OWN_PATHS or path.startswith(OWN_PREFIXES):
+            await self.app(scope, receive, self._stamped(send))
+            return
+        if scope["method"] not in PROXY_METHODS:
             await self.app(scope, receive, send)
             return
         response = await self.router.proxy.handle(Request(scope, receive))
         await response(scope, receive, send)
+
+    def _stamped(self, send: Any) -> Any:
+        """`send` with this router's id among the response headers (module docstring)."""
+
+        async def stamped(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.stamp]}
+            await send(message)
+
+        return stamped
 
 
 def _routes(app: FastAPI) -> None:

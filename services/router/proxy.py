@@ -18,6 +18,11 @@ not yet confirmed at the expected weight version: the version was set ahead of t
 or an engine rejoined and is being synced). Then the request waits for a worker to become
 eligible, up to `version_wait_s`, instead of making its caller back off and retry; the wait
 is the span's `millstream.router.wait_ms`.
+
+Admin paths: a request for an engine's admin endpoint (common/auth.py ENGINE_ADMIN_PATHS:
+pause, continue, abort, flush, the weight updates, memory release) needs the router's admin
+token when the router has one, whether or not the engine behind has its own: 401 here, and
+no worker sees it. The caller's Authorization header then goes on to the engine unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from millstream.common import telemetry
+from millstream.common.auth import is_engine_admin_path, refusal
 
 from .metrics import NO_WORKER, RouterMetrics
 from .policies import Policy, route_key
@@ -155,8 +161,10 @@ class Proxy:
         max_retries: int,
         tracer: trace.Tracer | None = None,
         version_wait_s: float = 0.0,
+        admin_token: str | None = None,
     ):
         self.registry = registry
+        self.admin_token = admin_token
         self.version_wait_s = version_wait_s
         self.policy = policy
         self.client = client
@@ -195,7 +203,21 @@ class Proxy:
         span.set_attribute("millstream.router.wait_ms", (time.monotonic() - start) * 1e3)
         return worker
 
+    def _refused(self, request: Request) -> Response | None:
+        """A 401 for an engine admin path without the router's token (module docstring)."""
+        if self.admin_token is None or not is_engine_admin_path(request.url.path):
+            return None
+        why = refusal(request.headers.get("authorization"), self.admin_token)
+        if why is None:
+            return None
+        log.warning("router: refused %s %s: %s", request.method, request.url.path, why)
+        response = error_response(401, why, "unauthorized")
+        response.headers["www-authenticate"] = "Bearer"
+        return response
+
     async def handle(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
         start = time.perf_counter()
         body = await request.body()
         raw_path = request.scope.get("raw_path") or request.url.path.encode()

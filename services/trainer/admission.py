@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
-from redis.exceptions import RedisError
 
 from millstream.common import streams, telemetry
 from millstream.common.types import PromptGroup
 
 from .data import PluginDataSource, PromptDataSource, PromptRow
-
-log = logging.getLogger(__name__)
 
 
 def group_id(epoch: int, data_index: int) -> str:
@@ -76,7 +72,6 @@ class Admission:
     in_flight: dict[str, tuple[int, int]] = field(
         default_factory=dict
     )  # group id -> (epoch, index)
-    publish_retry_s: float = 60.0
 
     def room(self, version: int) -> int:
         budget = (version + self.max_staleness + 1) * self.rollout_batch_size + self.slack
@@ -90,26 +85,13 @@ class Admission:
         rows = self.source.take(k)
         # Counted before the publish, which is shielded: when the run ends and the pump that
         # calls this is cancelled mid-XADD, the groups are still published and counted, and
-        # the trainer's drain sees them come back (admitted == terminal states, always).
+        # the trainer's drain sees them come back (admitted == terminal states, always). The
+        # publish rides out a Redis outage of up to --redis-outage-timeout (`publish_many`):
+        # the groups are counted and in flight already, so giving up on them sooner would
+        # lose them (a repeat that lands twice is one group downstream: the ids dedupe).
         self.counts.admitted += len(rows)
-        await asyncio.shield(self._publish_surely([(row, epoch) for row, epoch in rows], version))
+        await asyncio.shield(self._publish([(row, epoch) for row, epoch in rows], version))
         return len(rows)
-
-    async def _publish_surely(self, rows: list[tuple[PromptRow, int]], version: int) -> None:
-        """`_publish`, again while Redis is away (a restart longer than the client's own
-        reconnects), for up to `publish_retry_s`: the groups are counted and in flight
-        already, so giving up on them would lose them (a repeat that lands twice is one group
-        downstream: the ids dedupe). After that the error ends the run."""
-        deadline = time.monotonic() + self.publish_retry_s
-        while True:
-            try:
-                await self._publish(rows, version)
-                return
-            except (RedisError, OSError) as err:
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("admitting %d groups: %s; trying again in 1 s", len(rows), err)
-                await asyncio.sleep(1.0)
 
     async def readmit(self, version: int) -> int:
         """Publish again the groups in flight at the checkpoint (they count once: dedup by id)."""

@@ -7,6 +7,8 @@ and not yet terminal (`expected(gid)`, the admission's in-flight map, which is p
 checkpoint); any other arrival (at-least-once delivery, a group re-admitted after a resume,
 an id this run never admitted) is counted as a duplicate and ignored, also across a restart.
 Nothing here grows with the length of the run: per-group state lives from arrival to terminal.
+Both readers are StreamWorkers, so a Redis outage shorter than --redis-outage-timeout costs
+only time: what arrived stays here, and the acks go out once Redis is back.
 
 Dead letters are terminal too: an entry any consumer dead-lettered (bad bytes, a plugin that
 kept failing, too many deliveries) is decoded as far as it can be, and its group, when this

@@ -18,6 +18,7 @@ from millstream.common.config.rollout import is_default_source
 from millstream.common.errors import MillstreamError
 from millstream.common.keys import RunKeys
 from millstream.common.prom import start_metrics
+from millstream.common.redis_conn import outages_of
 from millstream.common.streams import default_consumer_name
 
 from . import preflight
@@ -203,6 +204,7 @@ async def build_trainer(
     """The trainer and what to close after it; `budget`: the local launcher's CPU split, when
     it started the engines here (lend_idle_cores); `prepared`: `prepare(cfg)`, made already."""
     keys = RunKeys(cfg.run_id)
+    outages_of(redis).configure(who="trainer", timeout_s=cfg.service.redis_outage_timeout)
     p = prepared or prepare(cfg)
     source, eval_sources, total, backend = p.source, p.eval_sources, p.total, p.backend
     resume_from, state = p.resume_from, p.state
@@ -246,7 +248,7 @@ async def build_trainer(
             load_format=None if cfg.sglang.weight_sync_format == "per_tensor" else "flattened_bucket",
             master_address=master_address(cfg), transport=cfg.sglang.update_weight_transport,
             disk_dir=cfg.sglang.update_weight_disk_dir or Path(cfg.run_dir) / "weight_updates",
-            placements=placements,
+            placements=placements, stall_timeout_s=cfg.service.stall_timeout,
         )  # fmt: skip
         closers.append(sync.close)
         metrics = TrainerMetrics()

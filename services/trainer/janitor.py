@@ -4,7 +4,9 @@ Every `interval_s` the trainer's janitor trims each stream of the run (prompts, 
 scored, dead) below the oldest entry any of its consumer groups still needs (`trim_safely`),
 and deletes the consumers that left: no pending entry, idle for `consumer_idle_ms`
 (`delete_idle_consumers`). Both are atomic Lua scripts, so a worker reading meanwhile loses
-nothing. A failed round (Redis restarting) is logged and tried again next round.
+nothing. Its calls ride out a Redis outage as every call of the trainer's client does
+(`redis_conn.Outages`); a round that failed anyway (past --redis-outage-timeout) is logged and
+tried again next round.
 """
 
 from __future__ import annotations

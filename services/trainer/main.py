@@ -4,7 +4,13 @@ Thin entry: parse flags and check them, the files and the packages they name (pr
 exit 2 on a bad one, before anything starts), start what is missing (a private Redis,
 engines, router and workers, unless --redis-url/--router-url say where they are),
 publish the resolved config, build the trainer's parts (resuming from --load when it holds a
-checkpoint), train, print the summary, and stop everything in `finally`.
+checkpoint), train, and stop everything in `finally`; then write RUN_DIR/summary.json, on
+every way out (observe/summary.py): finished, an error, a stall, a signal.
+
+SIGTERM and SIGINT stop the run cleanly: while the trainer's loop runs, the first one ends it
+between iterations (the iteration under way finishes, observe/watch.py Watch.request_stop) and,
+with --save, checkpoints that last iteration; before the loop, or at a second signal, the run
+is cancelled at once. Either way the services stop in order and the CLI exits 130.
 
 Under torchrun (WORLD_SIZE > 1) rank 0 does all of the above and ranks > 0 only train
 (distributed.DataParallel): they build the backend alone and follow rank 0 until it says
@@ -14,13 +20,12 @@ STOP, which rank 0 does in `finally` (on error, torchrun ends the other ranks).
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
-from pathlib import Path
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from millstream.common import debug, heap, threads
@@ -29,14 +34,13 @@ from millstream.common.config import store as config_store
 from millstream.common.redis_conn import connect, redact
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
-from .evaluate import format_accuracies
-
 if TYPE_CHECKING:  # the heavy modules load only when a run starts
     from redis.asyncio import Redis
 
     from millstream.launch.cluster import LocalCluster
 
     from .build import Prepared
+    from .observe.summary import RunEnd
     from .trainer import Trainer
 
 log = logging.getLogger("millstream.trainer")
@@ -109,46 +113,79 @@ def _apply_cpu_budget(cfg: RunConfig) -> None:
     print(f"[trainer] {n} compute thread(s)", flush=True)
 
 
+class _Stop:
+    """The first SIGTERM or SIGINT, and how the run under way is asked to end between
+    iterations (`graceful`, set by train_loop while its trainer runs: False when it cannot)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.graceful: Callable[[], bool] | None = None
+
+    def interrupt(self, signum: int, _frame: object = None) -> None:
+        """SIGTERM outside the event loop: as Ctrl-C (KeyboardInterrupt), its name kept."""
+        self.signal = self.signal or signal.Signals(signum).name
+        raise KeyboardInterrupt
+
+
 def _run_trainer(cfg: RunConfig) -> int:
+    from .observe.summary import RunEnd, ended_by
+
+    stop, end = _Stop(), RunEnd(cfg.run_dir, cfg.ckpt.save)
     # SIGTERM (docker stop, kill, a job scheduler) stops the run like Ctrl-C: the `finally`
     # blocks stop every local service in order, instead of each dying of its death signal.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, stop.interrupt)
     provider = setup_tracing("trainer", cfg.run_dir)
     try:
-        code = asyncio.run(_until_sigterm(train_with_cluster(cfg)))
+        code = asyncio.run(_until_signal(train_with_cluster(cfg, stop, end), stop))
+    except BaseException as err:
+        end.write(*ended_by(err, stop.signal))
+        raise
     finally:
         shutdown_tracing(provider)
+    end.write(*ended_by(None, stop.signal if code is None else None))
     if code is None:
-        raise KeyboardInterrupt  # stopped by SIGTERM: the CLI says "interrupted"
+        raise KeyboardInterrupt  # stopped by a signal: the CLI says "interrupted", exits 130
     return code
 
 
-async def _until_sigterm(run: Coroutine[Any, Any, int]) -> int | None:
-    """`run`, or None once SIGTERM cancelled it. While the loop runs, SIGTERM cancels the
-    run's task, so its `finally` blocks (the local services stopped in order) run before
-    anything else is cancelled. A KeyboardInterrupt raised by the signal itself lands in
-    whichever task runs at that moment: one landing in a background task while asyncio
-    cancelled the rest at exit skipped those blocks (tests/e2e/test_train.py, ~1 in 10)."""
+async def _until_signal(run: Coroutine[Any, Any, int], stop: _Stop) -> int | None:
+    """`run`, or None once SIGTERM or SIGINT ended it. The first signal asks the run to end
+    between iterations (`stop.graceful`); before the trainer's loop runs, or at a second
+    signal, the run's task is cancelled, so its `finally` blocks (the local services stopped
+    in order) run before anything else is cancelled. A KeyboardInterrupt raised by the signal
+    itself would land in whichever task runs at that moment: one landing in a background task
+    while asyncio cancelled the rest at exit skipped those blocks (tests/e2e/test_train.py,
+    ~1 in 10)."""
+    from .observe.watch import Stopped
+
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
-    stopped = False
 
-    def stop() -> None:
-        nonlocal stopped
-        stopped = True
+    def on_signal(sig: signal.Signals) -> None:
+        first = stop.signal is None
+        stop.signal = stop.signal or sig.name
+        if first and stop.graceful is not None and stop.graceful():
+            print(
+                f"[trainer] {sig.name}: stopping after the iteration under way (a checkpoint "
+                "first with --save); a second signal stops at once",
+                flush=True,
+            )
+            return
         task.cancel()
 
-    loop.add_signal_handler(signal.SIGTERM, stop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         return await run
-    except asyncio.CancelledError:
-        if stopped:
+    except (asyncio.CancelledError, Stopped):
+        if stop.signal is not None:
             return None
         raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGTERM, stop.interrupt)
 
 
 def _run_data_parallel(cfg: RunConfig) -> NoReturn:
@@ -200,7 +237,9 @@ def train_async(argv: Sequence[str]) -> int:
     return _run(argv, "async", "millstream train-async")
 
 
-async def train_with_cluster(cfg: RunConfig) -> int:
+async def train_with_cluster(
+    cfg: RunConfig, stop: _Stop | None = None, end: RunEnd | None = None
+) -> int:
     from millstream.launch.cluster import LocalCluster, run_all
 
     cluster = LocalCluster(cfg)
@@ -217,7 +256,7 @@ async def train_with_cluster(cfg: RunConfig) -> int:
                 await config_store.publish(redis, cfg)
                 config_store.write_file(cfg, cfg.run_dir)
                 await run_all([cluster.finish_start(), preparing])
-                return await train_loop(cfg, redis, cluster, preparing.result())
+                return await train_loop(cfg, redis, cluster, preparing.result(), stop, end)
             finally:
                 await redis.aclose()
         finally:
@@ -237,48 +276,66 @@ def _prepare(cfg: RunConfig) -> Prepared:
 
 
 async def train_loop(
-    cfg: RunConfig, redis: Redis, cluster: LocalCluster, prepared: Prepared | None = None
+    cfg: RunConfig,
+    redis: Redis,
+    cluster: LocalCluster,
+    prepared: Prepared | None = None,
+    stop: _Stop | None = None,
+    end: RunEnd | None = None,
 ) -> int:
     from .build import build_trainer, close_all
+    from .observe.watch import Stopped
 
     debug.dump_tasks_on_sigusr2()  # `kill -USR2`: where each coroutine waits
     trainer, closers = await build_trainer(
         cfg, redis, cluster.budget, prepared, placements=cluster.engine_placements()
     )
+    if end is not None:
+        end.watch(trainer)
+    if trainer.iteration:  # restored from --load (no checkpoint is of iteration 0)
+        trainer.p.logger.mark_resume(trainer.iteration)
     run = asyncio.create_task(trainer.run(), name="trainer")
     watch = asyncio.create_task(cluster.watch(), name="watchdog")
+    if stop is not None:
+        stop.graceful = functools.partial(_stop_between_iterations, trainer)
     try:
         done, _ = await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch in done and not run.done():
             watch.result()  # raises: which service died, with the tail of its log
-        run.result()
+        try:
+            run.result()
+        except Stopped:
+            _save_on_stop(cfg, trainer)
+            raise
     finally:
+        if stop is not None:
+            stop.graceful = None
         # Whatever ended first (the run, a service's death, SIGTERM or Ctrl-C cancelling
         # this task), the other stops before what they use is closed.
         for task in (run, watch):
             task.cancel()
         await asyncio.gather(run, watch, return_exceptions=True)
         await close_all(closers)
-    print_summary(trainer, Path(cfg.run_dir))
+        if end is not None:
+            end.take()
     return 0
 
 
-def print_summary(t: Trainer, run_dir: Path) -> None:
-    c = t.p.admission.counts
-    counts = {
-        k: getattr(c, k)
-        for k in ("admitted", "trained", "filtered", "failed", "dropped_stale", "dropped_at_end")
-    }
-    counts["in_flight_lost"] = len(t.p.admission.in_flight)
-    counts["duplicates_ignored"] = t.p.buffer.duplicates
-    counts["dead_letters"] = t.p.buffer.dead_letters
-    print(
-        "[trainer] terminal states: " + " ".join(f"{k}={v}" for k, v in counts.items())
-        + f" (admitted == trained + filtered + failed + dropped: {c.admitted == c.terminal})"
-    )  # fmt: skip
-    curve = [(it, round(secs, 1), acc) for it, secs, acc in t.eval_history]
-    for it, secs, acc in curve:
-        print(f"[trainer] eval curve: iter {it:>4} at {secs:>7.1f}s  {format_accuracies(acc)}")
-    print(f"[trainer] completions/s: {t.completions_per_s:.1f}")
-    summary = {"counts": counts, "eval_curve": curve, "completions_per_s": t.completions_per_s}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+def _stop_between_iterations(trainer: Trainer) -> bool:
+    """Ask the trainer's loop to end at its next batch wait (or the one under way); False
+    when it is not in its loop yet (starting: nothing half-way, cancelling is clean)."""
+    watch = trainer.p.watch
+    if watch is None or not watch.looping:
+        return False
+    watch.request_stop()
+    return True
+
+
+def _save_on_stop(cfg: RunConfig, trainer: Trainer) -> None:
+    """A stop between iterations with --save: the last finished iteration's checkpoint,
+    unless that iteration has one already."""
+    from .checkpoints import checkpoint
+
+    save = cfg.ckpt.save
+    if save and trainer.iteration and checkpoint.latest_iteration(save) != trainer.iteration:
+        trainer.save()

@@ -5,7 +5,9 @@ admitted group ends in exactly one terminal state (trained, filtered, failed, dr
 at the end `admitted == trained + filtered + failed + dropped`. Admission runs as a pump
 beside the loop, woken whenever a group ends or V moves; sync mode and async mode differ only
 in its budget (--max-staleness). Training runs in a thread so the buffer keeps reading and,
-in async mode, the rollout keeps going while the optimizer steps.
+in async mode, the rollout keeps going while the optimizer steps. Beside the loop, the
+engine keeper (weights/keeper.py) looks after the engines between syncs; with none left,
+admission pauses until one joins and is synced, up to --stall-timeout.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .checkpoints import checkpoint
 from .evaluate import Evaluator, accuracies, format_accuracies
 from .observe.metrics import MetricsLogger, format_row
 from .observe.watch import Watch
+from .weights.keeper import EngineKeeper
 
 T = TypeVar("T")
 
@@ -82,6 +85,15 @@ class Trainer:
         # (iteration, seconds since start, accuracy per eval set)
         self.eval_history: list[tuple[int, float, dict[str, float]]] = []
         self._start = time.monotonic()
+        coordinator = parts.coordinator
+        self.keeper = EngineKeeper(
+            parts.weight_sync,
+            coordinator.take_pending_joins if coordinator is not None else tuple,
+            stall_timeout_s=cfg.service.stall_timeout,
+            coordinator_address=getattr(coordinator, "address", None),
+        )
+        # Held while the weights move (train, sync): the keeper's catch-up syncs go between.
+        self._weights_lock = asyncio.Lock()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -96,6 +108,13 @@ class Trainer:
         self._pump = asyncio.create_task(self._admission_pump(), name="admission")
         self.p.buffer.watch_feeder(self._pump)
         janitor = asyncio.create_task(self.p.janitor(), name="janitor") if self.p.janitor else None
+        keeper = None
+        if self.p.colocation is None:  # colocated engines are the launcher's: it keeps them
+            looks = self.keeper.run(
+                self.p.backend.named_weights, lambda: self.version, self._weights_lock
+            )
+            keeper = asyncio.create_task(looks, name="engine-keeper")
+            self.p.buffer.watch_feeder(keeper)  # its give-up ends a wait for a batch
         try:
             if (
                 self.p.evaluator
@@ -106,7 +125,7 @@ class Trainer:
             while self.iteration < self.num_rollout:
                 await self.step()
         finally:
-            for task in (self._pump, janitor):
+            for task in (self._pump, janitor, keeper):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -148,46 +167,14 @@ class Trainer:
                 f"a batch of {n} groups (iteration {it})",
                 self.p.buffer.take(n, self.version, self.cfg.service.max_weight_staleness),
                 lambda: f"{self.p.buffer.ready} ready, {len(self.p.admission.in_flight)} in flight",
+                abandon=True,  # where a stop ends the loop (Watch.request_stop)
             )
         t1 = time.monotonic()
         samples, stats = build_samples(groups, self.version, self.cfg)
         # The step and the sync that ships it link to each group's trace (its buffer wait).
         links = [trace.Link(c) for c in self.p.buffer.trace_taken(groups)]
-        attributes = {telemetry.STAGE: "train_step", "millstream.groups": len(groups)}
-        with tracer.start_as_current_span("trainer.step", links=links, attributes=attributes):
-            if self.p.teacher is not None:
-                samples = await self.p.teacher.score(samples)
-            steps = self.cfg.rollout.num_steps_per_rollout
-            if self.p.colocation is not None:
-                await self.p.colocation.before_train()
-            train = await threads.compute(
-                self.p.backend.train_rollout, samples, steps, self.iteration
-            )
-            if self.p.colocation is not None:
-                await self.p.colocation.before_sync()
-        t2 = time.monotonic()
-        joins = self.p.coordinator.take_pending_joins() if self.p.coordinator else ()
-        report = await self._watched(
-            f"the weight sync to version {self.version + 1}",
-            self.p.weight_sync.sync(
-                self.p.backend.named_weights,
-                self.version + 1,
-                join=joins,
-                links=links,
-                idle=self._nothing_generating(),
-                # Sync mode only (async rollouts run ahead of the sync already), and not after
-                # the last iteration: nothing would train that batch.
-                on_gated=(
-                    self._admit_ahead
-                    if self.cfg.max_staleness == 0 and it < self.num_rollout
-                    else None
-                ),
-            ),
-            stall=False,  # bounded by --weight-sync-timeout; cancelling it mid-way is worse
-        )
-        if self.p.colocation is not None:
-            await self.p.colocation.after_sync()
-        self._publish_version(self.version + 1)
+        async with self._weights_lock:  # the keeper's catch-up syncs go between steps
+            train, t2, report = await self._train_and_sync(it, samples, links, len(groups))
         t3 = time.monotonic()
         self.iteration = it
         self.completions += len(samples)
@@ -206,6 +193,47 @@ class Trainer:
         if self._should_save(it):
             self.save()
 
+    async def _train_and_sync(
+        self, it: int, samples: list[Any], links: list[trace.Link], n_groups: int
+    ) -> tuple[dict[str, Any], float, Any]:
+        """Train on `samples`, ship the weights as V+1 and publish it: (train metrics, when
+        training ended, the sync's report)."""
+        tracer = _tracer()
+        attributes = {telemetry.STAGE: "train_step", "millstream.groups": n_groups}
+        with tracer.start_as_current_span("trainer.step", links=links, attributes=attributes):
+            if self.p.teacher is not None:
+                samples = await self.p.teacher.score(samples)
+            steps = self.cfg.rollout.num_steps_per_rollout
+            if self.p.colocation is not None:
+                await self.p.colocation.before_train()
+            train = await threads.compute(
+                self.p.backend.train_rollout, samples, steps, self.iteration
+            )
+            if self.p.colocation is not None:
+                await self.p.colocation.before_sync()
+        t2 = time.monotonic()
+        report = await self._watched(
+            f"the weight sync to version {self.version + 1}",
+            self.keeper.sync(  # with the pending joins; waits when no engine is left
+                self.p.backend.named_weights,
+                self.version + 1,
+                links=links,
+                idle=self._nothing_generating(),
+                # Sync mode only (async rollouts run ahead of the sync already), and not after
+                # the last iteration: nothing would train that batch.
+                on_gated=(
+                    self._admit_ahead
+                    if self.cfg.max_staleness == 0 and it < self.num_rollout
+                    else None
+                ),
+            ),
+            stall=False,  # bounded by --weight-sync-timeout and --stall-timeout
+        )
+        if self.p.colocation is not None:
+            await self.p.colocation.after_sync()
+        self._publish_version(self.version + 1)
+        return train, t2, report
+
     # -- pieces --------------------------------------------------------------------------------
 
     async def _first_engines(self, progress_every_s: float = 15.0) -> None:
@@ -216,7 +244,7 @@ class Trainer:
         if coordinator is None:
             return
         start = last = time.monotonic()
-        while not await self.p.weight_sync.routed_engines():
+        while not await self.p.weight_sync.routed_engines(patient=True):
             joins = coordinator.take_pending_joins()
             if joins:
                 await self.p.weight_sync.sync(
@@ -240,10 +268,11 @@ class Trainer:
         awaitable: Awaitable[T],
         detail: Callable[[], str] = str,
         stall: bool = True,
+        abandon: bool = False,
     ) -> T:
         if self.p.watch is None:
             return await awaitable
-        return await self.p.watch.wait(what, awaitable, detail, stall=stall)
+        return await self.p.watch.wait(what, awaitable, detail, stall=stall, abandon=abandon)
 
     def _nothing_generating(self) -> bool:
         """Every admitted group is back in the buffer: no generation of ours runs, and none
@@ -255,9 +284,11 @@ class Trainer:
     async def _admission_pump(self) -> None:
         """Admit whenever the budget has room: at start, when a group ends, when V moves.
         Never past the budget of version num_rollout - 1 - s, which holds every batch the
-        run trains: more would be generated only to be dropped when it ends."""
+        run trains: more would be generated only to be dropped when it ends. With no engine
+        left (the keeper waits for one), nothing: each group would fail."""
         last = max(0, self.num_rollout - 1 - self.cfg.max_staleness)
         while True:
+            await self.keeper.ready.wait()
             await self.p.admission.fill(min(self._admit_version, last))
             await self._wake.wait()
             self._wake.clear()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tests.support.tiny_model import build_tiny_model
 
-from . import scenarios
+from . import restarts, scenarios
 from .harness import Row
 
 FULL: dict[str, Callable[[Path, Path], Row]] = {
@@ -28,6 +28,14 @@ FULL: dict[str, Callable[[Path, Path], Row]] = {
     "poison": lambda w, m: scenarios.poison(w, m, iterations=150, entries=30),
     "bad_input": scenarios.bad_input,
     "oversized_request": scenarios.oversized_request,
+    "router_restarted": lambda w, m: restarts.router_restarted(w, m, iterations=300, restarts=2),
+    "last_engine_replaced": lambda w, m: restarts.last_engine_replaced(
+        w, m, iterations=300, gap_s=10.0
+    ),
+    "redis_down_30s": lambda w, m: restarts.redis_down(w, m, iterations=300, down_s=30.0),
+    "redis_down_90s": lambda w, m: restarts.redis_down(w, m, iterations=300, down_s=90.0),
+    "trainer_terminated": lambda w, m: restarts.trainer_terminated(w, m, iterations=120),
+    "unauthenticated_admin": restarts.unauthenticated_admin,
 }
 
 COLUMNS = ("admitted", "trained", "filtered", "failed", "dropped", "lost", "trained twice")
@@ -52,13 +60,14 @@ def cells(row: Row) -> list[str]:
 
 
 def table(rows: list[tuple[Row, float]]) -> str:
-    head = ["fault", "injected", "outcome", *COLUMNS, "seconds", "ok"]
+    head = ["fault", "injected", "outcome", *COLUMNS, "longest stall", "seconds", "ok"]
     body = [
         [
             row.fault,
             str(row.injected),
             row.outcome,
             *cells(row),
+            "-" if row.longest_stall_s is None else f"{row.longest_stall_s:.1f} s",
             f"{secs:.0f}",
             "yes" if row.ok else "NO",
         ]

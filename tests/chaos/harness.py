@@ -62,6 +62,7 @@ class Row:
     outcome: str
     result: RunResult | None = None
     problems: list[str] = field(default_factory=list)
+    longest_stall_s: float | None = None  # the longest time without a new iteration
 
     @property
     def ok(self) -> bool:
@@ -152,7 +153,7 @@ class Deployment:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return 0
-        return sum(1 for line in path.read_text().splitlines() if line.strip())
+        return sum(1 for line in path.read_text().splitlines() if line.startswith('{"step"'))
 
     def wait_iterations(self, n: int, trainer: subprocess.Popen, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
@@ -216,7 +217,8 @@ def trained_twice(metrics: Path) -> int:
     for line in metrics.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            by_iteration[int(row["step"])] = row.get("group_ids", [])
+            if "step" in row:  # not a resumed trainer's `resumed_from` row
+                by_iteration[int(row["step"])] = row.get("group_ids", [])
     seen = Counter(gid for ids in by_iteration.values() for gid in ids)
     return sum(n - 1 for n in seen.values() if n > 1)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from . import scenarios
+from . import restarts, scenarios
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -43,3 +43,7 @@ def test_bad_input_is_refused_before_anything_starts(tiny_model_dir: Path, tmp_p
 
 def test_a_50_mb_request_is_refused_and_the_router_serves_on(tiny_model_dir: Path, tmp_path: Path):
     _ok(scenarios.oversized_request(tmp_path, tiny_model_dir))
+
+
+def test_an_admin_call_through_the_router_needs_its_token(tiny_model_dir: Path, tmp_path: Path):
+    _ok(restarts.unauthenticated_admin(tmp_path, tiny_model_dir))

@@ -3,7 +3,9 @@
 
 Every engine route is either an admin route (the token is required: 401 without it or with a
 wrong one) or an open one (health, info, generation), and the two lists are written out here,
-so a new route must be put in one of them. A body over the limit is a 413, declared by
+so a new route must be put in one of them; the admin paths are common/auth.py's, which the
+router guards too: with a router token, an admin path through the router needs it, also in
+front of an engine that has none. A body over the limit is a 413, declared by
 Content-Length or counted as it streams in (chunked), and the service goes on serving.
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from millstream.common.auth import ENGINE_ADMIN_PATHS
 from tests.support.engine_proc import EngineProcess
 from tests.support.router_proc import ServiceProcess, start_router
 
@@ -95,6 +98,7 @@ def test_every_engine_route_is_either_admin_or_open():
 
     assert routes_of(control_router) == ADMIN_ROUTES
     assert routes_of(api_router) | routes_of(openai_router) == OPEN_ROUTES
+    assert {path for _, path in ADMIN_ROUTES} == ENGINE_ADMIN_PATHS  # the router's list
 
 
 @pytest.mark.parametrize(
@@ -149,6 +153,40 @@ def test_the_router_passes_the_callers_token_on_to_the_engine(router, client: ht
     assert r.status_code == 200 and paused(client)
     r = httpx.post(router.url + "/continue_generation", json={}, headers=AUTH)
     assert r.status_code == 200 and not paused(client)
+
+
+def test_a_router_token_guards_admin_paths_whether_or_not_the_engine_has_one(
+    engine: EngineProcess, tiny_model_dir: Path, tmp_path: Path
+):
+    """Only the router has a token (the open engine behind it trusts its network), or both
+    have it: either way an admin call through the router without the router's token is a
+    401 and the engine stays as it was; with it, the call goes through."""
+    open_engine = EngineProcess(tiny_model_dir, tmp_path)  # no --admin-token
+    router = start_router(tmp_path, "--admin-token", TOKEN, "--worker-urls", open_engine.url)
+    guarded = start_router(tmp_path, "--admin-token", TOKEN, "--worker-urls", engine.url)
+    try:
+        for front, behind in ((router, open_engine.url), (guarded, engine.url)):
+            with httpx.Client(base_url=behind, timeout=30.0) as direct:
+                for method, path in sorted(ADMIN_ROUTES):
+                    for headers in ({}, {"Authorization": "Bearer wrong"}):
+                        body = {"json": {"mode": "abort"}} if method == "POST" else {}
+                        r = httpx.request(
+                            method, front.url + path, headers=headers, timeout=30, **body
+                        )
+                        assert r.status_code == 401, (behind, method, path, r.text)
+                        assert "admin token" in r.json()["error"]["message"]
+                assert not paused(direct)
+                r = httpx.post(
+                    front.url + "/pause_generation", json={"mode": "abort"}, headers=AUTH
+                )
+                assert r.status_code == 200 and paused(direct)
+                r = httpx.post(front.url + "/continue_generation", json={}, headers=AUTH)
+                assert r.status_code == 200 and not paused(direct)
+            r = httpx.post(front.url + "/generate", json=SMALL, timeout=60)  # data: no token
+            assert r.status_code == 200
+    finally:
+        assert router.stop() == 0 and guarded.stop() == 0
+        open_engine.stop()
 
 
 def test_the_engine_refuses_a_body_over_its_limit_and_goes_on_serving(client: httpx.Client):

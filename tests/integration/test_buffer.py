@@ -219,7 +219,7 @@ def test_a_fill_rides_out_redis_being_away_longer_than_the_clients_reconnects(tm
         try:
             await redis.ping()
             admission = Admission(redis, stream, Rows(), rollout_batch_size=2, n_samples=2,
-                                  max_staleness=0, publish_retry_s=20)  # type: ignore[arg-type]  # fmt: skip
+                                  max_staleness=0)  # type: ignore[arg-type]  # fmt: skip
             server.proc.terminate()
             server.proc.wait(timeout=10)
             fill = asyncio.create_task(admission.fill(version=0))

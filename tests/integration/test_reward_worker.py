@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -275,30 +276,57 @@ def test_grpc_score_answers_what_the_stream_path_publishes(redis_url, run_id, pr
 def test_a_worker_rides_out_a_redis_restart_and_exits_with_one_line_when_it_is_gone(
     run_id, tmp_path
 ):
-    """Redis restarted (AOF on): the worker reconnects and scores on. Redis gone for good:
-    the worker exits 1 within its reconnect budget, with one line naming Redis, no traceback."""
+    """Redis away for 5 s while groups are scored (AOF on, restarted on its port): the worker
+    says so once, reconnects, hands off what it held and scores on, every group exactly once.
+    Redis gone for good: the worker exits 1 after --redis-outage-timeout, with one line naming
+    Redis, no traceback."""
     from tests.support.redis_server import RedisServer
 
     (tmp_path / "redis").mkdir()
     server = RedisServer(tmp_path / "redis", appendonly=True)
     procs = RewardProcs(server.url, run_id, tmp_path)
+    keys = RunKeys(run_id)
+    cfg = make_cfg(
+        run_id, "--custom-rm-path", f"{PLUGINS}.slow_exact", "--redis-outage-timeout", "8"
+    )  # fmt: skip
+    before = [group(f"b{i}", ["4", "5"], ["4", "4"]) for i in range(20)]
+    after = [group(f"a{i}", ["4"], ["4"]) for i in range(5)]
     try:
-        asyncio.run(publish_config(server.url, make_cfg(run_id, "--rm-type", "exact")))
+        asyncio.run(publish_config(server.url, cfg))
         worker = procs.reward("reward-0")
         procs.wait_beating("reward", "reward-0")
-        server.restart(down_s=1.0)
 
-        async def score_one(redis):
-            await publish_groups(redis, run_id, [group("after", ["4"], ["4"])])
-            return await collect_scored(redis, run_id, 1, timeout_s=30)
+        async def until_some_scored(redis):
+            await publish_groups(redis, run_id, before)
+            while await redis.xlen(keys.scored) < 3:
+                await asyncio.sleep(0.02)
 
-        scored = arun(server.url, score_one)
-        assert [s.group.prompt.group_id for s, _fields in scored] == ["after"]
+        arun(server.url, until_some_scored)
+        server.restart(down_s=5.0)
+        back = time.monotonic()
+
+        async def score_the_rest(redis):
+            await publish_groups(redis, run_id, after)
+            scored = await collect_scored(redis, run_id, len(before) + len(after), timeout_s=30)
+            return scored, (await redis.xpending(keys.generated, GROUP_REWARD))["pending"]
+
+        scored, pending = arun(server.url, score_the_rest)
+        resumed_s = time.monotonic() - back
+        ids = sorted(s.group.prompt.group_id for s, _ in scored)
+        assert ids == sorted(g.prompt.group_id for g in before + after), "not exactly once"
+        assert pending == 0 and worker.poll() is None
+        log = procs.log("reward-0")
+        assert log.count("[reward-0] Redis at redis://127.0.0.1:") == 2, log
+        assert log.count("connection lost") == 1 and log.count("reconnected after") == 1, log
+        print(f"5 s restart: the rest scored {resumed_s:.1f} s after Redis was back")
         server.stop()
-        assert worker.wait(timeout=40) == 1
+        gone = time.monotonic()
+        assert worker.wait(timeout=30) == 1
+        assert 8 <= time.monotonic() - gone < 20
     finally:
         procs.stop_all()
         server.stop()
     log = procs.log("reward-0")
-    assert "Redis at 127.0.0.1:" in log and "is unreachable" in log, log
+    assert f"Redis at redis://127.0.0.1:{server.port}/0 is unreachable" in log, log
+    assert "--redis-outage-timeout 8); giving up" in log, log
     assert "Traceback" not in log and "never retrieved" not in log, log

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def test_miles_defaults_and_spellings():
     assert (p.use_pytorch_profiler, p.profile_step_start, p.profile_step_end) == (True, 3, 5)
     assert (p.profile_target, p.memory_snapshot_path) == (
         ["train_actor", "train_log_probs"],
-        "m.pickle",
+        os.path.abspath("m.pickle"),  # resolved against the working directory
     )
 
 

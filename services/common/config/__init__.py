@@ -5,7 +5,10 @@
 
 Groups (one module each): ckpt + megatron (model.py), rollout, eval, perf, algo (GRPO_ARGS),
 optimizer, sglang, reward, logs, and the service flags millstream adds (service.py).
-The resolved config travels to workers through Redis (`store.py`) as JSON.
+The resolved config travels to workers through Redis (`store.py`) as JSON. Every flag that
+names a file or directory is made absolute here, against the trainer's working directory,
+before anything reads it: a worker started in another directory (compose, another machine
+with the same mounts) reads the same model, data and checkpoints (PATH_FLAGS).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..auth import ADMIN_TOKEN_ENV
 from .algo import AlgoConfig
@@ -138,7 +142,44 @@ def resolve_run_config(ns: argparse.Namespace, mode: str) -> RunConfig:
         raise ConfigError(
             f"--micro-batch-size ({groups['perf'].micro_batch_size}) must be <= --global-batch-size ({gbs})"
         )
-    return RunConfig(mode=mode, **groups)
+    return RunConfig(mode=mode, **_absolute_paths(groups))
+
+
+# The fields that name a file or directory, by group (eval's --eval-prompt-data: every PATH of
+# its NAME PATH pairs). Plugin flags are module paths (pkg.mod.fn) and stay as given, as do
+# URLs; the run dir's default, runs/RUN_ID, is resolved too.
+PATH_FLAGS: dict[str, tuple[str, ...]] = {
+    "ckpt": ("hf_checkpoint", "ref_load", "load", "save"),
+    "algo": ("critic_load", "opd_teacher_load"),
+    "rollout": ("prompt_data",),
+    "service": ("run_dir",),
+    "connection": ("redis_password_file",),
+    "logging": ("tensorboard_dir", "wandb_dir"),
+    "profiling": ("memory_snapshot_path",),
+    "sglang": ("update_weight_disk_dir",),
+}
+
+
+def _absolute(path: str | None) -> str | None:
+    if not path or "://" in path:
+        return path
+    return os.path.abspath(path)
+
+
+def _absolute_paths(groups: dict[str, Any]) -> dict[str, Any]:
+    """`groups` with every PATH_FLAGS value absolute (relative to the working directory)."""
+    out = dict(groups)
+    for name, fields in PATH_FLAGS.items():
+        out[name] = dataclasses.replace(
+            out[name], **{f: _absolute(getattr(out[name], f)) for f in fields}
+        )
+    s, run_id = out["service"], out["connection"].run_id
+    out["service"] = dataclasses.replace(s, run_dir=s.run_dir or _absolute(f"runs/{run_id}"))
+    pairs = out["eval"].eval_prompt_data
+    if pairs:
+        resolved = [p if i % 2 == 0 else _absolute(p) for i, p in enumerate(pairs)]
+        out["eval"] = dataclasses.replace(out["eval"], eval_prompt_data=resolved)
+    return out
 
 
 def parse_run_config(

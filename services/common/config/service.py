@@ -109,6 +109,11 @@ class ServiceConfig:
     trim_interval: float = flag(
         10.0, "seconds between trims of the run's streams and removals of departed consumers"
     )
+    redis_outage_timeout: float = flag(
+        120.0,
+        "seconds every service keeps reconnecting to a Redis that went away (its work kept) "
+        "before it fails",
+    )
     num_threads: int = flag(
         0, "the trainer's torch compute threads (0: half the cores when engines run here too)"
     )
@@ -132,7 +137,7 @@ class ServiceConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})"
                 )
-        for name in ("stall_timeout", "trim_interval"):
+        for name in ("stall_timeout", "trim_interval", "redis_outage_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})"

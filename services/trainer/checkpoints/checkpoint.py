@@ -19,8 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from millstream.common.errors import MillstreamError
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -48,6 +46,8 @@ def latest_iteration(root: str | Path | None) -> int | None:
 
 
 def rng_state() -> dict[str, Any]:
+    import torch  # here: reading a checkpoint's position (main.py's summary) needs no torch
+
     version, state, gauss = random.getstate()
     return {
         "python": [version, list(state), gauss],
@@ -56,6 +56,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     version, inner, gauss = state["python"]
     random.setstate((version, tuple(inner), gauss))
     raw = base64.b64decode(state["torch"])

@@ -2,6 +2,7 @@
 
 Owns the stdout row and metrics.jsonl with their tensorboard/wandb mirrors (`metrics`), Miles'
 custom log functions (`log_hooks`), torch.profiler windows (`profiler`), the Prometheus
-metrics (`prom`), the stall watch that keeps every wait loud (`watch`) and `millstream plot`
-(`plot`). Nothing here changes what is trained.
+metrics (`prom`), the stall watch that keeps every wait loud and where a stop ends the loop
+(`watch`), metrics.jsonl read across resumes (`history`), summary.json on every exit
+(`summary`) and `millstream plot` (`plot`). Nothing here changes what is trained.
 """

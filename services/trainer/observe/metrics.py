@@ -4,7 +4,8 @@
               sync=2.1s (total 42.6s) | grad_norm=0.93 lr=1.0e-06     (one line)
 
 metrics.jsonl gets one row per iteration, `{"step": N, "time": ..., <key>: value, ...}`, with
-the keys the trainer computed (N counts iterations from 1, as the stdout row does).
+the keys the trainer computed (N counts iterations from 1, as the stdout row does), and a
+resumed trainer's `{"resumed_from": C, ...}` row before its first (history.py: how to read it).
 
 The tensorboard (--tensorboard-dir, --use-tensorboard) and wandb (--use-wandb) mirrors take
 Miles' tags and x-axes, so a Miles dashboard reads a millstream run. What Miles does
@@ -62,7 +63,7 @@ from millstream.common.config.store import without_secrets
 from millstream.common.errors import MillstreamError
 from millstream.common.miles import make_args, miles_samples
 
-from . import log_hooks
+from . import history, log_hooks
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,7 @@ class MetricsLogger:
         self._eval_hook = hooks.get(log_hooks.EVAL)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        history.end_partial_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
         self._tb: TensorboardWriter | None = None
         self._wandb: Any = None
@@ -298,6 +300,24 @@ class MetricsLogger:
         self._mirror(rest, "rollout/step", rollout_id)
         if row:
             print(row, flush=True)
+
+    def mark_resume(self, iteration: int) -> dict[str, Any]:
+        """Before the first row of a trainer resumed from the checkpoint of `iteration`: the
+        resume row (history.py), naming the rows after it that the killed process wrote."""
+        row = history.read(self.path, strict=False).resume_row(iteration)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        steps = row["discarded_iterations"]
+        if steps:
+            which = (
+                f"iteration {steps[0]}" if len(steps) == 1 else f"iterations {steps[0]}-{steps[-1]}"
+            )
+            print(
+                f"[trainer] metrics.jsonl: {which} after the checkpoint of iteration {iteration} "
+                f"discarded ({row['discarded_trained']} groups trained there): trained again",
+                flush=True,
+            )
+        return row
 
     def log_eval(
         self, iteration: int, metrics: dict[str, Any], data: dict[str, Any] | None = None

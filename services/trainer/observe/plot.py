@@ -1,7 +1,8 @@
 """`millstream plot RUN_DIR [--compare RUN_DIR2 ...] [--out DIR]`: a run's curves as PNG files.
 
-Reads RUN_DIR/metrics.jsonl (one row per iteration, written by MetricsLogger) and writes one
-figure per theme into --out (default RUN_DIR/plots/):
+Reads RUN_DIR/metrics.jsonl (one row per iteration, written by MetricsLogger; after a resume,
+the rows as history.py reads them) and writes one figure per theme into --out (default
+RUN_DIR/plots/):
 
     reward.png      raw_reward and eval accuracy (eval/<set>) by iteration and by wall-clock
                     seconds since the first row
@@ -17,7 +18,6 @@ a panel with nothing to draw is dropped, and so is a figure with no panel.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from millstream.common.errors import MillstreamError
+
+from . import history
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -90,25 +92,12 @@ class Run:
 
 
 def load_run(run_dir: Path, name: str | None = None) -> Run:
+    """The run's rows as its history stands: after a resume, an iteration's rows from the
+    process that was killed give way to the resumed one's (history.py)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise MillstreamError(f"{path} not found: is {run_dir} a run's --run-dir?")
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            # A live run may be writing its last line: without its newline, it is not there yet.
-            if number == len(lines) and not text.endswith("\n"):
-                break
-            raise MillstreamError(f"{path}:{number}: not JSON ({err.msg})") from None
-        if not isinstance(row, dict) or _number(row.get("step")) is None:
-            raise MillstreamError(f"{path}:{number}: not a metrics row (no numeric 'step')")
-        rows.append(row)
+    rows = history.read(path).rows
     if not rows:
         raise MillstreamError(f"{path} is empty: the run has not finished an iteration yet")
     return Run(name or run_dir.resolve().name, rows)

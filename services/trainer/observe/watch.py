@@ -6,12 +6,20 @@ by their heartbeat keys (`{run}:workers:{kind}:{name}`, which expire when a work
 beating) and the engines the router lists. Every `progress_every_s` it prints what it waits
 for, for how long, and who is alive. When nothing can come any more, it fails with what to
 do: no rollout worker, no reward worker or no engine for `stall_timeout_s` in a row.
+
+It is also where a stop (SIGTERM, Ctrl-C: trainer/main.py) ends the trainer's loop cleanly.
+`request_stop()` makes the next wait marked `abandon` (the batch wait that opens every
+iteration) raise Stopped, and one under way raise it at once, unless what it waited for has
+come: the buffer marks a batch trained when it hands it out, so a batch that came is trained,
+never left half-way. So the loop stops between iterations, the step that has its batch
+finishing first (train, sync, log, checkpoint), and nothing it counted is left in between.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -35,6 +43,10 @@ _WHAT_TO_DO = {
 
 class Stalled(MillstreamError):
     """Nothing can end the trainer's wait: a kind of service has been gone too long."""
+
+
+class Stopped(Exception):
+    """A stop was asked for (`Watch.request_stop`): the trainer's loop ends between iterations."""
 
 
 async def alive_workers(redis: Any, keys: RunKeys) -> dict[str, int]:
@@ -65,6 +77,12 @@ class Watch:
         self.progress_every_s = progress_every_s
         self.say = say
         self.check_every_s = min(progress_every_s, max(0.5, stall_timeout_s / 4))
+        self._stop = asyncio.Event()
+        self.looping = False  # a wait marked `abandon` began: the trainer's loop runs
+
+    def request_stop(self) -> None:
+        """End the trainer's loop at its next batch wait, or in the one under way (Stopped)."""
+        self._stop.set()
 
     async def wait(
         self,
@@ -73,19 +91,33 @@ class Watch:
         detail: Callable[[], str] = str,
         *,
         stall: bool = True,
+        abandon: bool = False,
     ) -> T:
         """`awaitable`'s result; progress lines while it is long, Stalled when it cannot end
-        (`stall=False`: progress only, for a wait that bounds itself, like a weight sync)."""
+        (`stall=False`: progress only, for a wait that bounds itself, like a weight sync);
+        `abandon`: Stopped, `awaitable` cancelled, once a stop is asked for before it ends."""
+        if abandon:
+            self.looping = True
+            if self._stop.is_set():
+                if inspect.iscoroutine(awaitable):
+                    awaitable.close()  # never started: no "never awaited" warning
+                raise Stopped(f"stopped before {what}")
         task = asyncio.ensure_future(awaitable)
+        stop = asyncio.ensure_future(self._stop.wait()) if abandon else None
         start = next_progress = time.monotonic()
         next_progress += self.progress_every_s
         kinds = ("rollout", "reward") + (("engine",) if self.engines is not None else ())
         last_seen = dict.fromkeys(kinds, start)
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=self.check_every_s)
-                if done:
+                waits = {task} if stop is None else {task, stop}
+                done, _ = await asyncio.wait(
+                    waits, timeout=self.check_every_s, return_when=asyncio.FIRST_COMPLETED
+                )
+                if task in done:
                     return task.result()
+                if stop in done:
+                    raise Stopped(f"stopped while waiting for {what}")
                 now = time.monotonic()
                 alive = await self._alive()
                 for kind, n in alive.items():
@@ -108,9 +140,10 @@ class Watch:
                             + _WHAT_TO_DO[kind].format(run=self.keys.run_id)
                         )
         finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            for pending in (task, stop):
+                if pending is not None and not pending.done():
+                    pending.cancel()
+                    await asyncio.gather(pending, return_exceptions=True)
 
     async def _alive(self) -> dict[str, int | None]:
         alive: dict[str, int | None] = {"rollout": None, "reward": None, "engine": None}

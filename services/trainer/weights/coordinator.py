@@ -73,6 +73,7 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
         self._write_lock: asyncio.Lock | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self._server: grpc.aio.Server | None = None
+        self.address: str | None = None  # host:port engines reach it at (`advertise`)
 
     @property
     def version(self) -> int:
@@ -224,7 +225,7 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
     async def advertise(self, redis: Any, port: int) -> str:
         """Publish where engines reach this service ({run}:coordinator = host:port): this
         host's address as other hosts see it, and the port from --coordinator-port."""
-        address = f"{host_address()}:{port}"
+        address = self.address = f"{host_address()}:{port}"
         if redis is not None:
             await redis.set(RunKeys(self.run_id).coordinator, address)
         return address

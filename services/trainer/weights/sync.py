@@ -37,7 +37,12 @@ Invariants:
     group itself breaks (rank 0's join or a broadcast fails), it is torn down on both sides,
     rebuilt with the engines still standing, and every bucket is sent again, so the same sync
     completes for the healthy engines;
-  * no engine left, or a group that breaks twice with no engine at fault: MillstreamError;
+  * no engine left: NoEngineLeft (the trainer waits for one: keeper.py); a group that
+    breaks twice with no engine at fault: MillstreamError;
+  * a router that is away is waited for, up to --stall-timeout (router_admin.py); a router
+    that restarted meanwhile (it forgot its engines and its version) is told again before
+    the sync goes on, and after it ends (`readmit`): gated on the version it served, then
+    given back the engines that served it and still answer /health;
   * every call to an admin endpoint, the router's or an engine's, carries the admin token
     when one is set (`Authorization: Bearer`, common/auth.py).
 
@@ -69,7 +74,7 @@ from opentelemetry import trace
 
 from millstream.common import telemetry, tensor_share, threads
 from millstream.common.auth import bearer_headers
-from millstream.common.errors import MillstreamError, ServiceUnavailable
+from millstream.common.errors import MillstreamError
 from millstream.common.http_pool import make_client
 
 from .process_group import (
@@ -80,6 +85,7 @@ from .process_group import (
     UpdateGroup,
     plan_buckets,
 )
+from .router_admin import RouterAdmin
 from .transport import (
     AUTO,
     DISK,
@@ -158,6 +164,16 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
     """Take an abandoned rank-0 step's outcome, so asyncio does not report it as lost."""
     if not task.cancelled() and task.exception() is not None:
         log.debug("abandoned rank-0 step ended: %s", task.exception())
+
+
+class NoEngineLeft(MillstreamError):
+    """A sync found no engine to sync: the router listed none, or every one failed a step
+    (`removed`: engine url -> why). The trainer waits for one (keeper.py) before it gives up
+    with this."""
+
+    def __init__(self, message: str, removed: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.removed = dict(removed or {})
 
 
 class GroupBroken(Exception):
@@ -243,57 +259,6 @@ def _succeeded(resp: httpx.Response) -> bool:
     return not (isinstance(data, dict) and data.get("success") is False)
 
 
-class RouterAdmin:
-    """The router's admin endpoints the sync needs (Miles router API)."""
-
-    def __init__(
-        self, http: httpx.AsyncClient, url: str, admin_token: str | None, timeout_s: float
-    ):
-        self.http, self.url, self.timeout_s = http, url, timeout_s
-        self.headers = bearer_headers(admin_token)
-
-    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        headers = telemetry.inject_headers(dict(self.headers))
-        try:
-            resp = await asyncio.wait_for(
-                self.http.request(method, self.url + path, headers=headers, **kwargs),
-                self.timeout_s,
-            )
-            resp.raise_for_status()
-            return resp.json()
-        except (TimeoutError, httpx.HTTPError, ValueError) as err:
-            detail = err.response.text[:300] if isinstance(err, httpx.HTTPStatusError) else err
-            raise ServiceUnavailable(
-                f"router {self.url}: {method} {path} failed ({type(err).__name__}: {detail}); "
-                "is the router running, and is --admin-token right?"
-            ) from None
-
-    async def engines(self) -> list[str]:
-        return list((await self._call("GET", "/list_workers"))["urls"])
-
-    async def add(self, url: str) -> None:
-        await self._call("POST", "/add_worker", params={"url": url})
-
-    async def remove(self, url: str) -> None:
-        await self._call("POST", "/remove_worker", params={"url": url})
-
-    async def set_version(self, version: str, at_version: Sequence[str] = ()) -> list[str]:
-        """Serve `version` only; returns the engines the router routes to now. `at_version`:
-        engines that confirmed `version` to us, which the router need not ask again."""
-        body = await self._call(
-            "POST",
-            "/set_weight_version",
-            json={"weight_version": version, "workers_at_version": list(at_version)},
-        )
-        return list(body.get("eligible", []))
-
-    async def gate(self, version: str) -> None:
-        """Serve `version` only, which no engine holds yet: the router asks none of them."""
-        await self._call(
-            "POST", "/set_weight_version", json={"weight_version": version, "read_versions": False}
-        )
-
-
 class WeightSync:
     """Pushes the trainer's weights to every engine behind the router (module docstring)."""
 
@@ -314,6 +279,7 @@ class WeightSync:
         disk_dir: str | Path | None = None,
         shm_dir: str = tensor_share.SHM_DIR,
         placements: Mapping[str, dict[str, Any]] | None = None,
+        stall_timeout_s: float = 0.0,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s (--weight-sync-timeout) must be > 0 (got {timeout_s})")
@@ -332,6 +298,8 @@ class WeightSync:
         self.pause_mode = pause_mode
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        # How long a router call rides out a router that is away (--stall-timeout; 0: not).
+        self.stall_timeout_s = stall_timeout_s
         self.master_address = master_address
         self.backend = backend
         self.group_name = group_name
@@ -362,6 +330,12 @@ class WeightSync:
         # one per sync built its SSL context and opened fresh connections every time: a
         # third of a small model's sync). Use one WeightSync from one event loop.
         self._http: httpx.AsyncClient | None = None
+        self._calls: EngineCalls | None = None
+        self._router: RouterAdmin | None = None
+        # The engines that serve the last version synced (the router may forget them: a
+        # restart), and the router restarts already answered by `readmit`.
+        self._serving: list[str] = []
+        self._restarts_seen = 0
 
     @property
     def members(self) -> list[str]:
@@ -411,6 +385,8 @@ class WeightSync:
                 on_gated()
             engines = await self._push_all(calls, router, engines, buckets, report)
             await self._serve(calls, router, engines, report, pause)
+            self._serving = list(engines)
+            await self.readmit()  # the router restarted after the listing: tell it again
             report.engines = engines
             report.add_time("total", time.monotonic() - start)
             span.set_attributes(
@@ -431,9 +407,63 @@ class WeightSync:
         )
         return report
 
-    async def routed_engines(self) -> list[str]:
-        """The engines the router lists now."""
-        return await self._clients()[1].engines()
+    async def routed_engines(self, *, patient: bool = False) -> list[str]:
+        """The engines the router lists now; `patient`: ride out a router that is away
+        (router_admin.py), else one attempt (a progress probe)."""
+        return await self._clients()[1].engines(patient=patient)
+
+    async def eligible_engines(self) -> list[str] | None:
+        """The engines the router routes to now (None: it cannot say); patient."""
+        return await self._clients()[1].eligible()
+
+    async def alive(self, urls: Sequence[str]) -> list[str]:
+        """The engines among `urls` that answer GET /health, in `urls`' order."""
+        answering = await self._clients()[0].alive(list(urls))
+        return [u for u in urls if u in answering]
+
+    async def versions(self, urls: Sequence[str]) -> dict[str, str | None]:
+        """Each engine's weight version (its GET /get_weight_version; None: no answer)."""
+        http, probe_s = self._clients()[0].http, min(5.0, self.timeout_s)
+
+        async def read(url: str) -> str | None:
+            try:
+                resp = await asyncio.wait_for(http.get(url + "/get_weight_version"), probe_s)
+                version = resp.json().get("weight_version") if resp.status_code == 200 else None
+            except (TimeoutError, httpx.HTTPError, ValueError, AttributeError):
+                return None
+            return None if version is None else str(version)
+
+        found = await asyncio.gather(*(read(u) for u in urls))
+        return dict(zip(urls, found, strict=True))
+
+    async def readmit(self) -> list[str]:
+        """When the router restarted since the last look (its id changed: router_admin.py), it
+        forgot its engines and the version it served: gate it on that version again, then add
+        back the engines that served it and still answer /health. The router takes each as a
+        new one: it reads the engine's version and routes to it only at the gated version, so
+        an engine the router lists from its own flags (--worker-urls, discovery) that is
+        behind gets nothing until a sync brings it up. Returns the engines added back."""
+        router = self._clients()[1]
+        if router.restarts == self._restarts_seen:
+            return []
+        self._restarts_seen = router.restarts
+        version = router.version_set
+        if version is None and not self._serving:
+            return []  # it was told nothing yet
+        if version is not None:
+            await router.set_version(version)
+        back = await self.alive(self._serving)
+        for url in back:
+            await router.add(url)
+        lost = [u for u in self._serving if u not in back]
+        self._serving = back
+        print(
+            f"[trainer] the router at {self.router_url} restarted and forgot its engines: gated "
+            f"it on weight version {version}, added back {len(back)} engine(s) {back}"
+            + (f"; gone (no answer to /health): {lost}" if lost else ""),
+            flush=True,
+        )
+        return back
 
     async def each_engine(self, path: str, body: dict[str, Any]) -> dict[str, Failure]:
         """POST `body` to `path` of every engine the router lists (admin token, timeout as
@@ -449,15 +479,18 @@ class WeightSync:
             self._shm.close()
             if self._http is not None:
                 await self._http.aclose()
-                self._http = None
+                self._http, self._calls, self._router = None, None, None
 
     def _clients(self) -> tuple[EngineCalls, RouterAdmin]:
         if self._http is None:
             self._http = make_client(httpx.Timeout(self.timeout_s))
-        return (
-            EngineCalls(self._http, self.timeout_s, self.admin_token),
-            RouterAdmin(self._http, self.router_url, self.admin_token, self.timeout_s),
-        )
+            self._calls = EngineCalls(self._http, self.timeout_s, self.admin_token)
+            self._router = RouterAdmin(
+                self._http, self.router_url, self.admin_token, self.timeout_s,
+                self.stall_timeout_s,
+            )  # fmt: skip
+        assert self._calls is not None and self._router is not None
+        return self._calls, self._router
 
     # -- the steps --------------------------------------------------------------------------
 
@@ -487,6 +520,8 @@ class WeightSync:
             calls.each(known, "/pause_generation", body),
             *([router.gate(gate)] if gate is not None else []),
         )
+        if await self.readmit():  # the router restarted: it lists what it knew again
+            listed = await router.engines()
         engines = sorted(listed)
         if pause:
             failed |= await calls.each(
@@ -578,10 +613,11 @@ class WeightSync:
             synced = [u for u in synced if u not in group]
             synced += await self._push_group(calls, router, group + moved, buckets, trainer, report)
         if not synced:
-            raise MillstreamError(
+            raise NoEngineLeft(
                 f"weight sync v{report.version}: no engine left to sync (removed: "
                 f"{report.removed or 'none; the router lists no engine'}); start engines "
-                f"and register them with the router {self.router_url}"
+                f"and register them with the router {self.router_url}",
+                report.removed,
             )
         return sorted(synced)
 
@@ -841,4 +877,6 @@ class WeightSync:
             report.removed[url] = str(why)
             self._placements.pop(url, None)  # a new engine may come back at this URL
             self._moved_to_group.discard(url)
+            if url in self._serving:
+                self._serving.remove(url)
         return [u for u in engines if u not in failed]
