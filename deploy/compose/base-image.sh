@@ -2,7 +2,8 @@
 # A base image from Debian's packages, for machines that reach no image registry:
 #   deploy/compose/base-image.sh [TAG]        (default millstream-base:bookworm)
 # debootstrap a minimal Debian 12 (its python3 is 3.11) with venv support, redis-server and
-# CA certificates, then `docker import` it. Then build with --build-arg BASE_IMAGE=TAG.
+# CA certificates, then `docker import` it. prepare.sh runs it when no registry answers and
+# records the tag as BASE_IMAGE in .env; every image here is built FROM it then.
 # Needs root, debootstrap and a Debian mirror (MIRROR, default deb.debian.org).
 set -euo pipefail
 TAG="${1:-millstream-base:bookworm}"

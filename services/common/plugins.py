@@ -1,6 +1,6 @@
 """Load a user's function from `pkg.mod.fn` (or `pkg.mod:fn`), with an error naming the path.
 
-A plugin written for Miles keeps its imports of Miles' types: see common/miles.py
+A plugin written for Miles keeps its imports of Miles' modules: see common/miles/importer.py
 `install_miles_modules`.
 
 Security rule: paths come only from the run config the trainer published (flags), never from
@@ -19,12 +19,12 @@ from typing import Any
 from millstream.common.errors import MillstreamError
 
 
-def load_function(path: str, what: str) -> Callable[..., Any]:
-    """The callable at `path`; MillstreamError naming `what` (the flag) and the path otherwise."""
+def load_object(path: str, what: str) -> Any:
+    """The object at `path`; MillstreamError naming `what` (the flag) and the path otherwise."""
     module_name, sep, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not sep or not module_name or not attr:
         raise MillstreamError(f"{what} {path!r} must look like pkg.module.function")
-    from .miles import MILES_MODULES, install_miles_modules
+    from .miles.importer import install_miles_modules
 
     stand_ins = install_miles_modules()
     try:
@@ -32,21 +32,22 @@ def load_function(path: str, what: str) -> Callable[..., Any]:
     except ImportError as err:
         missing = getattr(err, "name", None) or ""
         if stand_ins and missing.split(".")[0] == "miles":
-            provided = ", ".join(
-                f"{m}.{name}" for m, names in MILES_MODULES.items() for name in names
-            )
             raise MillstreamError(
-                f"{what} {path!r} imports {missing!r}, which is Miles' and not installed; "
-                f"millstream stands in for {provided} only: import the rest from Miles, or "
-                "write it in your module"
+                f"{what} {path!r} imports {missing!r}, which is Miles' and not installed: {err}"
             ) from err
         raise MillstreamError(
             f"{what} {path!r}: cannot import module {module_name!r} ({err}); is it on the "
             "PYTHONPATH of every worker that runs it (rollout, reward, Celery)?"
         ) from err
-    fn = getattr(module, attr, None)
-    if fn is None:
+    obj = getattr(module, attr, None)
+    if obj is None:
         raise MillstreamError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
+    return obj
+
+
+def load_function(path: str, what: str) -> Callable[..., Any]:
+    """The callable at `path`; MillstreamError naming `what` (the flag) and the path otherwise."""
+    fn = load_object(path, what)
     if not callable(fn):
         raise MillstreamError(f"{what} {path!r} is a {type(fn).__name__}, not a function")
     return fn

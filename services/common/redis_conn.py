@@ -17,9 +17,10 @@ repeat (XADD duplicates are dropped by group id downstream, hand-offs are guarde
 XACK is idempotent). A read whose reply was lost leaves its entries pending under the
 consumer; `Consumer` takes those back after every reconnect (`Outages.reconnects`).
 
-The first PING is not retried unless the caller asks to wait (`wait_s`: a stream worker,
-which may start during a Redis restart and has nothing to do without it): a wrong URL given
-to the trainer fails at once; a wrong password always does.
+The first PING is not retried unless the caller asks to wait (`wait_s`): a stream worker,
+which may start during a Redis restart and has nothing to do without it, and a trainer given
+--redis-url, which may start before that Redis does (`docker stack deploy` orders nothing), for
+--redis-outage-timeout. A wrong password fails at once, waiting or not.
 """
 
 from __future__ import annotations

@@ -2,13 +2,25 @@
 
 Where spans go, decided once per process from the environment by `setup_tracing`:
   1. OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set, or MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES
-     is and its host resolves (compose: Jaeger, when the observability profile is on);
-  2. else JSONL files under `{run_dir}/traces/` when a run dir is given (one file per process,
-     one span per line; `millstream trace` reads them);
+     is and its host resolves (compose: the trace viewer at `otlp`, when a viewer's profile is on);
+  2. else JSONL files under `{run_dir}/traces/` when a run dir is given: one file per process,
+     `<service>-<replica>.jsonl` (`replica_name`), one span per line; `millstream trace` reads
+     them;
   3. else nothing: the no-op tracer, zero cost (also whenever OTEL_SDK_DISABLED=true).
 
 Context crosses process boundaries as W3C trace context (`traceparent`/`tracestate`) in three
 carriers: stream entry fields, HTTP headers and gRPC metadata. Nothing here runs at import.
+
+A request that serves several groups: the rollout worker sends one `/generate` for the groups
+of a claim (rollout/client.py), and W3C context names one parent, so its router and engine
+spans belong to the first group's trace alone. The request therefore also names every group
+it serves in `X-Millstream-Groups` (`groups_header`: each group's id and the context of its
+rollout span), which the router forwards unchanged; the router's and engine's spans record
+them (`served_groups`) as `millstream.group_ids` and as one span link per group, so each
+group's trace reaches them (`millstream trace` counts such a span in every group it names;
+Jaeger and Phoenix show a link as a reference). Our own header, not W3C `tracestate` (32
+vendor entries at most, and a hop may cut it to 512 characters) nor baggage (which
+propagators pass on to every later call): a batch names up to 64 groups, a few KB.
 
 Every span of a group's lifecycle carries `millstream.stage` (one of STAGES), the name
 `millstream trace` groups by; span names and the other attributes follow OpenTelemetry's
@@ -22,19 +34,21 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -42,6 +56,8 @@ TRACE_FIELDS = ("traceparent", "tracestate")
 
 STAGE = "millstream.stage"
 GROUP_ID = "millstream.group_id"
+GROUP_IDS = "millstream.group_ids"  # every group a shared request serves (module docstring)
+GROUPS_HEADER = "x-millstream-groups"
 # A group's stages in lifecycle order, then the trainer's per-iteration ones.
 STAGES = (
     "admit", "prompts_wait", "rollout", "router", "engine", "generated_wait", "reward",
@@ -93,8 +109,8 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     }
 
 
-# An OTLP endpoint used only when its host name resolves: compose sets it to the Jaeger
-# service, which exists (and resolves) only when the observability profile is on.
+# An OTLP endpoint used only when its host name resolves: compose sets it to `otlp`, the
+# trace viewer's name, which exists (and resolves) only when a viewer's profile is on.
 OTLP_IF_RESOLVES = "MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES"
 
 
@@ -114,9 +130,8 @@ def make_provider(service_name: str, run_dir: str | Path | None = None) -> Trace
     OpenTelemetry's own `OTEL_SDK_DISABLED=true` turns tracing off everywhere."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
-    resource = Resource.create(
-        {"service.name": service_name, "service.instance.id": str(os.getpid())}
-    )
+    replica = replica_name()
+    resource = Resource.create({"service.name": service_name, "service.instance.id": replica})
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or _if_resolves(
         os.environ.get(OTLP_IF_RESOLVES, "")
     )
@@ -125,15 +140,22 @@ def make_provider(service_name: str, run_dir: str | Path | None = None) -> Trace
 
         exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint)
     elif run_dir is not None:
-        exporter = JsonlSpanExporter(
-            Path(run_dir) / "traces" / f"{service_name}-{os.getpid()}.jsonl"
-        )
+        exporter = JsonlSpanExporter(Path(run_dir) / "traces" / f"{service_name}-{replica}.jsonl")
     else:
         return None
     provider = TracerProvider(resource=resource)
     processor = BatchSpanProcessor(exporter, schedule_delay_millis=500, max_queue_size=SPAN_QUEUE)
     provider.add_span_processor(processor)
     return provider
+
+
+def replica_name() -> str:
+    """This process among its service's replicas: host name and pid. The host name tells
+    containers apart (in compose every replica is pid 1 of its own container, so the pid alone
+    gave two rollout replicas one file); the pid tells apart the processes of one host (a
+    local run's rollout workers). Characters outside [A-Za-z0-9_.-] become `_`."""
+    host = re.sub(r"[^A-Za-z0-9_.-]+", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
 
 
 # The SDK's default queue (2048 spans) drops spans in a burst: an eval round of a few thousand
@@ -284,6 +306,54 @@ def inject_headers(headers: dict[str, str] | None = None, context: Any = None) -
 def context_from_headers(headers: Mapping[str, str]) -> otel_context.Context:
     """The remote parent context of an incoming HTTP request (header names any case)."""
     return _PROPAGATOR.extract(_carrier(headers.items()))
+
+
+def current_group() -> tuple[str | None, SpanContext]:
+    """The current span's group (its `millstream.group_id`: the rollout worker's `process`
+    span has one) and context; the group is None outside a group's span or untraced."""
+    span = trace.get_current_span()
+    attributes = getattr(span, "attributes", None) or {}
+    return attributes.get(GROUP_ID), span.get_span_context()
+
+
+def groups_header(served: Iterable[tuple[str | None, SpanContext]]) -> str:
+    """`X-Millstream-Groups`: `<group id>@<trace id>-<span id>` per traced group, comma-
+    separated, the id percent-encoded; "" when none is traced."""
+    return ",".join(
+        f"{quote(gid, safe='')}@{ctx.trace_id:032x}-{ctx.span_id:016x}"
+        for gid, ctx in served
+        if gid and ctx.is_valid
+    )
+
+
+def group_request_headers(headers: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`headers` plus the current context's W3C headers and X-Millstream-Groups naming the
+    current span's group: for a request made on a group's behalf (a plugin's /generate)."""
+    out = inject_headers(dict(headers or {}))
+    if groups := groups_header([current_group()]):
+        out[GROUPS_HEADER] = groups
+    return out
+
+
+def served_groups(headers: Mapping[str, str]) -> tuple[dict[str, Any], list[trace.Link]]:
+    """The attributes (`millstream.group_ids`) and links (one to each group's span) for the
+    span of a request that names the groups it serves (`groups_header`); nothing when it names
+    none. Malformed items are skipped: a trace is never worth refusing a request."""
+    ids: list[str] = []
+    links: list[trace.Link] = []
+    for item in (headers.get(GROUPS_HEADER) or "").split(","):
+        gid, _, ids_hex = item.strip().rpartition("@")
+        trace_hex, _, span_hex = ids_hex.partition("-")
+        try:
+            ctx = SpanContext(
+                int(trace_hex, 16), int(span_hex, 16), True, TraceFlags(TraceFlags.SAMPLED)
+            )
+        except ValueError:
+            continue
+        if gid and ctx.is_valid:
+            ids.append(unquote(gid))
+            links.append(trace.Link(ctx))
+    return ({GROUP_IDS: ids} if ids else {}), links
 
 
 def grpc_metadata(context: Any = None) -> list[tuple[str, str]]:

@@ -1,10 +1,17 @@
 """`millstream trace RUN_DIR`: where a run's groups spent their time, from its JSONL spans.
 
-Every service writes its spans to `RUN_DIR/traces/<service>-<pid>.jsonl` (telemetry.py). Each
-span of a group's lifecycle carries `millstream.stage`; a group's trace runs from its
+Every service writes its spans to `RUN_DIR/traces/<service>-<host>-<pid>.jsonl` (telemetry.py).
+Services that outlive a run write under their own run dir: compose's router and engines use
+`/runs/services`, beside the runs, so for `RUN_DIR` this also reads `RUN_DIR/../services/traces`,
+keeping only the spans of traces the run's own files hold (no other run's, no health checks).
+Each span of a group's lifecycle carries `millstream.stage`; a group's trace runs from its
 admission to its buffer wait, and the trainer's per-iteration spans (its own root,
-`trainer.iteration`) link to the groups they trained. From that this prints:
+`trainer.iteration`) link to the groups they trained. A span of a request that served several
+groups (a coalesced /generate and its router and engine spans) belongs to each of them: it
+names them in `millstream.group_ids` and links to their spans (telemetry.py). This prints:
 
+  whole      how many trained groups have a whole trace (WHOLE_TRACE: every stage from the
+             admission, the router and engine included, to the sync that shipped it);
   stages     count, p50, p95 and max seconds of every stage (telemetry.STAGES);
   critical   the share of an iteration's wall-clock each stage holds on its critical path:
              the train step, the weight sync and the eval are the trainer's own time; the
@@ -34,7 +41,7 @@ from rich.table import Table
 from rich.text import Text
 
 from millstream.common.errors import MillstreamError
-from millstream.common.telemetry import GROUP_ID, STAGE, STAGES
+from millstream.common.telemetry import GROUP_ID, GROUP_IDS, STAGE, STAGES
 
 ITERATION = "millstream.iteration"
 # Stages that belong to the trainer's iteration, not to one group.
@@ -42,6 +49,11 @@ TRAINER_STAGES = ("iteration", "batch_wait", "train_step", "weight_sync", "eval"
 # What a group does before it is in the buffer (its critical path while the trainer waits).
 GROUP_STAGES = ("prompts_wait", "rollout", "router", "engine", "generated_wait", "reward",
                 "reward_task")  # fmt: skip
+# A trained group's whole trace: every stage of its life, to the sync that shipped it.
+WHOLE_TRACE = ("admit", "prompts_wait", "rollout", "router", "engine", "generated_wait", "reward",
+               "buffer_wait", "train_step", "weight_sync")  # fmt: skip
+# Beside a run dir: where services that outlive runs write (compose's --run-dir /runs/services).
+SHARED_TRACES = Path("..", "services", "traces")
 BETWEEN = "(between services)"
 TRAINER_OTHER = "(trainer: batch, log, checkpoint)"
 COLORS = {
@@ -70,21 +82,40 @@ class Span:
         return (self.end - self.start) / 1e9
 
 
+def span_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """The run's own span files, and those of services that outlive runs (SHARED_TRACES)."""
+    own = sorted((run_dir / "traces").glob("*.jsonl"))
+    shared_dir = (run_dir / SHARED_TRACES).resolve()
+    if shared_dir == (run_dir / "traces").resolve():  # RUN_DIR is the services' own
+        return own, []
+    return own, sorted(shared_dir.glob("*.jsonl"))
+
+
 def read_spans(run_dir: Path) -> tuple[list[Span], int]:
-    """Every span under RUN_DIR/traces, and how many lines could not be read (a process
-    killed mid-write leaves a torn last line)."""
-    files = sorted((run_dir / "traces").glob("*.jsonl"))
-    if not files:
+    """Every span of the run (module docstring: its own files, then the shared ones' spans of
+    its traces), and how many lines could not be read (a process killed mid-write leaves a torn
+    last line)."""
+    own, shared = span_files(run_dir)
+    if not own:
         raise MillstreamError(
             f"no span files in {run_dir / 'traces'}: spans are written there when a run has a "
             "run dir and OTEL_EXPORTER_OTLP_ENDPOINT is not set (then they go to the collector)"
         )
+    spans, unreadable = _read(own, None)
+    more, torn = _read(shared, {s.trace_id for s in spans})
+    return spans + more, unreadable + torn
+
+
+def _read(files: list[Path], traces: set[str] | None) -> tuple[list[Span], int]:
+    """The spans in `files` (of `traces` only, when given) and the count of unreadable lines."""
     spans, unreadable = [], 0
     for path in files:
         with path.open(encoding="utf-8") as lines:
             for line in lines:
                 try:
                     d = json.loads(line)
+                    if traces is not None and d["trace_id"] not in traces:
+                        continue
                     attrs = d["attributes"]
                     spans.append(
                         Span(
@@ -110,8 +141,9 @@ class Run:
     trained_in: dict[str, int] = field(default_factory=dict)  # group -> iteration
     batches: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
     shipped_by: dict[str, list[Span]] = field(default_factory=lambda: defaultdict(list))
-    # group -> spans of a request it shared with other groups (a coalesced /generate batch
-    # is a child of its first member's span and links to the others'), with their children
+    # group -> spans of a request it shared with other groups, found by `millstream.group_ids`
+    # or by a link to the group's span (with the linking span's children): a coalesced
+    # /generate batch is a child of its first member's span alone
     borrowed: dict[str, list[Span]] = field(default_factory=lambda: defaultdict(list))
     evals: dict[int, list[Span]] = field(default_factory=lambda: defaultdict(list))
 
@@ -139,16 +171,26 @@ class Run:
                         run.shipped_by[linked.group].append(s)
             elif s.stage == "eval":
                 run.evals[int(s.attrs.get(ITERATION, 0))].append(s)
+        run._index_shared()
+        return run
+
+    def _index_shared(self) -> None:
+        shared: dict[str, dict[str, Span]] = defaultdict(dict)  # group -> span id -> span
         linking: dict[str, list[Span]] = defaultdict(list)
-        for s in run.spans:
+        for s in self.spans:
+            for gid in s.attrs.get(GROUP_IDS) or ():
+                shared[gid][s.span_id] = s
             if s.stage not in TRAINER_STAGES:
                 for span_id in s.links:
                     linking[span_id].append(s)
-        for gid, own in run.groups.items():
+        for gid, own in self.groups.items():
             for s in own:
                 for request in linking.get(s.span_id, ()):
-                    run.borrowed[gid] += [request, *run.descendants(request)]
-        return run
+                    for x in (request, *self.descendants(request)):
+                        shared[gid][x.span_id] = x
+        for gid, found in shared.items():
+            if spans := [x for x in found.values() if x.group != gid]:
+                self.borrowed[gid] = sorted(spans, key=lambda x: x.start)
 
     def descendants(self, s: Span) -> list[Span]:
         out, todo = [], list(self.children.get(s.span_id, ()))
@@ -180,16 +222,16 @@ class Run:
             in_range = iterations is None or (it is not None and it in iterations)
             return in_range and start >= cutoff
 
-        keep: list[Span] = []
+        keep: dict[str, Span] = {}
         for gid, spans in self.groups.items():
             if keep_iteration(self.group_iteration(gid), spans[0].start):
-                keep += spans
+                keep.update((s.span_id, s) for s in (*spans, *self.borrowed.get(gid, ())))
         for s in self.spans:
             if s.group is None and s.stage in TRAINER_STAGES:
                 it = int(s.attrs[ITERATION]) if ITERATION in s.attrs else self.iteration_of(s)
                 if keep_iteration(it, s.start):
-                    keep.append(s)
-        return Run.index(_fresh(keep)) if (iterations or since_s) else self
+                    keep[s.span_id] = s
+        return Run.index(_fresh(keep.values())) if (iterations or since_s) else self
 
     def group_iteration(self, gid: str) -> int | None:
         """The iteration that trained a group, or the one whose eval round it belongs to."""
@@ -285,6 +327,16 @@ def group_timeline(run: Run, gid: str) -> list[Span]:
     return sorted(spans, key=lambda s: s.start)
 
 
+def not_whole(run: Run) -> dict[str, list[str]]:
+    """The trained groups whose trace is not whole, with the WHOLE_TRACE stages it lacks."""
+    out = {}
+    for gid in run.trained_in:
+        stages = {s.stage for s in group_timeline(run, gid)}
+        if missing := [st for st in WHOLE_TRACE if st not in stages]:
+            out[gid] = missing
+    return out
+
+
 def slowest_groups(run: Run, n: int) -> list[tuple[str, float, dict[str, float]]]:
     """The n groups with the longest first-span-to-last-span time, with where it went."""
     spans_of = {gid: group_timeline(run, gid) for gid in run.groups}
@@ -302,6 +354,19 @@ def slowest_groups(run: Run, n: int) -> list[tuple[str, float, dict[str, float]]
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f}"
+
+
+def print_whole(console: Console, run: Run) -> None:
+    broken = not_whole(run)
+    trained = len(run.trained_in)
+    line = f"whole traces: {trained - len(broken):,} of {trained:,} trained groups"
+    if broken:
+        lacking: dict[str, int] = defaultdict(int)
+        for missing in broken.values():
+            for stage in missing:
+                lacking[stage] += 1
+        line += "; the others lack " + ", ".join(f"{st} ({n:,})" for st, n in lacking.items())
+    console.print(line)
 
 
 def print_stages(console: Console, run: Run) -> None:
@@ -385,7 +450,8 @@ def parse_iterations(text: str) -> range:
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="millstream trace",
-        description="Where a run's groups spent their time, from RUN_DIR/traces/*.jsonl.",
+        description="Where a run's groups spent their time, from RUN_DIR/traces/*.jsonl "
+        "(and RUN_DIR/../services/traces: compose's router and engines).",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     parser.add_argument("--group", metavar="ID", help="draw this group's waterfall")
@@ -398,15 +464,17 @@ def main(argv: Sequence[str]) -> int:
     spans, unreadable = read_spans(args.run_dir)
     run = Run.index(spans).select(args.iteration, args.since)
     console = Console(highlight=False)
-    files = len(list((args.run_dir / "traces").glob("*.jsonl")))
+    own, shared = span_files(args.run_dir)
+    files = f"{len(own)} file(s)" + (f" and {len(shared)} shared" if shared else "")
     note = f", {unreadable} unreadable line(s) skipped" if unreadable else ""
     console.print(
-        f"{len(spans):,} spans from {files} file(s){note}; {len(run.groups):,} groups, "
+        f"{len(spans):,} spans from {files}{note}; {len(run.groups):,} groups, "
         f"{len(run.iterations)} iterations selected"
     )
     if args.group:
         print_waterfall(console, run, args.group)
         return 0
+    print_whole(console, run)
     print_stages(console, run)
     print_critical_path(console, run)
     print_slowest(console, run, args.slowest)

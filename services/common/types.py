@@ -7,9 +7,18 @@ Loads without torch.
 
 from __future__ import annotations
 
-from .pb.messages_pb2 import PromptGroup, Sample, SampleGroup, SampleStatus, ScoredGroup, Verdict
+from .pb.messages_pb2 import (
+    PluginError,
+    PromptGroup,
+    Sample,
+    SampleGroup,
+    SampleStatus,
+    ScoredGroup,
+    Verdict,
+)
 
 __all__ = [
+    "PluginError",
     "PromptGroup",
     "Sample",
     "SampleGroup",

@@ -9,8 +9,10 @@ and unknown fields are 400s too (pydantic models forbid extras), never 5xx.
 Admin endpoints (control_api.py) need the admin token when one is set; everything here is
 open. A body over --max-request-bytes is refused with 413 before it is read.
 
-Tracing: /generate runs in an `engine.generate` span whose parent is the W3C context of the
-request headers, so a prompt group's trace crosses rollout worker -> router -> engine.
+Tracing: /generate runs in a `text_completion <model>` span whose parent is the W3C context of
+the request headers, so a prompt group's trace crosses rollout worker -> router -> engine; a
+request serving several groups (X-Millstream-Groups) links the span to each group's and records
+their ids (common/telemetry.py `served_groups`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from millstream.common import telemetry
 from millstream.common.http_limits import BodyLimit
 from millstream.common.prom import CONTENT_TYPE, render
-from millstream.common.telemetry import STAGE, context_from_headers, tracer
+from millstream.common.telemetry import STAGE, context_from_headers, served_groups, tracer
 
 from .control_api import Unauthorized
 from .control_api import router as control_router
@@ -89,15 +91,16 @@ def core_of(request: Request) -> EngineCore:
 @router.post("/generate")
 async def generate(req: GenerateReqIn, request: Request) -> Any:
     core = core_of(request)
-    span_ctx = context_from_headers(dict(request.headers))
+    span_ctx = context_from_headers(request.headers)
+    served, links = served_groups(request.headers)
     job = job_from_generate(core, req)
     if req.stream:
         submit(core, job)
-        chunks = _traced_stream(core, job, span_ctx)
+        chunks = _traced_stream(core, job, span_ctx, served, links)
         return StreamingResponse(chunks, media_type="text/event-stream")
     name, attributes = _generation_span(core, job)
     with tracer("millstream.engine").start_as_current_span(
-        name, context=span_ctx, attributes=attributes
+        name, context=span_ctx, attributes={**attributes, **served}, links=links
     ) as span:
         submit(core, job)
         await wait_done(core, job, request.receive)
@@ -131,12 +134,17 @@ def _generation_usage(job: Job, outputs: list[dict[str, Any]] | None) -> dict[st
     return usage
 
 
-async def _traced_stream(core: EngineCore, job: Job, span_ctx: Any) -> AsyncIterator[str]:
+async def _traced_stream(
+    core: EngineCore, job: Job, span_ctx: Any, served: dict[str, Any], links: list[Any]
+) -> AsyncIterator[str]:
     # A manual span: a "current" span would attach a context in one task and detach it in
     # another, since the response body is iterated outside this handler.
     name, attributes = _generation_span(core, job)
     span = tracer("millstream.engine").start_span(
-        name, context=span_ctx, attributes={**attributes, "millstream.stream": True}
+        name,
+        context=span_ctx,
+        attributes={**attributes, **served, "millstream.stream": True},
+        links=links,
     )
     try:
         async for chunk in stream_outputs(core, job):
@@ -168,6 +176,8 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
+# SGLang's current names are /model_info and /server_info; the /get_* ones are still served.
+@router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
     core = core_of(request)
@@ -185,6 +195,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
     }
 
 
+@router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
     core = core_of(request)

@@ -62,7 +62,7 @@ def server_flags(cfg: RunConfig) -> list[tuple[str, list[str]]]:
 def check(cfg: RunConfig, sglang: bool) -> None:
     """ConfigError naming what the engines to be started cannot take: with SGLang, nothing
     (SGLang judges its own flags); with millstream's engine, a --sglang-X it has no setting
-    for, or several GPUs per engine."""
+    for, --eval-min-new-tokens, or several GPUs per engine."""
     if sglang:
         return
     unknown = [f"{SERVER_PREFIX}{name[2:]}" for name, _ in server_flags(cfg)
@@ -73,6 +73,12 @@ def check(cfg: RunConfig, sglang: bool) -> None:
             "millstream's, which have no such setting (they take "
             f"{', '.join(SERVER_PREFIX + k[2:] for k in SGLANG_TO_ENGINE)}): install sglang, "
             "or drop them"
+        )
+    if cfg.eval.eval_min_new_tokens:
+        raise ConfigError(
+            f"--eval-min-new-tokens {cfg.eval.eval_min_new_tokens}: SGLang is not installed "
+            "here, and millstream's engine has no min_new_tokens (it stops at the first stop "
+            "token): install sglang, or drop it"
         )
     per_engine = cfg.sglang.rollout_num_gpus_per_engine
     if per_engine > 1:

@@ -8,7 +8,9 @@ prefixed `{run}:celery:` (kombu's and the result backend's `global_keyprefix`) a
 Wire format: JSON only (`accept_content=["json"]`, no pickle, DESIGN.md section 3). A task
 takes one JSON string: `{"run_id", "prompt", "sample": base64 protobuf Sample}` for
 `score_sample`, `{"run_id", "samples": [...]}` for `score_group`; it returns the float
-reward(s). A Celery worker is started with only --redis-url and --run-id and builds the same
+reward(s), or, when the --custom-rm-path function failed (a PluginFailed), `{"plugin_error":
+{...}}`, which the reward worker raises again as that PluginFailed, traceback included: the
+group fails at once, as with inline scoring (common/plugin_errors.py). A Celery worker is started with only --redis-url and --run-id and builds the same
 `Rewarder` from the run config in Redis, so the rewards are the same as inline scoring. A
 task for another run id is refused.
 
@@ -32,6 +34,7 @@ from opentelemetry.trace import SpanKind
 from millstream.common import telemetry
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
+from millstream.common.plugin_errors import PluginFailed
 from millstream.common.redis_conn import password_for
 from millstream.common.types import Sample
 
@@ -105,13 +108,17 @@ class CeleryRuntime:
             target=self.loop.run_forever, name="reward-loop", daemon=True
         )
         self._thread.start()
-        self.rewarder = Rewarder(cfg)
+        self.rewarder = Rewarder(cfg, service="reward-celery")
 
-    def run(self, coro: Coroutine[Any, Any, T], samples: int = 1) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], samples: int = 1) -> T | dict[str, Any]:
+        """The coroutine's result, or a PluginFailed's JSON (the module docstring)."""
         # The Celery worker bounds each attempt too (by --reward-timeout per sample, as the
         # scorer does), so a hung async reward frees its worker thread.
         bounded = asyncio.wait_for(coro, self.cfg.reward.reward_timeout * samples)
-        return asyncio.run_coroutine_threadsafe(bounded, self.loop).result()
+        try:
+            return asyncio.run_coroutine_threadsafe(bounded, self.loop).result()
+        except PluginFailed as err:
+            return err.to_json()
 
     def check_run(self, payload: dict[str, Any]) -> None:
         if payload.get("run_id") != self.cfg.run_id:
@@ -124,13 +131,15 @@ class CeleryRuntime:
         asyncio.run_coroutine_threadsafe(self.rewarder.aclose(), self.loop).result(timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 def register_tasks(app: Any, runtime: CeleryRuntime) -> None:
     """The reward tasks, bound to this worker's runtime."""
 
     @app.task(name=TASK_SAMPLE)
-    def score_sample(payload_json: str) -> float:
+    def score_sample(payload_json: str) -> float | dict[str, Any]:
         payload = json.loads(payload_json)
         runtime.check_run(payload)
         sample = decode_sample(payload["sample"])
@@ -138,7 +147,7 @@ def register_tasks(app: Any, runtime: CeleryRuntime) -> None:
             return runtime.run(runtime.rewarder.sample_reward(sample, payload.get("prompt", "")))
 
     @app.task(name=TASK_GROUP)
-    def score_group(payload_json: str) -> list[float]:
+    def score_group(payload_json: str) -> list[float] | dict[str, Any]:
         payload = json.loads(payload_json)
         runtime.check_run(payload)
         samples = [decode_sample(text) for text in payload["samples"]]
@@ -197,9 +206,13 @@ class CeleryExecutor:
     def _send_and_wait(self, task: str, payload_json: str, timeout_s: float) -> Any:
         result = self.app.send_task(task, args=[payload_json], queue=self.queue)
         try:
-            return result.get(timeout=timeout_s + self._GRACE_S, interval=0.05)
+            value = result.get(timeout=timeout_s + self._GRACE_S, interval=0.05)
         finally:
             result.forget()
+        failed = PluginFailed.from_json(value)
+        if failed is not None:
+            raise failed
+        return value
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.app.close)

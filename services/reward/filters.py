@@ -2,12 +2,14 @@
 
 A filter is Miles' `fn(args, samples, **kwargs) -> DynamicFilterOutput`, sync or async, called
 after every sample has its reward, where `args` is Miles' read-only namespace of the run's
-flags and `samples` the group's list of Miles `Sample`s with their rewards (common/miles.py).
+flags and `samples` the group's list of Miles `Sample`s with their rewards (common/miles/).
 It returns a DynamicFilterOutput (ours, Miles' or any object with `keep` and optionally
 `reason`), a dict with `keep`, or a bare bool (read as `keep`, as Miles' call_dynamic_filter
 does).
 A dropped group is published with verdict FILTERED and the reason, so the trainer's admission
-admits a replacement (DESIGN.md section 4). Eval groups are never filtered.
+admits a replacement (DESIGN.md section 4). Eval groups are never filtered. A filter that
+raises, or returns anything else, fails the group as a plugin error (reward/scorer.py,
+common/plugin_errors.py).
 
 Built-ins (Miles' names; a bare name, our module path, or Miles'/slime's module path all
 resolve to ours, so a Miles launch line works unchanged):
@@ -26,41 +28,19 @@ sample's loss mask goes to the trainer all zeros (Miles' train-data conversion d
 from __future__ import annotations
 
 import inspect
-import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from millstream.common.miles import (
     DynamicFilterOutput,
-    Sample,
     check_not_old_signature,
     samples_from_pb,
 )
+from millstream.common.miles.filter_hub import check_no_aborted, check_reward_nonzero_std
 from millstream.common.plugins import load_function
 from millstream.common.types import SampleGroup
 
-_STD_EPS = 1e-8
-
 FilterOutput = DynamicFilterOutput  # the name this module used before Miles' own
-
-
-def check_reward_nonzero_std(args: Any, samples: Sequence[Sample], **kwargs: Any) -> FilterOutput:
-    rewards = [s.get_reward_value(args) for s in samples]
-    if rewards and statistics.pstdev(rewards) > _STD_EPS:
-        return FilterOutput(keep=True)
-    first = rewards[0] if rewards else 0.0
-    return FilterOutput(
-        keep=False,
-        reason=f"zero_std_{round(first, 1)}: all {len(rewards)} rewards equal {first:g}",
-    )
-
-
-def check_no_aborted(args: Any, samples: Sequence[Sample], **kwargs: Any) -> FilterOutput:
-    aborted = [s.index for s in samples if s.status == Sample.Status.ABORTED]
-    if aborted:
-        return FilterOutput(keep=False, reason=f"group_has_aborted: samples {aborted} aborted")
-    return FilterOutput(keep=True)
-
 
 BUILTINS: dict[str, Callable[..., FilterOutput]] = {
     "check_reward_nonzero_std": check_reward_nonzero_std,
@@ -121,6 +101,8 @@ async def apply_filter(fn: Callable[..., Any], group: SampleGroup, args: Any) ->
         return FilterOutput(keep=bool(out["keep"]), reason=out.get("reason"))
     if hasattr(out, "keep"):
         return FilterOutput(keep=bool(out.keep), reason=getattr(out, "reason", None))
+    shown = repr(out) if len(repr(out)) <= 200 else repr(out)[:200] + "..."
     raise TypeError(
-        f"dynamic-sampling filter returned {out!r}: expected a bool or an object with .keep"
+        f"the dynamic-sampling filter returned {shown} ({type(out).__name__}): expected a "
+        "DynamicFilterOutput, a bool, or a dict or object with `keep`"
     )

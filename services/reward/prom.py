@@ -47,10 +47,12 @@ class RewardMetrics:
         readings.add(
             "counter",
             "millstream_reward_attempts_failed",
-            "reward attempts that failed, by reason (timeout: --reward-timeout; error: raised)",
+            "reward attempts that failed, by reason (timeout: --reward-timeout; error: raised, "
+            "retried; plugin: the --custom-rm-path function's bug, not retried)",
             lambda: {
                 ("timeout",): stats["reward_timeouts"],
                 ("error",): stats["reward_errors"],
+                ("plugin",): stats["reward_plugin_errors"],
             },
             labels=("reason",),
         )

@@ -1,7 +1,8 @@
 """`--rm-type remote_rm`: ask a reward model served over HTTP (`--rm-url`).
 
 One attempt = one `POST rm_url` with JSON `{"prompt", "response", "label", "metadata"}`
-(metadata is the sample's metadata JSON, parsed). The answer is a JSON number, or an object
+(metadata is the sample's metadata JSON, parsed; the label is the data row's value, a dict or a
+number as such, as Miles posts `sample.label`). The answer is a JSON number, or an object
 from which `to_reward` takes `--reward-key` (else "reward", else "score"). A refused
 connection, a timeout, a non-2xx status or a body that is not JSON raises: the scorer retries
 the attempt `--reward-retries` times with backoff and then fails the group with the reason.
@@ -38,7 +39,7 @@ class RemoteRM:
         payload = {
             "prompt": prompt,
             "response": response,
-            "label": sample.label,
+            "label": json.loads(sample.label_json) if sample.label_json else sample.label,
             "metadata": json.loads(sample.metadata_json) if sample.metadata_json else {},
         }
         try:

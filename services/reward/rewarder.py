@@ -1,11 +1,14 @@
 """One attempt at a reward: which function runs for a sample, and how it runs.
 
 The reward of a sample comes from, in order: `--custom-rm-path` (your `fn(args, sample)`, or
-with `--group-rm` your `fn(args, samples) -> list`, Miles' signatures: common/miles.py), the
+with `--group-rm` your `fn(args, samples) -> list`, Miles' signatures: common/miles/), the
 sample's metadata `rm_type`, then `--rm-type`. Functions may be sync or async and may return a
 number or a dict (`to_reward` reads `--reward-key`). `args` is Miles' read-only namespace of
 the run's flags, `sample` Miles' `Sample` (converted from the wire message here, with the
-group's prompt and `reward` None); an error raised by your function names its path.
+group's prompt and `reward` None). An error your function raises, or an answer that is no
+reward (NaN, a string, a list of the wrong length), is a PluginFailed naming its path with
+the traceback (common/plugin_errors.py): the scorer fails the group at once, without a retry.
+A connection or HTTP error, or a timeout, is the verifier's and is retried.
 
 Sync code (your sync function, the math built-ins, which may sit in sympy for a long time) runs
 in a daemon thread per call, at most `max_threads` at once (`exact` and `f1`, plain string
@@ -34,9 +37,9 @@ from millstream.common.miles import (
     check_not_old_signature,
     is_async,
     make_args,
-    named_error,
     samples_from_pb,
 )
+from millstream.common.plugin_errors import PluginFailed, reraise
 from millstream.common.plugins import load_function
 from millstream.common.types import Sample
 
@@ -90,7 +93,7 @@ class ThreadRunner:
             if err is not None:
                 done.set_exception(err)
             else:
-                done.set_result(result)  # type: ignore[arg-type]
+                done.set_result(result)
 
         def body() -> None:
             with self._lock:
@@ -113,13 +116,14 @@ class ThreadRunner:
 class Rewarder:
     """Computes raw rewards for one run config; see the module docstring."""
 
-    def __init__(self, cfg: RunConfig, *, max_threads: int = 32):
+    def __init__(self, cfg: RunConfig, *, max_threads: int = 32, service: str = "reward"):
         check_reward_config(cfg)
         r = cfg.reward
         self.cfg = cfg
+        self.service = service  # where a plugin error says it raised
         self.reward_key = r.reward_key
         self.group_rm = r.group_rm
-        self.custom_path = r.custom_rm_path
+        self.custom_path: str = r.custom_rm_path or ""
         self.custom = (
             load_function(r.custom_rm_path, "--custom-rm-path") if r.custom_rm_path else None
         )
@@ -135,7 +139,7 @@ class Rewarder:
         if self.custom is not None:
             (miles_sample,) = samples_from_pb([sample], prompt)
             value = await self._custom(miles_sample)
-            return to_reward(value, self.reward_key)
+            return self._custom_reward(value)
         rm_type = self._rm_type(sample)
         boxed, base = split_rm_type(rm_type)
         if base == REMOTE:
@@ -172,11 +176,12 @@ class Rewarder:
         values = await self._custom(samples_from_pb(samples, prompt))
         if not isinstance(values, list | tuple) or len(values) != len(samples):
             got = f"{len(values)} values" if isinstance(values, list | tuple) else repr(values)
-            raise ValueError(
+            wrong = ValueError(
                 f"--custom-rm-path {self.custom_path} (--group-rm) must return a list of "
                 f"{len(samples)} rewards (got {got})"
             )
-        return [to_reward(v, self.reward_key) for v in values]
+            raise PluginFailed.of(wrong, "--custom-rm-path", self.custom_path, self.service)
+        return [self._custom_reward(v) for v in values]
 
     def _rm_type(self, sample: Sample) -> str:
         from_metadata = _metadata_rm_type(sample.metadata_json)
@@ -190,12 +195,20 @@ class Rewarder:
         return self.cfg.reward.rm_type
 
     async def _custom(self, sample_or_samples: Any) -> Any:
-        """Your function's answer; an error it raises is re-raised naming its path."""
+        """Your function's answer; what it raises as a PluginFailed (module docstring)."""
         assert self.custom is not None
         try:
             return await self._call(self.custom, self.args, sample_or_samples)
         except Exception as err:
-            raise named_error(err, "--custom-rm-path", self.custom_path) from err
+            reraise(err, "--custom-rm-path", self.custom_path, self.service)
+
+    def _custom_reward(self, value: Any) -> float:
+        """The reward your function returned; PluginFailed when it is none."""
+        try:
+            return to_reward(value, self.reward_key)
+        except ValueError as err:
+            flag, path = "--custom-rm-path", self.custom_path
+            raise PluginFailed.of(err, flag, path, self.service) from err
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if is_async(fn):

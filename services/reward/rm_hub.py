@@ -1,8 +1,9 @@
 """The built-in rewards (`--rm-type`): Miles' values, value for value (`--rm-compat miles`).
 
-With `--rm-compat miles` (the default) every Miles rm_type below follows Miles' rules, written
-out in miles_rm.py, so a (response, label) pair gets the reward Miles gives it, edge cases
-included (tests/unit/test_rm_miles_parity.py):
+With `--rm-compat miles` (the default) every Miles rm_type below calls Miles' grader, the
+very function a plugin gets from `miles.rollout.rm_hub` (millstream.common.miles.rm_hub), so a
+(response, label) pair gets the reward Miles gives it, edge cases included
+(tests/unit/test_rm_miles_parity.py):
 
     rm_type      reward   Miles function (miles/rollout/rm_hub/)
     math         1 / 0    math_utils.grade_answer_verl: the last \\boxed{} only (no box: 0)
@@ -51,14 +52,16 @@ import math
 import numbers
 import os
 import re
-import string
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from millstream.common.errors import MillstreamError
+from millstream.common.miles.rm_hub.deepscaler import get_deepscaler_rule_based_reward
+from millstream.common.miles.rm_hub.f1 import f1_score
+from millstream.common.miles.rm_hub.math_dapo_utils import compute_score
+from millstream.common.miles.rm_hub.math_utils import extract_answer as miles_boxed
+from millstream.common.miles.rm_hub.math_utils import grade_answer_verl
 
-from . import miles_rm
 from .math_utils import after_think, extract_answer, is_equiv, last_boxed
 
 log = logging.getLogger(__name__)
@@ -90,21 +93,9 @@ def dapo_reward(response: str, label: str) -> float:
     return 1.0 if is_equiv(answer, label) else -1.0
 
 
-def _f1_tokens(text: str) -> list[str]:
-    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
-    return re.sub(r"\b(a|an|the)\b", " ", text).split()
-
-
 def f1_reward(response: str, label: str) -> float:
-    pred, gold = _f1_tokens(response), _f1_tokens(label)
-    # A yes/no answer is right or wrong as a whole, never half right by sharing a token.
-    if {" ".join(pred), " ".join(gold)} & {"yes", "no", "noanswer"} and pred != gold:
-        return 0.0
-    common = sum((Counter(pred) & Counter(gold)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(gold)
-    return 2 * precision * recall / (precision + recall)
+    """Miles' f1.f1_score's F1, in both compat modes."""
+    return float(f1_score(response, label)[0])
 
 
 def exact_reward(response: str, label: str, finish_reason: str | None = None) -> float:
@@ -130,18 +121,18 @@ COMPAT = ("miles", "millstream")
 def miles_rule(base: str, response: str, label: str) -> Any:
     """Miles' value (miles/rollout/rm_hub/__init__.py async_rm) for a Miles rm_type."""
     if base == "math":
-        return miles_rm.math_score(response, label)
+        return 1 if grade_answer_verl(response, label) else 0
     if base == "deepscaler":
-        return miles_rm.deepscaler_score(response, label)
+        return get_deepscaler_rule_based_reward(response, label)
     if base == "dapo":
         try:
-            return miles_rm.dapo_score(response, label)
+            return compute_score(response, label)
         except ValueError as err:  # Miles: int(float(label)) on a label that is no integer
             raise ValueError(
                 f"dapo (as in Miles) needs an integer label, got {label!r} ({err}); "
                 "--rm-compat millstream compares any answer by math equivalence"
             ) from None
-    return f1_reward(response, label)  # Miles' f1.f1_score[0], value for value
+    return f1_score(response, label)[0]
 
 
 # Plain string work, linear in the response: run on the event loop. Starting a thread per
@@ -181,7 +172,7 @@ def rule_reward(
     miles = compat == "miles"
     if boxed:
         # Miles: math_utils.extract_answer, which needs `\boxed{` (an `\fbox` alone is "").
-        response = (miles_rm.boxed_answer(response) if miles else last_boxed(response)) or ""
+        response = (miles_boxed(response) if miles else last_boxed(response)) or ""
     if base == "exact":
         return exact_reward(response, label, finish_reason)
     if miles:

@@ -3,23 +3,30 @@
 Owns the verdict of a group. The invariant: an infrastructure failure is never a reward.
 
 * A group the rollout gave up on (`failure_reason` set), a group without samples, or one
-  with a sample the rollout marked FAILED is passed through as FAILED, unscored.
+  with a sample the rollout marked FAILED is passed through as FAILED, unscored (with the
+  rollout's `plugin_error`, when a plugin failed it there, on the ScoredGroup).
 * Every sample is scored concurrently (or the whole group at once with `--group-rm`;
   or, when every sample's reward is an instant rule such as `exact`, inline in one go). One
   attempt is bounded by `--reward-timeout` (per sample; a group reward gets it per sample of
-  the group). An attempt that raises or times out is retried `--reward-retries` times with
-  a short exponential backoff; when the last attempt fails too, the other samples' work is
+  the group). An attempt that times out or fails on the infrastructure (a verifier that
+  cannot be reached, a built-in rule's error) is retried `--reward-retries` times with a
+  short exponential backoff; when the last attempt fails too, the other samples' work is
   cancelled and the WHOLE group is FAILED with a reason naming the sample and the error.
   No sample of a failed group carries a made-up reward.
+* A plugin that raises or answers wrongly (the --custom-rm-path reward, a filter below) is
+  a bug a retry repeats: the other samples' work is cancelled and the group is FAILED at
+  once with the reason "reward: <flag> <path> raised <Type>: <message>" and `plugin_error`
+  set (common/plugin_errors.py; the trainer prints its traceback and stops the run when it
+  keeps happening).
 * Otherwise rewards are filled in and, for training groups, the dynamic-sampling filter
   decides: KEPT, or FILTERED with the filter's reason. A kept training group then goes
   through the per-sample loss filter (--rollout-sample-filter-path), which can zero the loss
-  masks of some of its samples. A filter that raises fails the group.
+  masks of some of its samples.
 * `timings["reward"]` holds the seconds this took.
 
 The executor runs one attempt (inline: the Rewarder in this process; celery: a task on a
 Celery worker); timeouts, retries and verdicts are the same for both. `stats` counts groups
-by verdict and attempts that failed, timed out and were retried.
+by verdict and attempts that failed (raised, or a plugin's error), timed out and were retried.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any, Protocol
 
 from millstream.common.config import RunConfig
 from millstream.common.miles import make_args
+from millstream.common.plugin_errors import PluginFailed, find
 from millstream.common.types import Sample, SampleGroup, SampleStatus, ScoredGroup, Verdict
 
 from .filters import (
@@ -73,9 +81,9 @@ class GroupScorer:
         self.timeout_s = cfg.reward.reward_timeout
         self.retries = cfg.reward.reward_retries
         path = cfg.rollout.dynamic_sampling_filter_path
-        self.filter_path = path
+        self.filter_path: str = path or ""
         self.filter = resolve_filter(path) if path else None
-        self.sample_filter_path = cfg.rollout.rollout_sample_filter_path
+        self.sample_filter_path: str = cfg.rollout.rollout_sample_filter_path or ""
         self.sample_filter = (
             resolve_sample_filter(self.sample_filter_path) if self.sample_filter_path else None
         )
@@ -87,14 +95,25 @@ class GroupScorer:
         started = time.monotonic()
         out = SampleGroup()
         out.CopyFrom(group)
-        verdict, reason = await self._judge(out)
+        scored = ScoredGroup()
+        try:
+            verdict, reason = await self._judge(out)
+        except PluginFailed as err:
+            verdict, reason = Verdict.VERDICT_FAILED, err.reason
+            scored.plugin_error.CopyFrom(err.error)
+            self.stats["plugin_failed"] += 1
+        if group.HasField("plugin_error"):  # failed by a plugin in rollout
+            scored.plugin_error.CopyFrom(group.plugin_error)
         out.timings["reward"] = time.monotonic() - started
         self.stats[_VERDICT_NAMES[verdict]] += 1
         if verdict == Verdict.VERDICT_FAILED:
             log.warning("group %s failed: %s", group.prompt.group_id, reason)
-        return ScoredGroup(group=out, verdict=verdict, reason=reason)
+        scored.group.CopyFrom(out)
+        scored.verdict, scored.reason = verdict, reason
+        return scored
 
     async def _judge(self, group: SampleGroup) -> tuple[int, str]:
+        """(verdict, reason); PluginFailed when a plugin failed the group."""
         if group.failure_reason:
             return Verdict.VERDICT_FAILED, group.failure_reason
         if not group.samples:
@@ -112,24 +131,19 @@ class GroupScorer:
         if group.prompt.is_eval:
             return Verdict.VERDICT_KEPT, ""
         if self.filter is not None:
+            flag = "--dynamic-sampling-filter-path"
             try:
                 decision = await apply_filter(self.filter, group, self.args)
             except Exception as err:
-                return (
-                    Verdict.VERDICT_FAILED,
-                    f"dynamic-sampling filter {self.filter_path} raised {type(err).__name__}: {err}",
-                )
+                raise PluginFailed.of(err, flag, self.filter_path, "reward") from err
             if not decision.keep:
                 return _filter_verdict(decision)
         if self.sample_filter is not None:
+            flag = "--rollout-sample-filter-path"
             try:
                 removed = await apply_sample_filter(self.sample_filter, group, self.args)
             except Exception as err:
-                return (
-                    Verdict.VERDICT_FAILED,
-                    f"rollout sample filter {self.sample_filter_path} raised "
-                    f"{type(err).__name__}: {err}",
-                )
+                raise PluginFailed.of(err, flag, self.sample_filter_path, "reward") from err
             self.stats["samples_removed"] += len(removed)
         return Verdict.VERDICT_KEPT, ""
 
@@ -167,8 +181,11 @@ class GroupScorer:
                     )
                     for s in group.samples
                 ]
-        except* RewardFailure as failures:
-            raise failures.exceptions[0] from None
+        except ExceptionGroup as errors:  # the first failure cancelled the other samples
+            first = find(errors) or _first_reward_failure(errors)
+            if first is None:
+                raise
+            raise first from None
         return [job.result() for job in jobs]
 
     async def _attempts(
@@ -178,6 +195,9 @@ class GroupScorer:
         for n in range(1, tries + 1):
             try:
                 return await asyncio.wait_for(attempt(), timeout_s)
+            except PluginFailed:
+                self.stats["reward_plugin_errors"] += 1
+                raise  # a bug: another try repeats it
             except TimeoutError:
                 self.stats["reward_timeouts"] += 1
                 error = f"timed out after {timeout_s:g} s (--reward-timeout)"
@@ -192,6 +212,14 @@ class GroupScorer:
                 await asyncio.sleep(min(_BACKOFF_S * 2 ** (n - 1), _BACKOFF_MAX_S))
         attempts = "1 attempt" if tries == 1 else f"{tries} attempts"
         raise RewardFailure(f"{what}: reward {error} ({attempts}, --reward-retries {self.retries})")
+
+
+def _first_reward_failure(errors: BaseExceptionGroup) -> RewardFailure | None:
+    for err in errors.exceptions:
+        found = _first_reward_failure(err) if isinstance(err, BaseExceptionGroup) else err
+        if isinstance(found, RewardFailure):
+            return found
+    return None
 
 
 def _filter_verdict(decision: FilterOutput) -> tuple[int, str]:

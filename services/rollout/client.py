@@ -26,8 +26,11 @@ Owns two things every generation request passes through:
   Only prompts with the same `n` share a batch (SGLang requires one n per batch).
 
 An infrastructure failure is never a zero reward: callers turn GenerationFailed into a group
-published with `failure_reason`. The W3C trace context of the caller rides in the headers
-(a batch carries its first member's).
+published with `failure_reason`. The W3C trace context of the caller rides in the headers (a
+batch's is its `POST` span's, a child of its first member's span), and every request names the
+groups it serves in X-Millstream-Groups (each caller's group: the `millstream.group_id` of its
+current span), so the router's and engine's spans of a batch link to every group's trace, not
+only the first's (common/telemetry.py).
 """
 
 from __future__ import annotations
@@ -44,16 +47,25 @@ from typing import Any
 
 import httpx
 from opentelemetry import trace
-from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind
 
 from millstream.common.errors import Interrupted, MillstreamError
 from millstream.common.http_pool import make_client
-from millstream.common.telemetry import inject_headers, tracer
+from millstream.common.telemetry import (
+    GROUP_IDS,
+    GROUPS_HEADER,
+    current_group,
+    groups_header,
+    inject_headers,
+    tracer,
+)
 
 log = logging.getLogger("millstream.rollout")
 
-# A caller's request body, the future its answer goes to, and its span (for the batch's links).
-Member = tuple[dict[str, Any], "asyncio.Future[Any]", SpanContext]
+# A caller's group (None: untraced, or not in a group's span) and its span's context.
+Served = tuple[str | None, SpanContext]
+# A caller's request body, the future its answer goes to, and whom it serves (the batch's links).
+Member = tuple[dict[str, Any], "asyncio.Future[Any]", Served]
 
 FRESH = 2**62
 """Priority of a sample that has not been aborted yet; resumed samples use 0, 1, ..."""
@@ -221,12 +233,12 @@ class RouterClient:
         """(answer, "") or (None, why it may be retried); GenerationFailed when it must not.
         Coalesced with the other calls of the same moment (module docstring)."""
         if self.coalesce_window_s is None:
-            return await self._post_single(body)
+            return await self._post_single(body, served=[current_group()])
         n = int(body["sampling_params"].get("n") or 1)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         members = self._pending.setdefault(n, [])
-        members.append((body, future, trace.get_current_span().get_span_context()))
+        members.append((body, future, current_group()))
         if len(members) == 1 and self.coalesce_window_s > 0:
             loop.call_later(self.coalesce_window_s, self._flush, n)
         elif len(members) == 1:
@@ -244,10 +256,14 @@ class RouterClient:
 
     async def _post_batch(self, members: list[Member], n: int) -> None:
         """Send `members` as one batch request and hand each future its part. The request's
-        span is a child of the first member's span and links to every other member's, so
-        each group's trace reaches the router and engine spans of the batch it rode in."""
+        span is a child of the first member's span and links to every other member's; its
+        X-Millstream-Groups names them all, so the router's and engine's spans link to each
+        group's trace too."""
+        served = [member[2] for member in members]
         if len(members) == 1:
-            results: list[Any] = [await self._settle(self._post_single(members[0][0]))]
+            results: list[Any] = [
+                await self._settle(self._post_single(members[0][0], served=served))
+            ]
         else:
             self.batches_sent += 1
             batch = {
@@ -256,7 +272,7 @@ class RouterClient:
                 "rid": [body["rid"] for body, _, _ in members],
                 "return_logprob": True,
             }
-            links = [trace.Link(ctx) for _, _, ctx in members[1:] if ctx.is_valid]
+            links = [trace.Link(ctx) for _, ctx in served[1:] if ctx.is_valid]
             with tracer("millstream.rollout").start_as_current_span(
                 "POST",
                 kind=SpanKind.CLIENT,
@@ -265,12 +281,14 @@ class RouterClient:
                     "http.request.method": "POST",
                     "url.full": f"{self.url}/generate",
                     "millstream.batch_size": len(members),
+                    GROUP_IDS: [gid for gid, _ in served if gid],
                 },
             ):
-                outcome = await self._settle(self._post_single(batch, count=len(members) * n))
+                post = self._post_single(batch, count=len(members) * n, served=served)
+                outcome = await self._settle(post)
             if isinstance(outcome, GenerationFailed):  # rejected as bad: find which one
                 results = await asyncio.gather(
-                    *(self._settle(self._post_single(body)) for body, _, _ in members)
+                    *(self._settle(self._post_single(b, served=[s])) for b, _, s in members)
                 )
             elif outcome[0] is None:
                 results = [outcome] * len(members)
@@ -295,12 +313,20 @@ class RouterClient:
         except GenerationFailed as err:
             return err
 
-    async def _post_single(self, body: dict[str, Any], count: int | None = None) -> tuple[Any, str]:
-        """One HTTP request; `count`: answers a batch body must come back with."""
+    async def _post_single(
+        self, body: dict[str, Any], count: int | None = None, served: list[Served] | None = None
+    ) -> tuple[Any, str]:
+        """One HTTP request; `count`: answers a batch body must come back with; `served`: the
+        groups it serves. A request for one caller continues that caller's trace (a batch
+        re-sent one request each runs in its first member's context)."""
+        context = None
+        if served and len(served) == 1 and served[0][1].is_valid:
+            context = trace.set_span_in_context(NonRecordingSpan(served[0][1]))
+        headers = inject_headers(context=context)
+        if served and (groups := groups_header(served)):
+            headers[GROUPS_HEADER] = groups
         try:
-            response = await self._http.post(
-                f"{self.url}/generate", json=body, headers=inject_headers()
-            )
+            response = await self._http.post(f"{self.url}/generate", json=body, headers=headers)
         except httpx.TransportError as err:
             return None, f"{type(err).__name__}: {err or 'no detail'}"
         if response.status_code >= 500 or response.status_code == 429:

@@ -128,6 +128,9 @@ def plan_for(group: PromptGroup, cfg: RunConfig) -> GroupPlan:
         top_k = _pick(e.eval_top_k, top_k)
         max_new_tokens = _pick(e.eval_max_response_len, max_new_tokens)
         n_default = e.n_samples_per_eval_prompt
+    if r.rollout_max_context_len is not None:  # what the prompt leaves (0: nothing, truncated)
+        room = r.rollout_max_context_len - len(group.prompt_token_ids)
+        max_new_tokens = max(0, min(max_new_tokens, room))
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -142,6 +145,8 @@ def plan_for(group: PromptGroup, cfg: RunConfig) -> GroupPlan:
         params["stop"] = list(r.rollout_stop)
     if r.rollout_stop_token_ids:
         params["stop_token_ids"] = list(r.rollout_stop_token_ids)
+    if group.is_eval and e.eval_min_new_tokens:
+        params["min_new_tokens"] = e.eval_min_new_tokens
     eval_part = f"eval={group.eval_name}" if group.is_eval else "train"
     seed_key = f"{r.rollout_seed}:{eval_part}:{group.data_index}:{group.epoch}"
     return GroupPlan(group.n_samples or n_default, params, seed_key)

@@ -53,6 +53,7 @@ def new_sample(group: PromptGroup, index: int) -> Sample:
         index=index,
         prompt_token_ids=group.prompt_token_ids,
         label=group.label,
+        label_json=group.label_json,
         metadata_json=group.metadata_json,
     )
 

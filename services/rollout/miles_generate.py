@@ -22,10 +22,13 @@ then the function is called again with the sample: with `--partial-rollout` as i
 `generate_and_rm` does), without it from a fresh copy of the sample. After `max_aborts`
 aborts it is published as aborted.
 
-`args` is Miles' (common/miles.py) with `sglang_router_ip` and `sglang_router_port` set to the
+`args` is Miles' (common/miles/) with `sglang_router_ip` and `sglang_router_port` set to the
 router this worker uses. Miles' `miles.utils.http_utils.post(url, payload)` is stood in for
-(common/miles.py `http_post`), so a function that imports it runs as it is. An exception in the function is a plugin's bug: the entry stays pending for redelivery
-(rollout/worker.py), its message naming the flag and path.
+(common/miles/ `http_post`), so a function that imports it runs as it is. An exception in
+the function, or an answer that is no Sample, is a plugin's bug: the group fails at once with
+the error and its traceback (common/plugin_errors.py, rollout/worker.py), never retried. A
+failure to reach the router (an HTTP or connection error, after `http_post`'s own retries)
+is the router's: the group fails as GenerationFailed, as with the default rollout.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from millstream.common.config import RunConfig
-from millstream.common.miles import Args, Sample, is_async, make_args, named_error, sample_to_pb
+from millstream.common.errors import MillstreamError
+from millstream.common.miles import Args, Sample, is_async, make_args, sample_to_pb
+from millstream.common.plugin_errors import PluginFailed, is_infrastructure, reraise
 from millstream.common.plugins import load_function
 from millstream.common.types import PromptGroup, SampleGroup
 
-from .client import RouterClient
+from .client import GenerationFailed, RouterClient
 from .config import plan_for
 from .partial import PartialBuffer
 
@@ -92,7 +97,7 @@ class MilesGenerate:
                 index=i,
                 prompt=group.prompt_text,
                 tokens=list(group.prompt_token_ids),
-                label=group.label,
+                label=json.loads(group.label_json) if group.label_json else group.label,
                 metadata=dict(metadata),
                 group_id=group.group_id,
             )
@@ -153,12 +158,21 @@ class MilesGenerate:
                 sample.loss_mask = [0] * sample.response_length
 
     async def _call(self, sample: Sample, params: dict[str, Any]) -> Sample | list[Sample]:
+        """The function's Sample(s); PluginFailed when it raises (the router's failures,
+        after http_post's own retries, are GenerationFailed) or returns anything else."""
         try:
             if is_async(self.fn):
-                return await self.fn(self.args, sample, params)
-            return await asyncio.to_thread(self.fn, self.args, sample, params)
+                result = await self.fn(self.args, sample, params)
+            else:
+                result = await asyncio.to_thread(self.fn, self.args, sample, params)
         except Exception as err:
-            raise named_error(err, FLAG, self.path) from err
+            if is_infrastructure(err) and not isinstance(err, MillstreamError):
+                raise GenerationFailed(f"{FLAG} {self.path}: {type(err).__name__}: {err}") from err
+            reraise(err, FLAG, self.path, "rollout")
+        if not all(isinstance(s, Sample) for s in _as_list(result)):
+            wrong = TypeError(f"returned {result!r:.200}: expected a Sample or a list of Samples")
+            raise PluginFailed.of(wrong, FLAG, self.path, "rollout")
+        return result
 
 
 def _as_list(result: Sample | list[Sample]) -> list[Sample]:

@@ -14,13 +14,15 @@ renewing it because the job is still running) until the sync looks over:
     caller bounds.
 
 Groups released together are ordered by the buffer filter, Miles' `fn(args, rollout_id,
-buffer, num_samples) -> list[list[Sample]]` (common/miles.py), called with `rollout_id=None`
+buffer, num_samples) -> list[list[Sample]]` (common/miles/), called with `rollout_id=None`
 (as Miles calls it) and `num_samples=len(buffer)`, where `buffer` holds one list of Miles
 Samples per group: its `partial_samples`, where its samples stand (default: Miles'
 `pop_first`, first in, first out). The lists it returns (the buffer's own, or any whose
 samples carry the group's `group_id`) give the order. The position becomes the resumed requests' priority for a
 generation slot, ahead of every fresh request. A filter that leaves a group out does not drop
 it: every admitted group ends in one terminal state, so the left-out ones resume last, FIFO.
+A filter that raises fails the groups it was to order (`wait` raises its error: the worker
+fails them, common/plugin_errors.py) rather than leaving them parked.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class _Parked:
     waiters: int = 0
     released: asyncio.Event = field(default_factory=asyncio.Event)
     priority: int = 0
+    error: Exception | None = None  # the buffer filter's: the group fails with it
 
 
 class PartialBuffer:
@@ -132,6 +135,8 @@ class PartialBuffer:
             parked.waiters -= 1
             if parked.waiters == 0 and self._parked.get(group_id) is parked:
                 del self._parked[group_id]  # cancelled before release: nothing to resume
+        if parked.error is not None:
+            raise parked.error
         return parked.priority
 
     async def run(self) -> None:
@@ -157,7 +162,16 @@ class PartialBuffer:
         }
         if not ready:
             return []
-        order = resume_order([p.snapshot() for p in ready.values()], self.buffer_filter, self.args)
+        try:
+            order = resume_order(
+                [p.snapshot() for p in ready.values()], self.buffer_filter, self.args
+            )
+        except Exception as err:  # a buffer filter's bug fails its groups, none waits forever
+            for gid, parked in ready.items():
+                del self._parked[gid]
+                parked.error = err
+                parked.released.set()
+            return []
         for gid in order:
             parked = self._parked.pop(gid)
             parked.priority = self.resumed

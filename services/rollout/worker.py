@@ -4,7 +4,7 @@ Owns one consumer in group `rollout` and runs the common StreamWorker over it. E
 job decodes the PromptGroup, runs the rollout function (the default, or the user's
 `--rollout-function-path` fn(group, cfg, client) -> SampleGroup: per group, millstream's own
 form; Miles' whole-batch `generate_rollout(args, rollout_id, data_source, evaluation=False)`
-is refused, see `check_rollout_function` and common/miles.py; or Miles' per-sample
+is refused, see `check_rollout_function` and common/miles/; or Miles' per-sample
 `--custom-generate-function-path`, miles_generate.py) under a `rollout.group`
 span continuing the entry's trace, and hands the SampleGroup off with `publish_and_ack`, which
 carries the span's context on. Timings: `rollout` (seconds in the rollout function) and,
@@ -12,9 +12,12 @@ when the trainer stamped `admitted_unix`, `rollout_queue` (admission to the work
 
 Invariant: every PromptGroup entry yields exactly one SampleGroup on {run}:generated: the
 samples, or the group with `failure_reason` when the router could not generate (never a zero
-reward: the reward worker passes it through as failed). Other errors (a plugin's bug) leave
-the entry pending for redelivery and, past --max-deliveries, the dead stream. A Redis outage
-shorter than --redis-outage-timeout only delays the hand-off (common/worker.py).
+reward: the reward worker passes it through as failed), or when a plugin (the rollout or
+generate function, the buffer filter) raised or returned a wrong value: then at once, with
+`plugin_error` set and never retried (common/plugin_errors.py; the trainer prints the
+traceback and stops the run when it keeps happening). Other errors (millstream's own bugs)
+leave the entry pending for redelivery and, past --max-deliveries, the dead stream. A Redis
+outage shorter than --redis-outage-timeout only delays the hand-off (common/worker.py).
 
 Group slots: the StreamWorker runs up to `--rollout-max-concurrency` groups at once, as many
 as there are generation slots, so a group waiting on its long-tail sample (or parked for a
@@ -28,6 +31,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import SpanKind
@@ -39,8 +43,8 @@ from millstream.common.miles import (
     check_not_old_signature,
     check_rollout_function,
     make_args,
-    named_error,
 )
+from millstream.common.plugin_errors import PluginFailed, error_key, find, reraise
 from millstream.common.plugins import load_function
 from millstream.common.streams import Consumer, StreamEntry, decode
 from millstream.common.telemetry import context_from_fields, inject_fields, tracer
@@ -78,17 +82,37 @@ def load_rollout_function(path: str) -> RolloutFn:
 
 
 def load_buffer_filter(path: str) -> BufferFilter:
-    """Miles' buffer filter at `path`, its errors re-raised naming the flag and path."""
-    fn = load_function(path, "--buffer-filter-path")
-    check_not_old_signature(fn, "--buffer-filter-path", path)
+    """Miles' buffer filter at `path`; PluginFailed when it raises or returns anything but
+    lists of the buffer's groups (partial.py `resume_order` reads them)."""
+    flag = "--buffer-filter-path"
+    fn = load_function(path, flag)
+    check_not_old_signature(fn, flag, path)
 
-    def named(*args: object) -> list:
+    def checked(args: Any, rollout_id: int | None, buffer: list, num_samples: int) -> list:
+        lists = {id(samples) for samples in buffer}
+        gids = {s.group_id for samples in buffer for s in samples}
         try:
-            return fn(*args)
+            out = fn(args, rollout_id, buffer, num_samples)
         except Exception as err:
-            raise named_error(err, "--buffer-filter-path", path) from err
+            reraise(err, flag, path, "rollout")
+        if out is None:  # none chosen: all resume FIFO
+            return []
+        for samples in out if isinstance(out, list) else [None]:
+            if not isinstance(samples, list) or (
+                id(samples) not in lists and not (samples and samples[0].group_id in gids)
+            ):
+                wrong = TypeError(
+                    f"returned {_shown(out)}: expected a list of the buffer's lists of Samples"
+                )
+                raise PluginFailed.of(wrong, flag, path, "rollout")
+        return out
 
-    return named
+    return checked
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def failed_group(group: PromptGroup, reason: str) -> SampleGroup:
@@ -148,6 +172,7 @@ class RolloutWorker:
             on_stop=client.stop,  # a drain does not wait out retries against a gone router
         )
         self.failed_groups = 0
+        self._plugin_errors_seen: set[tuple[str, ...]] = set()
         self._tracer = tracer("millstream.rollout")
         self.metrics = RolloutMetrics(self)  # served by main.py with --metrics-port
 
@@ -197,23 +222,56 @@ class RolloutWorker:
             log.info("group %s was taken over and handed off by another worker", group.group_id)
 
     async def rollout(self, group: PromptGroup) -> SampleGroup:
-        """The rollout function's SampleGroup, or the group failed with the router's reason."""
+        """The rollout function's SampleGroup, or the group failed: with the router's reason,
+        or with the plugin's error (module docstring)."""
         try:
-            result = self.rollout_fn(group, self.cfg, self.client)
-            if inspect.isawaitable(result):  # a plain function is fine too
-                result = await result
+            result = await self._run_rollout_fn(group)
         except Exception as err:
+            plugin = find(err)
+            if plugin is not None:
+                return self._plugin_failed(group, plugin)
             failure = first_failure(err)
             if failure is None:
                 raise
             self.failed_groups += 1
             log.error("group %s failed: %s", group.group_id, failure)
             return failed_group(group, f"rollout: {failure}")
-        if not isinstance(result, SampleGroup):
-            raise TypeError(
-                f"the rollout function returned {type(result).__name__} for group "
-                f"{group.group_id!r}; it must return a millstream.common.types.SampleGroup"
-            )
         if not result.HasField("prompt"):
             result.prompt.CopyFrom(group)
         return result
+
+    async def _run_rollout_fn(self, group: PromptGroup) -> SampleGroup:
+        """The rollout function's answer; a --rollout-function-path's error or wrong answer
+        as a PluginFailed (the others' plugins raise theirs themselves)."""
+        path = self.cfg.rollout.rollout_function_path
+        flag = "--rollout-function-path"
+        try:
+            result = self.rollout_fn(group, self.cfg, self.client)
+            if inspect.isawaitable(result):  # a plain function is fine too
+                result = await result
+        except Exception as err:
+            if not path or find(err) is not None:
+                raise
+            reraise(err, flag, path, "rollout")
+        if not isinstance(result, SampleGroup):
+            wrong = TypeError(
+                f"the rollout function returned {type(result).__name__} for group "
+                f"{group.group_id!r}; it must return a millstream.common.types.SampleGroup"
+            )
+            if not path:
+                raise wrong
+            raise PluginFailed.of(wrong, flag, path, "rollout")
+        return result
+
+    def _plugin_failed(self, group: PromptGroup, plugin: PluginFailed) -> SampleGroup:
+        self.failed_groups += 1
+        error = plugin.error
+        seen = self._plugin_errors_seen
+        if error_key(error) not in seen and len(seen) < 256:  # its traceback once, in our log
+            seen.add(error_key(error))
+            log.error("group %s failed: %s\n%s", group.group_id, plugin.reason, error.traceback)
+        else:
+            log.error("group %s failed: %s", group.group_id, plugin.reason)
+        failed = failed_group(group, plugin.reason)
+        failed.plugin_error.CopyFrom(error)
+        return failed

@@ -4,7 +4,10 @@ Miles router compatible: `POST /add_worker` (url in `?url=` or a JSON body), `PO
 /remove_worker`, `GET /list_workers` -> {"urls": [...]}. sglang-router compatible: `POST
 /workers` -> 202 {"status": "accepted", "worker_id", ...}, `GET /workers` -> {"workers",
 "total", "stats"}, `GET|DELETE /workers/{id}`. Version gating: `POST /set_weight_version`,
-`GET /get_weight_version` (answered here, not proxied). Everything else goes to a worker.
+`GET /get_weight_version` (answered here, not proxied). Everything else goes to a worker;
+SGLang's newer names `/server_info` and `/model_info` go to a worker's `/get_server_info` and
+`/get_model_info`, which every SGLang release and millstream's engine answer (sglang-router
+serves both names with one handler the same way).
 
 Invariants: mutating endpoints need `Authorization: Bearer <admin token>` when one is set
 (compared in constant time, common/auth.py), and so do the engines' admin paths the proxy
@@ -53,6 +56,8 @@ WORKER_FIELDS = {"url", "worker_url"}
 # sglang-router's worker spec fields we accept (and show in GET /workers) but do not act on.
 SGLANG_WORKER_FIELDS = {"url", "worker_type", "model_id", "priority", "cost", "labels"}
 ROUTER_ID_HEADER = "x-millstream-router"
+# SGLang's current name of a worker's info endpoint -> the name every worker answers.
+WORKER_INFO_PATHS = {"/server_info": "/get_server_info", "/model_info": "/get_model_info"}
 
 
 class ApiError(Exception):
@@ -379,6 +384,8 @@ class ProxyFastPath:
         if scope["method"] not in PROXY_METHODS:
             await self.app(scope, receive, send)
             return
+        if (asked := WORKER_INFO_PATHS.get(path)) is not None:
+            scope = {**scope, "path": asked, "raw_path": asked.encode()}
         response = await self.router.proxy.handle(Request(scope, receive))
         await response(scope, receive, send)
 

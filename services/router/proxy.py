@@ -3,7 +3,9 @@
 Owns the data path: body bytes, method, path and query go to the worker untouched (a JSON
 body is never re-serialised, so meta_info reaches the caller exactly as the engine wrote it);
 hop-by-hop headers are stripped in both directions; the caller's W3C trace context is
-continued by a `router.proxy` span and injected into the forwarded request.
+continued by a `router.proxy` span and injected into the forwarded request. A request that
+serves several prompt groups names them in X-Millstream-Groups (common/telemetry.py): the span
+links to each group's and records their ids, and the header goes on to the engine as it came.
 
 Retry invariant: an attempt is retried on another worker (at most `max_retries` times,
 untried workers first) only while nothing has reached the caller yet: after a refused or
@@ -225,14 +227,17 @@ class Proxy:
         if request.url.query:
             target += "?" + request.url.query
         key = self._route_key(body, request.headers.get("content-type", ""))
+        served, links = telemetry.served_groups(request.headers)
         span = self._tracer.start_span(
             "router.proxy",
             context=telemetry.context_from_headers(request.headers),
             kind=SpanKind.SERVER,
+            links=links,
             attributes={
                 telemetry.STAGE: "router",
                 "http.request.method": request.method,
                 "url.path": request.url.path,
+                **served,
             },
         )
         headers = forward_headers(request, span)

@@ -129,6 +129,7 @@ class Admission:
             prompt_token_ids=row.prompt_token_ids,
             prompt_text=row.prompt_text,
             label=row.label,
+            label_json=row.label_json,
             metadata_json=json.dumps(row.metadata),
             n_samples=self.n_samples,
             admitted_version=version,

@@ -10,7 +10,12 @@ Nothing here grows with the length of the run: per-group state lives from arriva
 Both readers are StreamWorkers, so a Redis outage shorter than --redis-outage-timeout costs
 only time: what arrived stays here, and the acks go out once Redis is back.
 
-Dead letters are terminal too: an entry any consumer dead-lettered (bad bytes, a plugin that
+A group failed because a plugin raised (`plugin_error`) is terminal `failed` like any other;
+`plugins` (observe/plugin_failures.py) prints its traceback the first time and, after
+--max-consecutive-failed-groups of them in a row, makes `check` (so every wait here) raise
+PluginCrashed, which ends the run.
+
+Dead letters are terminal too: an entry any consumer dead-lettered (bad bytes, a job that
 kept failing, too many deliveries) is decoded as far as it can be, and its group, when this
 run expects it, ends `failed` with the dead letter's reason, which frees its admission slot.
 
@@ -39,6 +44,8 @@ from millstream.common.keys import GROUP_TRAINER, STREAM_GENERATED, STREAM_PROMP
 from millstream.common.streams import Consumer, StreamEntry
 from millstream.common.types import PromptGroup, SampleGroup, ScoredGroup, Verdict
 from millstream.common.worker import StreamWorker
+
+from .observe.plugin_failures import PluginFailures
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,7 @@ class Buffer:
         block_ms: int,
         on_terminal: Callable[[str, str], None],
         expected: Callable[[str], bool],
+        max_consecutive_failed_groups: int = 0,
     ):
         self.consumer = Consumer(
             redis, keys.scored, GROUP_TRAINER, consumer_name,
@@ -89,6 +97,7 @@ class Buffer:
             auto_ack=True, check_entries=False,
         )  # fmt: skip
         self.expected = expected
+        self.plugins = PluginFailures(max_consecutive_failed_groups)
         self.duplicates = 0
         self.dead_letters = 0  # groups of this run that ended failed from the dead stream
         self.dead_foreign = 0  # dead entries that are no group this run waits for
@@ -122,7 +131,9 @@ class Buffer:
         self._feeders.append(task)
 
     def check(self) -> None:
-        """Surface a crashed reader or feeder instead of waiting on it forever."""
+        """Surface a crashed reader or feeder instead of waiting on it forever, and a plugin
+        that keeps failing groups (PluginCrashed)."""
+        self.plugins.check()
         for task in self._tasks + self._feeders:
             if task.done() and not task.cancelled():
                 task.result()
@@ -136,9 +147,11 @@ class Buffer:
                     self.duplicates += 1
                 else:
                     self._eval[gid] = scored
+                    self.plugins.observe(scored)
             elif gid in self._waiting or not self.expected(gid):
                 self.duplicates += 1
             elif scored.verdict == Verdict.VERDICT_KEPT:
+                self.plugins.observe(scored)
                 self._kept.append(scored)
                 self._waiting.add(gid)
                 parent = telemetry.context_from_fields(entry.trace_fields)
@@ -146,6 +159,7 @@ class Buffer:
                     self._contexts[gid] = (parent, telemetry.entry_time_ns(entry.id))
             else:
                 state = "filtered" if scored.verdict == Verdict.VERDICT_FILTERED else "failed"
+                self.plugins.observe(scored)
                 self._terminal(gid, state)
                 if state == "failed":
                     log.warning(
@@ -175,6 +189,7 @@ class Buffer:
                 )  # fmt: skip
             else:
                 self.dead_letters += 1
+                self.plugins.in_row = 0  # a failure, not a plugin's
                 log.warning(
                     "group %s failed (dead letter from %s): %s", prompt.group_id, source, reason
                 )
@@ -196,6 +211,7 @@ class Buffer:
         batch: list[ScoredGroup] = []
         async with self._arrived:
             while len(batch) < n:
+                self.plugins.check()
                 while not self._kept:
                     self.check()
                     await self._wait()

@@ -29,7 +29,7 @@ from .backends.offload import TrainOffload
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
 from .checkpoints import checkpoint, megatron_ckpt
-from .data import PluginDataSource, PromptDataSource, labels_are_text
+from .data import EMPTY_PROMPTS, PluginDataSource, PromptDataSource, labels_are_text
 from .evaluate import Evaluator
 from .janitor import Tidied, run_janitor
 from .observe.metrics import MetricsLogger
@@ -59,15 +59,22 @@ def colocation(cfg: RunConfig, backend: Any, sync: WeightSync) -> Colocation | N
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:
-    return _tokenizer(cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load)
+    return _tokenizer(cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load, cfg.rollout.chat_template_path)
 
 
 @functools.cache
-def _tokenizer(path: str) -> Any:
-    """Loaded once per process (the data sources and the build share it)."""
+def _tokenizer(path: str, chat_template_path: str | None = None) -> Any:
+    """Loaded once per process (the data sources and the build share it); with
+    --chat-template-path, that Jinja file is its chat template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template_path:
+        try:
+            tokenizer.chat_template = Path(chat_template_path).read_text(encoding="utf-8")
+        except OSError as err:
+            raise MillstreamError(f"--chat-template-path {chat_template_path}: {err}") from None
+    return tokenizer
 
 
 def master_address(cfg: RunConfig) -> str:
@@ -86,10 +93,13 @@ def data_sources(
 ) -> tuple[PromptDataSource | PluginDataSource, dict[str, PromptDataSource]]:
     r, e = cfg.rollout, cfg.eval
     train: PromptDataSource | PluginDataSource
-    if not is_default_source(r.data_source_path):
+    template_kwargs = r.apply_chat_template_kwargs
+    if not is_default_source(r.data_source_path) or not r.rollout_global_dataset:
+        # a DataSource class, or Miles' default one without its data set: empty prompts
+        path = r.data_source_path if not is_default_source(r.data_source_path) else EMPTY_PROMPTS
         train = PluginDataSource(
-            r.data_source_path, cfg, tokenizer, apply_chat_template=r.apply_chat_template,
-            prompt_special_tokens=r.prompt_special_tokens,
+            path, cfg, tokenizer, apply_chat_template=r.apply_chat_template,
+            prompt_special_tokens=r.prompt_special_tokens, chat_template_kwargs=template_kwargs,
         )  # fmt: skip
     else:
         train = PromptDataSource(
@@ -97,7 +107,7 @@ def data_sources(
             metadata_key=r.metadata_key, tool_key=r.tool_key, apply_chat_template=r.apply_chat_template,
             max_prompt_len=r.rollout_max_prompt_len, prompt_special_tokens=r.prompt_special_tokens,
             shuffle=r.rollout_shuffle, seed=r.rollout_seed, skip_bad_lines=r.skip_bad_lines,
-            text_labels=labels_are_text(cfg),
+            text_labels=labels_are_text(cfg), chat_template_kwargs=template_kwargs,
         )  # fmt: skip
     evals = {
         name: PromptDataSource(
@@ -112,6 +122,7 @@ def data_sources(
             max_prompt_len=e.eval_max_prompt_len,
             skip_bad_lines=r.skip_bad_lines,
             text_labels=labels_are_text(cfg),
+            chat_template_kwargs=template_kwargs,
         )
         for name, path in e.datasets().items()
     }
@@ -226,6 +237,7 @@ async def build_trainer(
         max_deliveries=cfg.service.max_deliveries, block_ms=cfg.service.stream_block_ms,
         on_terminal=lambda gid, st: holder["t"].on_terminal(gid, st),
         expected=admission.in_flight.__contains__,
+        max_consecutive_failed_groups=cfg.service.max_consecutive_failed_groups,
     )  # fmt: skip
     lend_idle_cores(cfg, budget, backend, admission, buffer)
     iteration = version = 0

@@ -31,6 +31,7 @@ class PromptRow:
     prompt_token_ids: list[int]
     label: str
     metadata: dict[str, Any]
+    label_json: str = ""  # the label's JSON when it is no string (_label_json)
 
 
 @dataclass
@@ -48,9 +49,16 @@ class LoadStats:
 
 
 def _label_text(value: Any) -> str:
+    """The wire's `label`: a string as it is, any other JSON value as its JSON text."""
     if value is None:
         return ""
     return value if isinstance(value, str) else json.dumps(value)
+
+
+def _label_json(value: Any) -> str:
+    """The wire's `label_json`: the JSON text of a label that is no string (a dict, list,
+    number or bool), which the Miles edge decodes back to that value; "" for a string or none."""
+    return "" if value is None or isinstance(value, str) else json.dumps(value)
 
 
 @dataclass(frozen=True)
@@ -61,11 +69,14 @@ class RawRow:
     label: str
     metadata: dict[str, Any]
     tools: Any
+    label_json: str = ""
 
 
 def labels_are_text(cfg: Any) -> bool:
-    """A built-in --rm-type compares labels as text; a custom reward gets any JSON as text."""
-    return bool(cfg.reward.rm_type) and not cfg.reward.custom_rm_path
+    """A built-in rule (--rm-type) compares labels as text; a custom reward and a remote RM get
+    the label's JSON value, whatever it is."""
+    rm_type = (cfg.reward.rm_type or "").strip().removeprefix("boxed_")
+    return bool(rm_type) and rm_type != "remote_rm" and not cfg.reward.custom_rm_path
 
 
 # What `parse_row` raises on a malformed line (json.JSONDecodeError is a ValueError).
@@ -101,11 +112,10 @@ def parse_row(
         raise TypeError(
             f"--label-key {label_key!r} holds a JSON {type(raw_label).__name__}: a built-in "
             "--rm-type compares text, so give a string or a number (or score it with "
-            "--custom-rm-path, which gets the JSON text)"
+            "--custom-rm-path, which gets the JSON value)"
         )
-    label = _label_text(raw_label)
     tools = obj.get(tool_key) if tool_key else None
-    return RawRow(prompt, label, metadata, tools)
+    return RawRow(prompt, _label_text(raw_label), metadata, tools, _label_json(raw_label))
 
 
 class PromptDataSource:
@@ -125,6 +135,7 @@ class PromptDataSource:
         seed: int = 42,
         skip_bad_lines: bool = False,
         text_labels: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         self.path = Path(path)
         self.shuffle = shuffle
@@ -134,6 +145,7 @@ class PromptDataSource:
         self._tokenizer = tokenizer
         self._keys = (input_key, label_key, metadata_key, tool_key)
         self._chat = apply_chat_template
+        self._template_kwargs = dict(chat_template_kwargs or {})  # --apply-chat-template-kwargs
         # --prompt-special-tokens: the tokenizer's own special tokens on plain text (HF's
         # default), none on chat-templated text (the template wrote them); "miles": never.
         self._add_special = prompt_special_tokens == "tokenizer" and not apply_chat_template
@@ -175,12 +187,13 @@ class PromptDataSource:
             prompt = raw.prompt
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             text = self._tokenizer.apply_chat_template(
-                messages, tools=raw.tools, tokenize=False, add_generation_prompt=True
-            )
+                messages, tools=raw.tools, tokenize=False, add_generation_prompt=True,
+                **self._template_kwargs,
+            )  # fmt: skip
         else:
             text = raw.prompt
         ids = self._tokenizer(text, add_special_tokens=self._add_special)["input_ids"]
-        return PromptRow(data_index, text, list(ids), raw.label, raw.metadata)
+        return PromptRow(data_index, text, list(ids), raw.label, raw.metadata, raw.label_json)
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -250,11 +263,13 @@ class PluginDataSource:
         *,
         apply_chat_template: bool = False,
         prompt_special_tokens: str = "tokenizer",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         self.path = path
         self.position = DataPosition()
         self._tokenizer = tokenizer
         self._chat = apply_chat_template
+        self._template_kwargs = dict(chat_template_kwargs or {})
         self._add_special = prompt_special_tokens == "tokenizer" and not apply_chat_template
         self.rows: dict[int, PromptRow] = {}  # data index -> row, until the group is terminal
         cls = load_function(path, self.FLAG)
@@ -291,10 +306,10 @@ class PluginDataSource:
 
     def _row(self, sample: Sample, data_index: int) -> PromptRow:
         prompt = sample.prompt
-        if self._chat or not isinstance(prompt, str):
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not isinstance(prompt, str):  # text is as the class made it (Miles': templated)
+            messages = prompt
             text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True, **self._template_kwargs
             )
         else:
             text = prompt
@@ -306,7 +321,8 @@ class PluginDataSource:
         metadata = dict(sample.metadata or {})
         if sample.group_index is not None:
             metadata.setdefault("group_index", sample.group_index)
-        return PromptRow(data_index, text, ids, _label_text(sample.label), metadata)
+        label = sample.label
+        return PromptRow(data_index, text, ids, _label_text(label), metadata, _label_json(label))
 
     def row(self, data_index: int) -> PromptRow:
         return self.rows[data_index]
@@ -323,7 +339,7 @@ class PluginDataSource:
             "offset": self.position.offset,
             "rollout_id": rollout_id,
             "rows": [
-                [r.data_index, r.prompt_text, r.prompt_token_ids, r.label, r.metadata]
+                [r.data_index, r.prompt_text, r.prompt_token_ids, r.label, r.metadata, r.label_json]
                 for r in self.rows.values()
             ],
         }
@@ -346,3 +362,24 @@ class PluginDataSource:
                 f"{self.FLAG} {self.path}: {method}({', '.join(map(repr, args))}) raised "
                 f"{type(err).__name__}: {err}"
             ) from err
+
+
+class EmptyPrompts:
+    """Miles' default data source without its data set (--disable-rollout-global-dataset):
+    each group starts from an empty Sample (no prompt, no label), which the run's custom
+    generate or rollout function fills; save and load keep nothing."""
+
+    def __init__(self, args: Any):
+        self.args = args
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        return [[Sample()] for _ in range(num_samples)]
+
+    def save(self, rollout_id: int) -> None:
+        pass
+
+    def load(self, rollout_id: int | None = None) -> None:
+        pass
+
+
+EMPTY_PROMPTS = f"{__name__}.{EmptyPrompts.__name__}"

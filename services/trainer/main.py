@@ -251,7 +251,15 @@ async def train_with_cluster(
         # so this loop keeps watching the services start.
         preparing = asyncio.create_task(threads.compute(_prepare, cfg))
         try:
-            redis = await connect(cfg.connection.redis_url, cfg.connection.redis_password)  # type: ignore[arg-type]
+            # A given --redis-url is another service's Redis, which may come up after this
+            # process (docker stack deploy orders nothing): wait for it as for an outage.
+            redis = await connect(
+                cfg.connection.redis_url,  # type: ignore[arg-type]
+                cfg.connection.redis_password,
+                wait_s=cfg.service.redis_outage_timeout,
+                outage_timeout_s=cfg.service.redis_outage_timeout,
+                who="trainer",
+            )
             try:
                 await config_store.publish(redis, cfg)
                 config_store.write_file(cfg, cfg.run_dir)

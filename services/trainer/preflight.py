@@ -19,7 +19,7 @@ In order, cheapest first:
    --dynamic-sampling-filter-path, --rollout-sample-filter-path,
    --custom-generate-function-path), imported with the loader the workers use
    (common/plugins.py), from the directory they run in, so the rules are theirs (a
-   --rollout-function-path in Miles' whole-batch form is refused: common/miles.py); and the
+   --rollout-function-path in Miles' whole-batch form is refused: common/miles/); and the
    trainer's own (--custom-rollout-log-function-path,
    --custom-eval-rollout-log-function-path, --data-source-path), loaded as the trainer loads
    them (observe/log_hooks.py), whether or not the workers run here;
@@ -206,14 +206,16 @@ def check_plugins(cfg: RunConfig) -> None:
 
 
 def check_log_functions(cfg: RunConfig) -> None:
-    """The custom log functions and a --data-source-path class load, as the trainer (this
-    process) will load them."""
+    """The custom log functions, a --data-source-path class and a --custom-tis-function-path
+    function load, as the trainer (this process) will load them."""
     trainer_plugins = dict(log_hooks.paths(cfg))
     if not is_default_source(cfg.rollout.data_source_path):
         trainer_plugins["--data-source-path"] = cfg.rollout.data_source_path  # type: ignore[assignment]
+    if cfg.algo.use_tis and cfg.algo.custom_tis_function:
+        trainer_plugins["--custom-tis-function-path"] = cfg.algo.custom_tis_function
     for flag, path in trainer_plugins.items():
         try:
-            if flag == "--data-source-path":
+            if flag in ("--data-source-path", "--custom-tis-function-path"):
                 load_function(path, flag)
             else:
                 log_hooks.load(flag, path)
@@ -252,7 +254,7 @@ def check_files(cfg: RunConfig) -> None:
     if ckpt.save and os.path.exists(ckpt.save) and not os.path.isdir(ckpt.save):
         raise ConfigError(f"--save {ckpt.save} is a file, not a directory")
     r, e = cfg.rollout, cfg.eval
-    if is_default_source(r.data_source_path):
+    if r.reads_prompt_data:
         _check_prompts(
             "--prompt-data", r.prompt_data, r.input_key, r.label_key, r.metadata_key,
             r.tool_key, r.apply_chat_template, r.skip_bad_lines, labels_are_text(cfg),

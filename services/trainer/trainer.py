@@ -317,7 +317,8 @@ class Trainer:
             f"the eval at iteration {self.iteration}",
             self.p.evaluator.run(self.iteration, self.version),
         )
-        self.p.logger.log_eval(self.iteration, metrics, getattr(self.p.evaluator, "last_data", {}))
+        data = getattr(self.p.evaluator, "last_data", {})
+        metrics |= self.p.logger.log_eval(self.iteration, metrics, data) or {}  # --log-passrate
         acc = accuracies(list(self.p.evaluator.datasets), metrics)
         self.eval_history.append((self.iteration, time.monotonic() - self._start, acc))
         print(

@@ -18,6 +18,8 @@ import httpx
 import pytest
 import torch
 
+from millstream.common import trace_cli
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 
@@ -85,15 +87,25 @@ def _check_run(proc: subprocess.CompletedProcess[str], run_dir: Path, iterations
     return summary
 
 
+def _check_whole_traces(run_dir: Path) -> trace_cli.Run:
+    """At least 95% of the trained groups (here: all) have a whole trace: admission, rollout,
+    the router and engine spans of the request that carried them (a batch's too, though it is
+    in one group's trace only), reward, buffer, the train step and the sync that shipped it."""
+    spans, unreadable = trace_cli.read_spans(run_dir)
+    assert unreadable == 0
+    run = trace_cli.Run.index(spans)
+    broken = trace_cli.not_whole(run)
+    assert run.trained_in and len(broken) <= 0.05 * len(run.trained_in), broken
+    return run
+
+
 def _check_traces(run_dir: Path) -> None:
     """`millstream trace` finds every stage of a group's life in the services' span files,
     and one trained group's waterfall runs from its admission to the sync that shipped it."""
-    from millstream.common import trace_cli
     from millstream.common.telemetry import STAGES
 
-    spans, unreadable = trace_cli.read_spans(run_dir)
-    run = trace_cli.Run.index(spans)
-    assert unreadable == 0
+    run = _check_whole_traces(run_dir)
+    spans = run.spans
     assert set(trace_cli.stage_table(run)) == set(STAGES) - {"reward_task"}  # no Celery here
     assert sorted(run.iterations) == [1, 2, 3] and len(run.trained_in) == 6
     assert sorted(run.evals) == [0, 3]
@@ -107,7 +119,6 @@ def _check_traces(run_dir: Path) -> None:
     gid = min(run.trained_in)
     stages = [s.stage for s in trace_cli.group_timeline(run, gid)]
     assert stages[0] == "admit" and stages[-2:] == ["train_step", "weight_sync"]
-    assert {"prompts_wait", "rollout", "engine", "reward", "buffer_wait"} <= set(stages)
     out = subprocess.run(
         [sys.executable, "-m", "millstream.cli", "trace", str(run_dir), "--group", gid],
         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"},
@@ -180,6 +191,7 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
     if command == "train-async":
         assert max(r["staleness_max"] for r in _records(run_dir)) <= 2
         assert "[trainer] Prometheus /metrics on port " in proc.stdout  # served, then closed
+        _check_whole_traces(run_dir)  # Miles' generate posts with the group's trace context
         _check_miles_plugins(run_dir, summary)
 
 

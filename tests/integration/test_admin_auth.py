@@ -49,6 +49,8 @@ OPEN_ROUTES = {
     ("GET", "/health_generate"),
     ("GET", "/get_model_info"),
     ("GET", "/get_server_info"),
+    ("GET", "/model_info"),  # SGLang's current names for the two above
+    ("GET", "/server_info"),
     ("GET", "/get_weight_version"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),

@@ -55,9 +55,11 @@ def test_unreachable_redis_names_the_url_without_password():
 
 
 def test_trainer_cli_with_unreachable_redis_exits_1_without_traceback(tmp_path):
+    """It waits --redis-outage-timeout for a Redis that may start after it, then fails."""
     arith = Path(__file__).resolve().parents[2] / "examples" / "arith"  # passes the preflight
     proc = subprocess.run(
         [sys.executable, "-m", "millstream.cli", "train", "--redis-url", f"redis://127.0.0.1:{free_port()}",
+         "--redis-outage-timeout", "1",
          "--router-url", "http://127.0.0.1:9", "--hf-checkpoint", str(arith / "model"),
          "--prompt-data", str(arith / "data" / "train.jsonl"), "--input-key", "prompt",
          "--rm-type", "math", "--num-rollout", "1", "--n-samples-per-prompt", "2",

@@ -358,6 +358,10 @@ def test_info_and_health_endpoints(client: httpx.Client, tiny_model_dir: Path):
     assert model["model_path"] == str(tiny_model_dir) and model["is_generation"] is True
     server = client.get("/get_server_info").json()
     assert server["max_running_requests"] == 64 and "admin_token" not in server
+    # SGLang's current names for the two (the /get_* ones stay): the same answers
+    assert client.get("/model_info").json() == model
+    again = client.get("/server_info").json()
+    assert again.keys() == server.keys() and again["model_path"] == server["model_path"]
     assert client.get("/get_weight_version").json() == {"weight_version": "default"}
     assert client.post("/flush_cache").json()["success"] is True
 

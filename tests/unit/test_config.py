@@ -189,7 +189,8 @@ def test_sync_mode_rejects_staleness_and_async_defaults_to_one():
         ["--rollout-batch-size", "2", "--kl-loss-type", "k9"],
         ["--rollout-batch-size", "2", "--kl-coef", "0.1"],
         ["--rollout-batch-size", "2", "--use-kl-in-reward"],  # grpo takes no reward-side KL
-        ["--rollout-batch-size", "2", "--custom-tis-function-path", "my.module.fancy_tis"],
+        ["--rollout-batch-size", "2", "--rollout-max-context-len", "1"],  # no room for a prompt
+        ["--rollout-batch-size", "2", "--apply-chat-template-kwargs", "[1]"],
         ["--rollout-batch-size", "2", "--gamma", "1.5"],
         ["--rollout-batch-size", "2", "--value-clip", "0"],
         ["--rollout-batch-size", "2", "--use-opd"],
@@ -216,7 +217,7 @@ def test_miles_tis_spellings_map_to_ours():
         ["--rollout-batch-size", "2", "--use-tis", "--tis-clip", "3", "--custom-tis-function-path",
          "miles.backends.training_utils.loss_hub.corrections.icepop_function"]
     )  # fmt: skip
-    assert (cfg.algo.tis_clip_high, cfg.algo.tis_mode) == (3.0, "icepop")
+    assert (cfg.algo.tis_clip, cfg.algo.tis_mode) == (3.0, "icepop")
     assert parse_run_config(["--rollout-batch-size", "2"]).algo.tis_mode == "tis"
 
 

@@ -152,3 +152,72 @@ def test_arith_tokenizer_adds_nothing_so_the_default_keeps_make_run(tmp_path):
         for mode in ("tokenizer", "miles")
     ]
     assert ids[0] == ids[1] == tok("12+34=", add_special_tokens=False)["input_ids"]
+
+
+LABELS = [{"answer": 2, "unit": "cm"}, ["a", "b"], 7, 2.5, True, "4", None]
+
+
+def test_a_label_of_any_json_type_travels_as_json(tmp_path, tokenizer):
+    """The label key's value, whatever its JSON type, reaches the wire as JSON text (label_json)
+    beside its text (label), from the JSONL through admission's PromptGroup to the rollout's
+    wire Samples, and back to the value at the Miles edge."""
+    from millstream.common.miles import sample_from_pb
+    from millstream.rollout.generate import new_sample
+    from millstream.trainer.admission import Admission
+
+    rows = [{"q": f"{i}+1=", "a": label} for i, label in enumerate(LABELS)]
+    rows[-1].pop("a")  # no label at all
+    src = PromptDataSource(
+        _write(tmp_path / "p.jsonl", rows), tokenizer, input_key="q", label_key="a"
+    )
+    admission = Admission(None, "s", src, 1, 2, 0)
+    for (row, epoch), label in zip(src.take(len(LABELS)), LABELS, strict=True):
+        text = "" if label is None else label if isinstance(label, str) else json.dumps(label)
+        is_json = label is not None and not isinstance(label, str)
+        assert (row.label, row.label_json) == (text, text if is_json else "")
+        group = admission._message("g", row, epoch, 0)
+        assert (group.label, group.label_json) == (row.label, row.label_json)
+        wire = new_sample(group, 1)
+        assert (wire.label, wire.label_json) == (row.label, row.label_json)
+        assert sample_from_pb(wire).label == ("" if label is None else label)
+
+
+def test_labels_are_text_only_for_built_in_rules():
+    from types import SimpleNamespace
+
+    from millstream.trainer.data import labels_are_text
+
+    def cfg(rm_type, custom=None):
+        return SimpleNamespace(reward=SimpleNamespace(rm_type=rm_type, custom_rm_path=custom))
+
+    assert labels_are_text(cfg("math")) and labels_are_text(cfg("boxed_f1"))
+    assert not labels_are_text(cfg("remote_rm")) and not labels_are_text(cfg("boxed_remote_rm"))
+    assert not labels_are_text(cfg("math", "pkg.mod.fn")) and not labels_are_text(cfg(None))
+
+
+def test_a_plugin_row_checkpointed_before_label_json_still_loads():
+    from millstream.trainer.data import PromptRow
+
+    assert PromptRow(*[3, "p", [1], "x", {}]).label_json == ""  # label text only
+
+
+def test_a_miles_data_sources_label_keeps_its_json(tmp_path, tokenizer):
+    from millstream.common.config import parse_run_config
+    from millstream.trainer.data import PluginDataSource
+
+    rows = [{"q": "1+1=", "a": {"answer": 2}}, {"q": "2+2=", "a": "4"}]
+    data = _write(tmp_path / "p.jsonl", rows)
+    cfg = parse_run_config(
+        ["--run-id", "t", "--rollout-batch-size", "2", "--prompt-data", str(data),
+         "--input-key", "q", "--label-key", "a", "--run-dir", str(tmp_path),
+         "--data-source-path", "tests.support.miles_plugins.JsonlDataSource"],
+        mode="async",
+    )  # fmt: skip
+    source = PluginDataSource(cfg.rollout.data_source_path, cfg, tokenizer)
+    (row, _), (row2, _) = source.take(2)
+    assert (row.label, row.label_json) == ('{"answer": 2}', '{"answer": 2}')
+    assert (row2.label, row2.label_json) == ("4", "")
+    state = json.loads(json.dumps(source.state_dict()))
+    resumed = PluginDataSource(cfg.rollout.data_source_path, cfg, tokenizer)
+    resumed.load_state_dict(state)
+    assert resumed.row(0) == row and resumed.row(1) == row2

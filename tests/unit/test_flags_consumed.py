@@ -141,6 +141,8 @@ DERIVED_EXAMPLES = {
     ),
     "use_opd": (["--opd-teacher-url", "http://t:1"], ["--use-opd"]),
     "redis_password_file": ([], ["--redis-password-file", "{pw}"]),
+    # base64:<YAML> (tis_level: token), Miles' inline form
+    "custom_config_path": ([], ["--custom-config-path", "base64:dGlzX2xldmVsOiB0b2tlbgo="]),
 }  # fmt: skip
 
 
@@ -184,6 +186,8 @@ def _not_default(name: str) -> list[str]:
     tp, _ = _unwrap(typing.get_type_hints(cls)[name])
     if tp is bool:
         return [_flag(name)]
+    if typing.get_origin(tp) is dict:
+        return [_flag(name), '{"image": "image_file"}']
     if f.metadata.get("choices"):
         value = next(c for c in f.metadata["choices"] if c != f.default)
     elif tp is int:

@@ -58,7 +58,7 @@ def _ref_loss(cfg: AlgoConfig, logp, old, rollout, ref, entropy, adv) -> float:
             if cfg.eps_clip_c is not None and a < 0:
                 pg = min(pg, -a * cfg.eps_clip_c)
             if cfg.use_tis:
-                pg *= min(max(math.exp(o - rollout[i][t]), cfg.tis_clip_low), cfg.tis_clip_high)
+                pg *= min(max(math.exp(o - rollout[i][t]), cfg.tis_clip_low), cfg.tis_clip)
             lr = lp - ref[i][t]
             kl = {"k1": lr, "k2": lr * lr / 2, "k3": math.exp(-lr) - 1 + lr}.get(cfg.kl_loss_type)
             if kl is None:
@@ -100,7 +100,7 @@ CONFIGS = {
     "kl_k2_per_token": AlgoConfig(
         use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k2", calculate_per_token_loss=True
     ),
-    "tis": AlgoConfig(use_tis=True, tis_clip_low=0.5, tis_clip_high=1.2),
+    "tis": AlgoConfig(use_tis=True, tis_clip_low=0.5, tis_clip=1.2),
     "k1_k3": AlgoConfig(use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k3"),
 }
 
@@ -299,7 +299,7 @@ def _ref_policy(cfg: AlgoConfig, b: dict[str, list[list[float]]]):
             dual += 1
         ppo_kl[i, t] = -log_ratio
         w[i, t] = math.exp(old[i][t] - rollout[i][t])
-        lo, hi = cfg.tis_clip_low, cfg.tis_clip_high
+        lo, hi = cfg.tis_clip_low, cfg.tis_clip
         if not cfg.use_tis:
             applied[i, t] = 1.0
         elif cfg.tis_mode == "icepop":
@@ -359,7 +359,7 @@ def _run_policy(cfg: AlgoConfig, batch: dict[str, torch.Tensor], rows=None, deno
 def _algo(name: str, per_token: bool) -> tuple[AlgoConfig, bool]:
     """(config, whether the advantage is per sample) for each named case."""
     common = {"calculate_per_token_loss": per_token, "entropy_coef": 0.01}
-    tis = {"use_tis": True, "tis_clip_low": 0.8, "tis_clip_high": 1.25}
+    tis = {"use_tis": True, "tis_clip_low": 0.8, "tis_clip": 1.25}
     return {
         "gspo": (AlgoConfig(advantage_estimator="gspo", eps_clip=0.1, **common), True),
         "gspo_dual_kl": (
@@ -432,7 +432,7 @@ def test_icepop_metrics_by_hand_on_one_sample():
     """One sample, tokens 1, 0 (masked), 1: w = e^0.3, -, e^-0.1 with range [0.8, 1.25]."""
     w0, w2 = math.exp(0.3), math.exp(-0.1)
     old = _t([[-1.0, -1.0, -1.0]])
-    cfg = AlgoConfig(use_tis=True, tis_mode="icepop", tis_clip_low=0.8, tis_clip_high=1.25)
+    cfg = AlgoConfig(use_tis=True, tis_mode="icepop", tis_clip_low=0.8, tis_clip=1.25)
     _, metrics = policy_loss(
         old.clone(), old, _t([[1.0, 1.0, 1.0]]), _t([[1, 0, 1]]), cfg, Denominator(1, 2),
         rollout_logp_BT=old - _t([[0.3, 5.0, -0.1]]),
@@ -449,7 +449,7 @@ def test_icepop_metrics_by_hand_on_one_sample():
 def test_icepop_range_is_closed(low, high):
     """w = exp(0) = 1 exactly sits on an edge of the range: kept, not zeroed."""
     old = _t([[-1.0, -1.0]])
-    cfg = AlgoConfig(use_tis=True, tis_mode="icepop", tis_clip_low=low, tis_clip_high=high)
+    cfg = AlgoConfig(use_tis=True, tis_mode="icepop", tis_clip_low=low, tis_clip=high)
     _, metrics = policy_loss(
         old.clone(), old, _t([[1.0, 1.0]]), _t([[1, 1]]), cfg, Denominator(1, 2),
         rollout_logp_BT=old - _t([[0.0, 3.0]]),

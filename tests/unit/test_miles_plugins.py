@@ -1,4 +1,4 @@
-"""Miles' plugin interfaces (common/miles.py): the read-only `args`, the Sample and its wire
+"""Miles' plugin interfaces (common/miles/): the read-only `args`, the Sample and its wire
 conversion both ways, and each hook called with Miles' signature (reward, group reward,
 dynamic-sampling filter, buffer filter; the whole-batch rollout function refused)."""
 
@@ -27,6 +27,7 @@ from millstream.common.miles import (
     sample_from_pb,
     sample_to_pb,
 )
+from millstream.common.plugin_errors import PluginFailed
 from millstream.common.types import PromptGroup, SampleGroup, SampleStatus, Verdict
 from millstream.common.types import Sample as PbSample
 from millstream.reward.filters import apply_filter
@@ -208,8 +209,10 @@ def test_a_reward_error_names_the_plugin_path():
                    "--reward-retries", "0")  # fmt: skip
     [out] = score(cfg, make_group(["x"], labels=["boom"]))
     assert out.verdict == Verdict.VERDICT_FAILED
-    assert "RuntimeError: reward exploded on 'x' (--custom-rm-path " in out.reason
-    assert "tests.support.reward_plugins.misbehaving)" in out.reason
+    assert out.reason == (
+        "reward: --custom-rm-path tests.support.reward_plugins.misbehaving raised "
+        "RuntimeError: reward exploded on 'x'"
+    )
     err = named_error(KeyError("k"), "--buffer-filter-path", "m.f")
     assert isinstance(err, RuntimeError) and "(--buffer-filter-path m.f)" in str(err)
 
@@ -245,7 +248,7 @@ def test_buffer_filter_from_miles_docs_orders_and_names_its_path_on_error():
     buffer = [short, long]
     args = make_args(make_cfg())
     assert fn(args, None, buffer, 2) == [long, short] and buffer == []
-    with pytest.raises(TypeError, match=r"\(--buffer-filter-path tests.support.miles_plugins"):
+    with pytest.raises(PluginFailed, match=r"--buffer-filter-path tests\.support\.miles_plugins"):
         fn(args, None, [[Sample()]], "two")  # a bug in the filter (min of int and str)
 
 
@@ -298,17 +301,17 @@ def test_a_plugin_keeps_miles_imports_and_gets_millstreams_types():
 
 
 def test_a_miles_module_not_stood_in_for_is_named(tmp_path, monkeypatch):
-    (tmp_path / "uses_miles_misc.py").write_text(
-        "from miles.utils.misc import load_function\n\ndef reward(args, sample):\n    return 1.0\n"
+    (tmp_path / "uses_miles_timer.py").write_text(
+        "from miles.utils.timer import Timer\n\ndef reward(args, sample):\n    return 1.0\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     from millstream.common.plugins import load_function
 
     with pytest.raises(MillstreamError) as info:
-        load_function("uses_miles_misc.reward", "--custom-rm-path")
+        load_function("uses_miles_timer.reward", "--custom-rm-path")
     message = str(info.value)
-    assert "imports 'miles.utils.misc', which is Miles' and not installed" in message
-    assert "miles.utils.types.Sample" in message
+    assert "imports 'miles.utils.timer', which is Miles' and not installed" in message
+    assert "miles.utils.types" in message
 
 
 def _tokens_group(gid="g", eval_=False) -> SampleGroup:
@@ -340,7 +343,8 @@ def test_a_raising_sample_filter_fails_the_group_naming_it():
     )  # fmt: skip
     [out] = score(cfg, _tokens_group())
     assert out.verdict == Verdict.VERDICT_FAILED
-    assert out.reason.startswith(f"rollout sample filter {MILES}.custom_rm raised")
+    assert out.reason.startswith(f"reward: --rollout-sample-filter-path {MILES}.custom_rm raised")
+    assert out.plugin_error.flag == "--rollout-sample-filter-path"
 
 
 class CharTokenizer:
@@ -444,8 +448,7 @@ def test_miles_post_tries_again_after_an_http_error_as_miles_does():
         try:
             return await miles.http_post(url, {"text": "1+1="}, max_retries=max_retries)
         finally:
-            await miles._HTTP.aclose()
-            miles._HTTP = None
+            await miles.http_utils.aclose()
 
     try:
         assert asyncio.run(post(3)) == {"text": "ok"} and answers == []

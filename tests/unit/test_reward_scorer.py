@@ -84,8 +84,9 @@ def test_group_reward_scores_the_whole_group():
 def test_group_reward_of_wrong_length_fails_the_group():
     cfg = make_cfg("--custom-rm-path", f"{PLUGINS}.group_reward_wrong_length", "--group-rm")
     [out], _ = score(cfg, make_group(["a", "b"]))
-    assert out.verdict == Verdict.VERDICT_FAILED
-    assert "group reward" in out.reason and "list of 2 rewards" in out.reason
+    assert out.verdict == Verdict.VERDICT_FAILED and "(--group-rm)" in out.reason
+    assert "list of 2 rewards (got 1 values)" in out.reason
+    assert out.plugin_error.flag == "--custom-rm-path" and out.plugin_error.type == "ValueError"
 
 
 def test_metadata_rm_type_overrides_the_run_default():
@@ -120,17 +121,32 @@ def test_instant_rules_are_scored_inline_and_a_slow_rule_takes_the_usual_way():
     assert rewards(out) == [1.0, 1.0] and Counting.attempts == 2
 
 
-def test_raising_reward_fails_the_group_with_the_reason_and_the_next_group_is_fine():
+def test_raising_reward_fails_the_group_at_once_with_its_error_and_the_next_group_is_fine():
     cfg = make_cfg("--custom-rm-path", f"{PLUGINS}.misbehaving", "--reward-retries", "1")
     bad = make_group(["4", "x"], label=["4", "boom"], gid="bad")
     good = make_group(["4", "5"], gid="good")
     (failed, kept), stats = score(cfg, bad, good)
     assert failed.verdict == Verdict.VERDICT_FAILED
-    assert "sample 1" in failed.reason and "RuntimeError: reward exploded" in failed.reason
-    assert "2 attempts" in failed.reason
+    assert failed.reason == (
+        f"reward: --custom-rm-path {PLUGINS}.misbehaving raised RuntimeError: "
+        "reward exploded on 'x'"
+    )
+    error = failed.plugin_error
+    assert (error.flag, error.path, error.service) == (
+        "--custom-rm-path",
+        f"{PLUGINS}.misbehaving",
+        "reward",
+    )
+    assert error.type == "RuntimeError"
+    # The traceback starts in the plugin, not in the scorer that called it.
+    assert error.traceback.startswith("Traceback (most recent call last):\n  File ")
+    assert "reward_plugins.py" in error.traceback.splitlines()[1]
+    assert 'raise RuntimeError(f"reward exploded' in error.traceback
     assert rewards(failed) == [0.0, 0.0]  # nothing filled in: the verdict says why
     assert kept.verdict == Verdict.VERDICT_KEPT and rewards(kept) == [1.0, 0.0]
-    assert stats["failed"] == 1 and stats["reward_errors"] == 2 and stats["reward_retries"] == 1
+    assert not kept.HasField("plugin_error")
+    assert stats["failed"] == 1 and stats["reward_plugin_errors"] == 1  # no retry of a bug
+    assert stats["reward_errors"] == 0 and stats["reward_retries"] == 0
 
 
 @pytest.mark.timeout(30)

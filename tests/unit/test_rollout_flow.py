@@ -11,8 +11,9 @@ import time
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from opentelemetry.sdk.trace import TracerProvider
 
-from millstream.common import miles
+from millstream.common import miles, telemetry
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
 from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
@@ -40,6 +41,7 @@ class FakeEngine:
         self.bump_after_s = bump_after_s
         self.version = 1
         self.requests: list[dict] = []
+        self.headers: list[httpx.Headers] = []
         self.aborts: dict[str, int] = {}
         self.abort_every: int | None = None  # every request aborted after this many tokens
         self.statuses: list[int] = []
@@ -53,6 +55,7 @@ class FakeEngine:
             return httpx.Response(200, json={"weight_version": str(self.version)})
         body = json.loads(request.content)
         self.requests.append(body)
+        self.headers.append(request.headers)
         if self.statuses:
             return httpx.Response(self.statuses.pop(0), text="scripted failure")
         self.in_flight += 1
@@ -107,15 +110,14 @@ def run_worker(engine: FakeEngine, groups: list[PromptGroup], *flags: str, attem
         redis = aioredis.Redis()  # never used: rollout() does not touch the streams
         worker = RolloutWorker(cfg, redis, client, "unit", partial_poll_s=0.01)
         releaser = asyncio.create_task(worker.buffer.run())
-        miles._HTTP = httpx.AsyncClient(transport=engine.transport())  # Miles' post, same engine
+        miles.http_utils._HTTP = httpx.AsyncClient(transport=engine.transport())  # same engine
         try:
             return await asyncio.gather(*(worker.rollout(g) for g in groups))
         finally:
             releaser.cancel()
             await client.aclose()
             await redis.aclose()
-            await miles._HTTP.aclose()
-            miles._HTTP = None
+            await miles.http_utils.aclose()
 
     return asyncio.run(main())
 
@@ -346,10 +348,14 @@ def test_a_miles_generate_that_keeps_aborting_is_published_as_aborted():
     assert sample.status == SampleStatus.SAMPLE_STATUS_ABORTED and len(engine.requests) == 9
 
 
-def test_a_rollout_function_that_returns_the_wrong_type_is_a_bug_not_a_failed_group():
-    with pytest.raises(TypeError, match="must return a millstream"):
-        run_worker(FakeEngine(), [prompt_group()], "--rollout-function-path",
-                   "tests.support.rollout_plugins.returns_the_prompt")  # fmt: skip
+def test_a_rollout_function_that_returns_the_wrong_type_fails_its_group_as_a_plugin_error():
+    path = "tests.support.rollout_plugins.returns_the_prompt"
+    (result,) = run_worker(FakeEngine(), [prompt_group()], "--rollout-function-path", path)
+    assert result.failure_reason.startswith(
+        f"rollout: --rollout-function-path {path} raised TypeError: the rollout function "
+        "returned PromptGroup"
+    )
+    assert result.plugin_error.flag == "--rollout-function-path"
 
 
 def test_a_group_carried_back_with_partial_samples_resumes_them():
@@ -432,6 +438,33 @@ def test_calls_of_one_moment_go_out_as_one_batch_and_each_gets_its_own_answer(n)
         assert len(parts) == n
         for part in parts:  # the fake engine answers token_at(position) after the prompt
             assert part["output_ids"] == [token_at(len(prompt) + k) for k in range(4)]
+
+
+def test_a_batch_names_every_group_it_serves():
+    """The batch's X-Millstream-Groups names each caller's group and span (the router and
+    engine link to them all), and its trace context is the first caller's trace."""
+    tracer = TracerProvider().get_tracer("t")  # recording spans; the global provider is untouched
+    engine = BatchingEngine()
+
+    async def one(client: RouterClient, i: int):
+        ids = {telemetry.GROUP_ID: f"g{i}"}
+        with tracer.start_as_current_span("process", attributes=ids) as span:
+            await client.generate([20, 21 + i], {"max_new_tokens": 2}, f"g{i}-n1")
+            return span.get_span_context()
+
+    async def main():
+        client = RouterClient("http://router", max_concurrency=8, transport=engine.transport())
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(3)))
+        finally:
+            await client.aclose()
+
+    contexts = asyncio.run(main())
+    (headers,) = engine.headers
+    attributes, links = telemetry.served_groups(headers)
+    assert attributes == {telemetry.GROUP_IDS: ["g0", "g1", "g2"]}
+    assert [link.context.span_id for link in links] == [c.span_id for c in contexts]
+    assert headers["traceparent"].split("-")[1] == f"{contexts[0].trace_id:032x}"
 
 
 def test_a_bad_prompt_in_a_batch_fails_alone():

@@ -457,3 +457,16 @@ def test_cache_aware_keeps_a_prompt_on_one_worker_through_the_app():
                     "/generate", content=body, headers={"content-type": "application/json"}
                 )
                 assert r.json()["worker"] == worker
+
+
+def test_sglang_info_names_reach_a_workers_get_info_endpoints():
+    """/server_info and /model_info (SGLang's current names) ask a worker the /get_* ones,
+    which every SGLang release and millstream's engine answer, query string kept."""
+    up = Upstream()
+    with make_client(up, worker_urls=[A]) as client:
+        assert client.get("/server_info").json() == {"worker": A, "path": "/get_server_info"}
+        assert client.get("/model_info?x=1").json()["path"] == "/get_model_info"
+        assert client.get("/get_server_info").json()["path"] == "/get_server_info"
+    assert [str(r.url) for r in up.seen] == [
+        f"{A}/get_server_info", f"{A}/get_model_info?x=1", f"{A}/get_server_info"
+    ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -73,6 +74,38 @@ def test_jsonl_export_when_a_run_dir_is_given(tmp_path, monkeypatch):
     spans = {d["name"]: d for d in map(json.loads, path.read_text().splitlines())}
     assert spans["inner"]["parent_span_id"] == spans["outer"]["span_id"]
     assert spans["inner"]["attributes"] == {"group_id": "g1"} and spans["inner"]["service"] == "svc"
+
+
+def test_span_files_are_named_by_service_host_and_pid(tmp_path, monkeypatch):
+    """Two replicas in containers are both pid 1: the host name (the container's) tells their
+    files apart; two processes of one host: the pid."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.setattr(telemetry.socket, "gethostname", lambda: "9f3a/c0ntainer x")
+    provider = telemetry.make_provider("rollout", tmp_path)
+    provider.shutdown()
+    replica = f"9f3a_c0ntainer_x-{os.getpid()}"
+    assert [p.name for p in (tmp_path / "traces").iterdir()] == [f"rollout-{replica}.jsonl"]
+    assert provider.resource.attributes["service.instance.id"] == replica
+
+
+def test_a_request_names_every_group_it_serves_for_links():
+    """X-Millstream-Groups round trip: one link and one id per traced group (ids with any
+    characters), untraced members left out, malformed items skipped."""
+    provider, _ = _provider()
+    tracer = provider.get_tracer("t")
+    served = []
+    for gid in ("e0-i1", "eval,a@b r1"):
+        with tracer.start_as_current_span("process", attributes={telemetry.GROUP_ID: gid}):
+            served.append(telemetry.current_group())
+    untraced = telemetry.current_group()
+    assert untraced[0] is None and not untraced[1].is_valid
+    header = telemetry.groups_header([*served, untraced])
+    headers = {telemetry.GROUPS_HEADER: header + ",junk,@1-2,x@zz-1"}
+    attributes, links = telemetry.served_groups(headers)
+    assert attributes == {telemetry.GROUP_IDS: ["e0-i1", "eval,a@b r1"]}
+    ids = [(link.context.trace_id, link.context.span_id) for link in links]
+    assert ids == [(ctx.trace_id, ctx.span_id) for _, ctx in served]
+    assert telemetry.served_groups({}) == ({}, [])
 
 
 def test_a_burst_of_spans_is_exported_whole(tmp_path, monkeypatch):

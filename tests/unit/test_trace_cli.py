@@ -10,7 +10,7 @@ from rich.console import Console
 
 from millstream.common import trace_cli
 from millstream.common.errors import MillstreamError
-from millstream.common.telemetry import GROUP_ID, STAGE
+from millstream.common.telemetry import GROUP_ID, GROUP_IDS, STAGE
 
 MS = 1_000_000
 T0 = 1_800_000_000_000 * MS  # ns since the epoch
@@ -19,9 +19,9 @@ T0 = 1_800_000_000_000 * MS  # ns since the epoch
 class Spans:
     """Writes spans as telemetry.JsonlSpanExporter does, with times in ms from T0."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_id: int = 0) -> None:
         self.lines: list[dict] = []
-        self._next = 0
+        self._next = first_id
 
     def add(self, name, trace, start_ms, end_ms, *, parent=None, stage=None, group=None,
             links=(), service="svc", **attrs) -> str:  # fmt: skip
@@ -40,17 +40,20 @@ class Spans:
         })  # fmt: skip
         return span_id
 
-    def group(self, gid: str, trace: str, t: float, rollout_ms: float) -> tuple[str, str]:
-        """One group's lifecycle from t: admit, 10 ms queued, rollout (router, engine inside),
-        5 ms queued, 20 ms reward. Returns (its rollout span, its buffer-wait span)."""
+    def group(self, gid: str, trace: str, t: float, rollout_ms: float,
+              generate: bool = True) -> tuple[str, str]:  # fmt: skip
+        """One group's lifecycle from t: admit, 10 ms queued, rollout (router, engine inside
+        unless not `generate`), 5 ms queued, 20 ms reward. Returns (its rollout span, its
+        buffer-wait span)."""
         admit = self.add("send r:prompts", trace, t, t + 1, stage="admit", group=gid)
         self.add("wait r:prompts", trace, t + 1, t + 11, parent=admit, stage="prompts_wait",
                  group=gid)  # fmt: skip
         end = t + 11 + rollout_ms
         roll = self.add("process r:prompts", trace, t + 11, end, parent=admit, stage="rollout",
                         group=gid)  # fmt: skip
-        router = self.add("router.proxy", trace, t + 12, end - 1, parent=roll, stage="router")
-        self.add("text_completion m", trace, t + 13, end - 2, parent=router, stage="engine")
+        if generate:
+            router = self.add("router.proxy", trace, t + 12, end - 1, parent=roll, stage="router")
+            self.add("text_completion m", trace, t + 13, end - 2, parent=router, stage="engine")
         self.add("wait r:generated", trace, end, end + 5, parent=roll, stage="generated_wait",
                  group=gid)  # fmt: skip
         reward = self.add("process r:generated", trace, end + 5, end + 25, parent=roll,
@@ -70,10 +73,10 @@ class Spans:
                  stage="weight_sync", links=links)  # fmt: skip
         return span
 
-    def write(self, run_dir: Path, torn: bool = False) -> Path:
+    def write(self, run_dir: Path, torn: bool = False, name: str = "all-1.jsonl") -> Path:
         (run_dir / "traces").mkdir(parents=True)
         text = "".join(json.dumps(line) + "\n" for line in self.lines)
-        (run_dir / "traces" / "all-1.jsonl").write_text(text + ('{"name": "tor' if torn else ""))
+        (run_dir / "traces" / name).write_text(text + ('{"name": "tor' if torn else ""))
         return run_dir
 
 
@@ -144,6 +147,52 @@ def test_a_coalesced_request_belongs_to_every_group_it_carried(tmp_path: Path):
     run = trace_cli.Run.index(trace_cli.read_spans(s.write(tmp_path / "run"))[0])
     names = [x.name for x in trace_cli.group_timeline(run, "g2")]
     assert names == ["process r:prompts", "POST", "router.proxy"]
+
+
+@pytest.mark.parametrize("names", ["group_ids", "links", "neither"])
+def test_a_batch_router_and_engine_span_is_in_every_served_groups_timeline(tmp_path, names):
+    """A batch's router and engine spans sit in its first group's trace; the groups they name
+    (millstream.group_ids) or link to put them in every served group's timeline too."""
+    s = Spans()
+    roll1, buf1 = s.group("g1", "t1", 0, rollout_ms=50, generate=False)
+    roll2, buf2 = s.group("g2", "t2", 2, rollout_ms=50, generate=False)
+    served = {GROUP_IDS: ["g1", "g2"]} if names == "group_ids" else {}
+    links = [roll1, roll2] if names == "links" else []
+    router = s.add("router.proxy", "t1", 14, 58, parent=roll1, stage="router", links=links,
+                   **served)  # fmt: skip
+    s.add("text_completion m", "t1", 15, 57, parent=router, stage="engine", links=links, **served)
+    s.iteration(1, "t3", 100, links=[buf1, buf2])
+    run = trace_cli.Run.index(trace_cli.read_spans(s.write(tmp_path / "run"))[0])
+    for gid in ("g1", "g2"):
+        stages = [x.stage for x in trace_cli.group_timeline(run, gid)]
+        if names == "neither" and gid == "g2":
+            assert "router" not in stages and "engine" not in stages
+        else:
+            assert stages.count("router") == stages.count("engine") == 1
+    whole = names != "neither"
+    assert trace_cli.not_whole(run) == ({} if whole else {"g2": ["router", "engine"]})
+    selected = run.select(range(1, 2), None)  # narrowing keeps what a group borrowed
+    assert trace_cli.not_whole(selected) == trace_cli.not_whole(run)
+
+
+def test_spans_that_services_wrote_beside_the_run_dir_are_read_for_its_traces(tmp_path, capsys):
+    """compose: router and engines outlive runs and write /runs/services/traces; the trace of
+    /runs/arith takes their spans of its own traces, and no other run's."""
+    s = Spans()
+    roll, buf = s.group("g1", "t1", 0, rollout_ms=50, generate=False)
+    s.iteration(1, "t3", 100, links=[buf])
+    run_dir = s.write(tmp_path / "runs" / "arith")
+    shared = Spans(first_id=1000)
+    router = shared.add("router.proxy", "t1", 12, 58, parent=roll, stage="router", service="r")
+    shared.add("text_completion m", "t1", 13, 57, parent=router, stage="engine", service="e")
+    shared.add("router.proxy", "another-run", 12, 58, stage="router", service="r")
+    shared.write(tmp_path / "runs" / "services", name="router-host-1.jsonl")
+    spans, _ = trace_cli.read_spans(run_dir)
+    assert {x.service for x in spans} == {"svc", "r", "e"} and len(spans) == len(s.lines) + 2
+    assert trace_cli.not_whole(trace_cli.Run.index(spans)) == {}
+    assert trace_cli.main([str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "from 1 file(s) and 1 shared" in out and "whole traces: 1 of 1 trained groups" in out
 
 
 def test_iteration_and_since_narrow_what_is_counted(run_dir: Path):

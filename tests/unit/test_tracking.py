@@ -498,7 +498,7 @@ def test_every_logging_flag_parses_and_is_read_by_the_trainer(tmp_path):
         "t", "--wandb-key", "k", "--wandb-host", "h", "--wandb-mode", "offline", "--wandb-dir",
         "d", "--use-tensorboard", "--tb-project-name", "tp", "--tb-experiment-name", "te",
         "--tensorboard-dir", "tb", "--custom-rollout-log-function-path", "a.b",
-        "--custom-eval-rollout-log-function-path", "c.d",
+        "--custom-eval-rollout-log-function-path", "c.d", "--log-passrate",
     )  # fmt: skip
     given = dataclasses.asdict(cfg.logging)
     assert given == {f.name: given[f.name] for f in dataclasses.fields(LoggingConfig)}
@@ -515,3 +515,14 @@ def test_every_logging_flag_parses_and_is_read_by_the_trainer(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         _cfg(tmp_path, "--wandb-key", " ")
     assert exit_info.value.code == 2
+
+
+def test_what_a_log_function_hands_to_miles_tracking_log_lands_in_the_row_and_mirrors(tmp_path):
+    logger = _hooked(tmp_path, "--custom-rollout-log-function-path", f"{PLUGINS}.tracked_rollout")
+    logger.log(1, ROW, groups=_groups())
+    logger.close()
+    row = _rows(tmp_path / "run")[0]
+    assert row["rollout/my_reward/mean"] == 0.5 and row["rollout/my_reward/max"] == 1.0
+    assert "rollout/step" not in row
+    got = _scalars(tmp_path / "tb")
+    assert got["rollout/my_reward/mean"] == [(0, 0.5)] and "rollout/raw_reward" not in got

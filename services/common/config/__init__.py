@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..auth import ADMIN_TOKEN_ENV
+from . import custom
 from .algo import AlgoConfig
 from .errors import ConfigError
 from .eval import EvalConfig
@@ -34,7 +35,7 @@ from .reward import RewardConfig
 from .rollout import RolloutConfig, resolve_batch_knobs
 from .schema import add_group, from_namespace
 from .service import ConnectionConfig, ServiceConfig
-from .sglang import SglangConfig, split_server_args
+from .sglang import SglangConfig, server_arg, split_server_args
 
 __all__ = ["ConfigError", "RunConfig", "build_parser", "parse_run_config", "resolve_run_config"]
 
@@ -138,6 +139,17 @@ def resolve_run_config(ns: argparse.Namespace, mode: str) -> RunConfig:
             raise ConfigError("train-async needs --max-staleness >= 1 (0 is `millstream train`)")
         groups["service"] = dataclasses.replace(s, max_staleness=s.max_staleness or 1)
 
+    context, e = groups["rollout"].rollout_max_context_len, groups["eval"]
+    if context is not None:
+        if e.eval_max_prompt_len is None:
+            groups["eval"] = dataclasses.replace(e, eval_max_prompt_len=context - 1)
+        elif e.eval_max_prompt_len >= context:
+            raise ConfigError(
+                f"--eval-max-prompt-len ({e.eval_max_prompt_len}) must be below "
+                f"--rollout-max-context-len ({context}), so that a kept prompt leaves room "
+                "for at least one generated token"
+            )
+
     if groups["perf"].micro_batch_size > gbs:
         raise ConfigError(
             f"--micro-batch-size ({groups['perf'].micro_batch_size}) must be <= --global-batch-size ({gbs})"
@@ -151,7 +163,7 @@ def resolve_run_config(ns: argparse.Namespace, mode: str) -> RunConfig:
 PATH_FLAGS: dict[str, tuple[str, ...]] = {
     "ckpt": ("hf_checkpoint", "ref_load", "load", "save"),
     "algo": ("critic_load", "opd_teacher_load"),
-    "rollout": ("prompt_data",),
+    "rollout": ("prompt_data", "chat_template_path", "custom_config_path"),
     "service": ("run_dir",),
     "connection": ("redis_password_file",),
     "logging": ("tensorboard_dir", "wandb_dir"),
@@ -161,7 +173,7 @@ PATH_FLAGS: dict[str, tuple[str, ...]] = {
 
 
 def _absolute(path: str | None) -> str | None:
-    if not path or "://" in path:
+    if not path or "://" in path or path.startswith("base64:"):
         return path
     return os.path.abspath(path)
 
@@ -201,7 +213,17 @@ def parse_run_config(
     if not hasattr(ns, "admin_token") and env.get(ADMIN_TOKEN_ENV):
         ns.admin_token = env[ADMIN_TOKEN_ENV]
     try:
+        if (dp := server_arg(ns.sglang_server_args, "dp-size")) is not None:
+            ns.sglang_dp_size = _int("--sglang-dp-size", dp)
+        custom.apply(ns, GROUPS)
         return resolve_run_config(ns, mode)
     except ConfigError as err:
         parser.error(str(err))
         raise  # unreachable: parser.error exits
+
+
+def _int(option: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{option} takes an integer (got {text!r})") from None

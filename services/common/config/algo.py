@@ -17,8 +17,20 @@ ESTIMATORS = (
 )
 # Estimators whose returns take the reward-side KL (--use-kl-in-reward / --kl-coef).
 KL_IN_REWARD_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-# Miles selects icepop with a function path; we accept its two built-in names.
+# Miles' two built-in TIS functions, by name (in Miles' own modules, or bare): --tis-mode's.
 MILES_TIS_FUNCTIONS = {"vanilla_tis_function": "tis", "icepop_function": "icepop"}
+_MILES_PACKAGES = ("miles.", "slime.")
+
+
+def builtin_tis_mode(path: str | None) -> str | None:
+    """The --tis-mode that --custom-tis-function-path `path` names (one of Miles' built-ins),
+    else None: a function of the user's, which the trainer's loss calls."""
+    if not path:
+        return None
+    module, _, name = path.rpartition(":" if ":" in path else ".")
+    if module and not module.startswith(_MILES_PACKAGES):
+        return None
+    return MILES_TIS_FUNCTIONS.get(name)
 
 
 @dataclass(frozen=True)
@@ -40,13 +52,27 @@ class AlgoConfig:
     use_tis: bool = flag(False, "truncated importance sampling on train/rollout logprob mismatch")
     tis_mode: str = flag(
         "tis", "tis: clamp the weight into the range; icepop: zero tokens outside it",
-        choices=("tis", "icepop"),
+        choices=("tis", "icepop"), miles=False,
     )  # fmt: skip
     custom_tis_function_path: str | None = flag(
-        None, "Miles' way to pick icepop (...icepop_function); same as --tis-mode"
+        None,
+        "with --use-tis: pkg.mod.fn, Miles' TIS/RS function fn(args, *, pg_loss, "
+        "train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, "
+        "parallel_state, max_seq_lens) -> (pg_loss, loss_masks, metrics), applied in the "
+        "trainer's loss (trainer/algorithms/tis.py); Miles' vanilla_tis_function and "
+        "icepop_function are the built-in --tis-mode tis and icepop",
     )
     tis_clip_low: float = flag(0.0, "TIS range, low end")
-    tis_clip_high: float = flag(2.0, "TIS range, high end", aliases=("--tis-clip",))
+    tis_clip: float = flag(2.0, "TIS range, high end", aliases=("--tis-clip-high",))
+    use_rollout_logprobs: bool = flag(
+        False,
+        "Miles': the engines' logprobs of the samples are the old policy of the PPO ratio, "
+        "instead of the trainer's recomputed ones (TIS and the mismatch metrics still compare "
+        "the trainer's with the engines')",
+    )
+    keep_old_actor: bool = flag(
+        False, "Miles' copy of the rollout's weights to recompute old logprobs; refused"
+    )
     calculate_per_token_loss: bool = flag(
         False, "token-mean over the global batch instead of per-sample mean"
     )
@@ -74,9 +100,9 @@ class AlgoConfig:
             raise ConfigError(f"--eps-clip must be >= 0 (got {self.eps_clip})")
         if self.eps_clip_c is not None and self.eps_clip_c <= 1:
             raise ConfigError(f"--eps-clip-c must be > 1 (got {self.eps_clip_c})")
-        if self.tis_clip_low > self.tis_clip_high:
+        if self.tis_clip_low > self.tis_clip:
             raise ConfigError(
-                f"--tis-clip-low ({self.tis_clip_low}) must be <= --tis-clip-high ({self.tis_clip_high})"
+                f"--tis-clip-low ({self.tis_clip_low}) must be <= --tis-clip ({self.tis_clip})"
             )
         if self.kl_loss_coef and not self.use_kl_loss:
             raise ConfigError(f"--kl-loss-coef {self.kl_loss_coef} needs --use-kl-loss")
@@ -93,14 +119,8 @@ class AlgoConfig:
             )
         if self.value_clip <= 0:
             raise ConfigError(f"--value-clip must be > 0 (got {self.value_clip})")
-        if self.custom_tis_function_path is not None:
-            name = self.custom_tis_function_path.rsplit(".", 1)[-1]
-            if name not in MILES_TIS_FUNCTIONS:
-                raise ConfigError(
-                    f"--custom-tis-function-path {self.custom_tis_function_path}: only Miles' "
-                    f"{' and '.join(MILES_TIS_FUNCTIONS)} are understood; use --tis-mode"
-                )
-            object.__setattr__(self, "tis_mode", MILES_TIS_FUNCTIONS[name])
+        if mode := builtin_tis_mode(self.custom_tis_function_path):
+            object.__setattr__(self, "tis_mode", mode)
         if self.distills and not (self.opd_teacher_url or self.opd_teacher_load):
             raise ConfigError(
                 "on-policy distillation needs a teacher: --opd-teacher-url (an engine) "
@@ -118,6 +138,12 @@ class AlgoConfig:
                 "--opd-type sglang takes the teacher's logprobs from an engine: give "
                 "--opd-teacher-url, not --opd-teacher-load (as Miles refuses it)"
             )
+
+    @property
+    def custom_tis_function(self) -> str | None:
+        """--custom-tis-function-path when it names the user's function (not a built-in)."""
+        path = self.custom_tis_function_path
+        return None if builtin_tis_mode(path) else path
 
     @property
     def distills(self) -> bool:

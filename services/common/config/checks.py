@@ -78,9 +78,21 @@ def _check_required(cfg: RunConfig) -> None:
     if not (cfg.ckpt.hf_checkpoint or cfg.ckpt.ref_load):
         raise ConfigError("--hf-checkpoint (or --ref-load) is required: the starting model")
     r = cfg.rollout
-    if is_default_source(r.data_source_path):
+    if r.reads_prompt_data:
         if not r.prompt_data:
             raise ConfigError("--prompt-data is required: a JSONL file of prompts")
+    elif is_default_source(r.data_source_path):
+        if not (r.custom_generate_function_path or r.rollout_function_path):
+            raise ConfigError(
+                "--disable-rollout-global-dataset: the trainer admits groups with empty "
+                "prompts, so a --custom-generate-function-path or --rollout-function-path must "
+                "make them (or give --data-source-path, or drop the flag)"
+            )
+        if not r.num_rollout:
+            raise ConfigError(
+                "--disable-rollout-global-dataset needs --num-rollout: without a data set "
+                "there are no epochs to count"
+            )
     elif not r.num_rollout:
         raise ConfigError(
             f"--data-source-path {r.data_source_path} needs --num-rollout: a data source has "

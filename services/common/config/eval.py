@@ -20,7 +20,16 @@ class EvalConfig:
     eval_top_p: float | None = flag(None, "defaults to --rollout-top-p")
     eval_top_k: int | None = flag(None, "defaults to --rollout-top-k")
     eval_max_response_len: int | None = flag(None, "defaults to --rollout-max-response-len")
-    eval_max_prompt_len: int | None = flag(None, "defaults to --rollout-max-prompt-len")
+    eval_max_prompt_len: int | None = flag(
+        None,
+        "skip (and count) longer eval prompts, in tokens (default: none; with "
+        "--rollout-max-context-len, one less than it)",
+    )
+    eval_min_new_tokens: int | None = flag(
+        None,
+        "Miles': SGLang's min_new_tokens for eval requests (no stop before that many tokens); "
+        "millstream's own engine does not implement it, so it needs SGLang's servers",
+    )
     skip_eval_before_train: bool = flag(False, "")
 
     def __post_init__(self) -> None:
@@ -31,6 +40,10 @@ class EvalConfig:
             )
         if self.eval_interval is not None and self.eval_interval <= 0:
             raise ConfigError(f"--eval-interval must be > 0 (got {self.eval_interval})")
+        if self.eval_min_new_tokens is not None and self.eval_min_new_tokens < 0:
+            raise ConfigError(
+                f"--eval-min-new-tokens must be >= 0 (got {self.eval_min_new_tokens})"
+            )
 
     def datasets(self) -> dict[str, str]:
         data = self.eval_prompt_data or []

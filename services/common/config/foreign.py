@@ -167,7 +167,6 @@ FAMILIES: tuple[tuple[str, str], ...] = (
         ),
     ),
     ("--eval-config", "is Miles' YAML eval config: give --eval-prompt-data NAME PATH pairs"),
-    ("--multimodal-keys", "is multimodal input, which is not built: text prompts only"),
 )
 
 

@@ -41,6 +41,12 @@ class LoggingConfig:
         None, "with --use-tensorboard: .../<this> (default: the start time, %%Y%%m%%d_%%H%%M%%S)"
     )
     tensorboard_dir: str | None = flag(None, "mirror the metrics to tensorboard in this directory")
+    log_passrate: bool = flag(
+        False,
+        "Miles': pass@k of each rollout's groups (k = 1, 2, 4, ... up to the group size; a "
+        "sample passes with reward 1) as passrate/pass@k, and of each eval set as "
+        "eval/<set>-pass@k",
+    )
     custom_rollout_log_function_path: str | None = flag(
         None,
         "pkg.mod.fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool, "

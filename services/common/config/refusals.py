@@ -49,7 +49,8 @@ _DEFAULT = {f.name: f.default for _, cls, _ in GROUPS for f in dataclasses.field
 DERIVED: dict[str, str] = {
     "global_batch_size": "num_steps_per_rollout",  # resolve_batch_knobs
     "eval_prompt_data": "datasets",  # NAME PATH pairs -> {name: path}
-    "custom_tis_function_path": "tis_mode",  # Miles' icepop_function -> icepop
+    "custom_tis_function_path": "tis_mode",  # Miles' icepop_function -> icepop (else: read)
+    "custom_config_path": "custom_config",  # the file's keys that are no flag (custom.py)
     "use_opd": "distills",  # the distillation term is on
     "redis_password_file": "redis_password",  # the file's contents
 }
@@ -92,9 +93,15 @@ REFUSED: dict[str, str] = {
         "delta sends only what changed since the last sync, through files (Miles' disk "
         "delta); millstream sends the full weights every sync: drop it, or give full"
     ),
-    "sglang_server_concurrency": (
-        "caps Miles' in-flight generation requests per engine; here the cap is per rollout "
-        "worker: use --rollout-max-concurrency"
+    "keep_old_actor": (
+        "keeps one copy of the weights the engines generated with, one version back, to "
+        "recompute the old logprobs (Miles' one-step-off async); here a batch can mix samples "
+        "of several versions (--max-staleness), so no single copy is the old policy: use "
+        "--use-rollout-logprobs (the engines' own logprobs as the old policy) or --use-tis"
+    ),
+    "multimodal_keys": (
+        "maps media (images, video) to data keys for a multimodal model; millstream's prompts, "
+        "engines and trainer take text (or chat messages) only: drop it"
     ),
 }
 
@@ -216,6 +223,11 @@ _FROM_THE_MODEL_CODE = (
 
 # field -> why it needs nothing here.
 ACCEPTED: dict[str, str] = {
+    "sglang_server_concurrency": (
+        "Miles' client-side cap on in-flight requests per engine: plugins read it as "
+        "args.sglang_server_concurrency (GenerateState's semaphore); millstream's own rollout "
+        "is capped per worker by --rollout-max-concurrency"
+    ),
     "accumulate_allreduce_grads_in_fp32": "the torch backend's gradients are fp32 already",
     "attention_softmax_in_fp32": "the torch backend computes in fp32 throughout",
     "group_query_attention": "switches on --num-query-groups, which is matched",
@@ -231,10 +243,13 @@ ACCEPTED: dict[str, str] = {
     ),
 }
 
-# --sglang-* flag's field -> where it goes, for one that nothing here reads. Empty: the ones
-# millstream names are read (--sglang-mem-fraction-static by launch/plan.py), and every other
-# --sglang-X is collected into cfg.sglang.sglang_server_args (module docstring).
-PASSED_THROUGH: dict[str, str] = {}
+# --sglang-* flag's field -> where it goes, for one that nothing here reads. The ones millstream
+# names are read (--sglang-mem-fraction-static by launch/plan.py), and every other --sglang-X
+# is collected into cfg.sglang.sglang_server_args (module docstring); sglang_dp_size repeats
+# one of those, --sglang-dp-size, for plugins that read args.sglang_dp_size.
+PASSED_THROUGH: dict[str, str] = {
+    "sglang_dp_size": "SGLang's --dp-size, which --sglang-dp-size hands on; args.sglang_dp_size",
+}
 
 
 def flag_name(field: str) -> str:

@@ -9,9 +9,16 @@ and rejects four that disagree, naming all four values.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
-from .schema import flag
+from .schema import derived, flag
+
+# Miles' own default rollout, as launch scripts often write it out: the rollout millstream's
+# workers run anyway (one group at a time), so naming it means no plugin.
+MILES_DEFAULT_ROLLOUT = {
+    f"{pkg}.rollout.sglang_rollout.generate_rollout" for pkg in ("miles", "slime")
+}
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,28 @@ class RolloutConfig:
     metadata_key: str = flag("metadata", "JSONL key of per-row metadata")
     tool_key: str | None = flag(None, "JSONL key of tools for the chat template")
     apply_chat_template: bool = flag(False, "format prompts with the tokenizer's chat template")
+    apply_chat_template_kwargs: dict[str, Any] = flag(
+        {},
+        "JSON object of keyword arguments for tokenizer.apply_chat_template, where the trainer "
+        "formats prompts (Miles'), e.g. '{\"enable_thinking\": false}'",
+    )
+    chat_template_path: str | None = flag(
+        None,
+        "a Jinja chat template file that replaces the tokenizer's own where the trainer formats "
+        "prompts (Miles'; for the chat API of SGLang servers, give --sglang-chat-template too)",
+    )
+    multimodal_keys: dict[str, Any] | None = flag(
+        None,
+        'Miles\' JSON map of media type to data key (\'{"image": "image_file"}\'); refused: '
+        "millstream's prompts are text (or chat messages) only",
+    )
+    rollout_global_dataset: bool = flag(
+        True,
+        "Miles': no prompt data set. The trainer admits groups whose samples start empty (no "
+        "prompt, no label): your --custom-generate-function-path or --rollout-function-path "
+        "makes each prompt; a --data-source-path needs no such flag",
+        option="--disable-rollout-global-dataset",
+    )
     prompt_special_tokens: str = flag(
         "tokenizer",
         "tokenizer: a plain-text prompt gets the tokenizer's own special tokens (its BOS, if it "
@@ -46,6 +75,12 @@ class RolloutConfig:
     )
     rollout_max_prompt_len: int | None = flag(None, "skip (and count) longer prompts, in tokens")
     rollout_max_response_len: int = flag(1024, "max new tokens per response")
+    rollout_max_context_len: int | None = flag(
+        None,
+        "Miles': cap on prompt + response tokens. Each request's max new tokens is clipped to "
+        "what the prompt leaves, and --rollout-max-prompt-len (eval: --eval-max-prompt-len) "
+        "defaults to one less, so every kept prompt generates at least one token",
+    )
     rollout_temperature: float = flag(1.0, "")
     rollout_top_p: float = flag(1.0, "")
     rollout_top_k: int = flag(-1, "-1 disables top-k")
@@ -96,6 +131,20 @@ class RolloutConfig:
         "pkg.mod.fn(args, samples, **kwargs) -> DynamicFilterOutput; built-ins: "
         "check_reward_nonzero_std, check_no_aborted",
     )
+    custom_config_path: str | None = flag(
+        None,
+        "Miles': a YAML file (or base64:<YAML>) of settings, read once at start. A key that names "
+        "a flag sets it, over the command line, as Miles' setattr does; any other key (a "
+        "plugin's own: tis_level, use_rs, ...) reaches plugins as args.<key>",
+    )
+    # The --custom-config-path keys that name no flag, for plugins' `args` (common/miles).
+    custom_config: dict[str, Any] = derived({}, "the --custom-config-path keys that are no flag")
+
+    @property
+    def reads_prompt_data(self) -> bool:
+        """The trainer's prompts are --prompt-data's rows: Miles' default data source, with its
+        data set (no --disable-rollout-global-dataset)."""
+        return self.rollout_global_dataset and is_default_source(self.data_source_path)
 
     @property
     def logprob_temperature(self) -> float:
@@ -103,6 +152,9 @@ class RolloutConfig:
         return self.rollout_temperature if self.rollout_temperature > 1e-6 else 1.0
 
     def __post_init__(self) -> None:
+        for name in ("rollout_function_path", "eval_function_path"):
+            if getattr(self, name) in MILES_DEFAULT_ROLLOUT:
+                object.__setattr__(self, name, None)
         for name in (
             "rollout_batch_size",
             "n_samples_per_prompt",
@@ -112,10 +164,21 @@ class RolloutConfig:
             "num_epoch",
             "over_sampling_batch_size",
             "rollout_max_prompt_len",
+            "rollout_max_context_len",
         ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
+        context = self.rollout_max_context_len
+        if context is not None:
+            if self.rollout_max_prompt_len is None:
+                object.__setattr__(self, "rollout_max_prompt_len", context - 1)
+            if not 0 < self.rollout_max_prompt_len < context:
+                raise ConfigError(
+                    f"--rollout-max-prompt-len ({self.rollout_max_prompt_len}) must be below "
+                    f"--rollout-max-context-len ({context}), so that a kept prompt leaves room "
+                    "for at least one generated token"
+                )
         if self.rollout_max_response_len <= 0:
             raise ConfigError(
                 f"--rollout-max-response-len must be > 0 (got {self.rollout_max_response_len})"

@@ -5,7 +5,10 @@ field name with dashes (`rollout_batch_size` -> `--rollout-batch-size`), exactly
 spells it, so a Miles launch script's bash arrays parse unchanged. Types come from the
 annotations: `int`, `float`, `str`, `bool` (store_true), `bool | None` (`--x` / `--no-x`, None
 when neither is given, as Miles' BooleanOptionalAction flags), `X | None`, `list[str]`,
-`list[int]`.
+`list[int]`, and `dict[str, Any]` (a JSON object on the command line, as Miles' `type=json.loads`
+flags). `option` names a flag whose spelling is not its field's: a `bool` field that defaults
+to True is then Miles' `store_false` flag (`--disable-rollout-global-dataset` clears
+`rollout_global_dataset`).
 
 Nothing here imports torch: router and reward workers load config without it.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, TypeVar
@@ -27,22 +31,40 @@ def flag(
     *,
     choices: tuple[str, ...] | None = None,
     aliases: tuple[str, ...] = (),
+    option: str | None = None,
+    miles: bool = True,
 ) -> Any:
     """A dataclass field that is also a command-line flag (`aliases`: other spellings, e.g.
-    Miles' name where the issue or SGLang uses another)."""
-    metadata = {"help": help, "choices": choices, "aliases": aliases}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    Miles' name where the issue or SGLang uses another; `option`: the flag's spelling when it
+    is not the field's, see the module docstring; `miles=False`: not a flag of Miles, so a
+    --custom-config-path key of its name is a plugin's: custom.py)."""
+    metadata = {
+        "help": help, "choices": choices, "aliases": aliases, "option": option, "miles": miles
+    }  # fmt: skip
+    return _field(default, metadata)
+
+
+def _field(default: Any, metadata: dict[str, Any]) -> Any:
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag's value (argparse reports the ValueError as an invalid value)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text}")
+    return value
+
+
+json_object.__name__ = "JSON object"  # argparse names the type in its error
 
 
 def derived(default: Any = None, help: str = "") -> Any:
     """A config field that is not a flag of its own: filled from the command line by
     `parse_run_config` (e.g. the --sglang-* server flags handed on to SGLang)."""
-    metadata = {"help": help, "derived": True}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+    return _field(default, {"help": help, "derived": True})
 
 
 def _unwrap(tp: Any) -> tuple[Any, bool]:
@@ -61,12 +83,16 @@ def add_group(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
         if f.metadata.get("derived"):
             continue
         tp, optional = _unwrap(typing.get_type_hints(cls)[f.name])
-        option = "--" + f.name.replace("_", "-")
+        option = f.metadata.get("option") or "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help") or None}
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
-        if tp is bool:
+        if tp is bool and f.default is True:
+            kwargs["action"] = "store_false"
+        elif tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if optional else "store_true"
+        elif typing.get_origin(tp) is dict:
+            kwargs["type"] = json_object
         elif typing.get_origin(tp) is list:
             kwargs["nargs"] = "+"
             kwargs["type"] = typing.get_args(tp)[0]
@@ -105,3 +131,41 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
             value = from_dict(tp, value)
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def coerce(cls: type, name: str, value: Any) -> Any:
+    """`value`, read from a YAML or JSON file, as field `name` of `cls` holds it; ValueError
+    saying what was expected when it cannot be (a number for a str flag, an unknown choice)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    tp, optional = _unwrap(typing.get_type_hints(cls)[name])
+    if value is None:
+        if optional:
+            return None
+        raise ValueError("must not be null")
+    origin = typing.get_origin(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {value!r}")
+        return [_scalar(typing.get_args(tp)[0], v) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a mapping, got {value!r}")
+        return dict(value)
+    value = _scalar(tp, value)
+    choices = field.metadata.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _scalar(tp: Any, value: Any) -> Any:
+    if tp is bool and isinstance(value, bool):
+        return value
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is float and number:
+        return float(value)
+    if tp is int and number and float(value).is_integer():
+        return int(value)
+    if tp is str and isinstance(value, str):
+        return value
+    raise ValueError(f"expected {getattr(tp, '__name__', tp)}, got {value!r}")

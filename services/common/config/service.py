@@ -109,6 +109,12 @@ class ServiceConfig:
     trim_interval: float = flag(
         10.0, "seconds between trims of the run's streams and removals of departed consumers"
     )
+    max_consecutive_failed_groups: int = flag(
+        32,
+        "stop the run (exit 1, with the plugin's traceback) after this many groups in a row "
+        "failed because a plugin (--custom-rm-path, --custom-generate-function-path, a filter, "
+        "...) raised; 0: never stop for that",
+    )
     redis_outage_timeout: float = flag(
         120.0,
         "seconds every service keeps reconnecting to a Redis that went away (its work kept) "
@@ -142,6 +148,11 @@ class ServiceConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})"
                 )
+        if self.max_consecutive_failed_groups < 0:
+            raise ConfigError(
+                "--max-consecutive-failed-groups must be >= 0 "
+                f"(got {self.max_consecutive_failed_groups})"
+            )
         if self.admin_token is not None and not self.admin_token.strip():
             raise ConfigError("--admin-token must not be empty")
         if self.max_staleness is not None and self.max_staleness < 0:

@@ -10,6 +10,17 @@ from .schema import derived, flag
 SERVER_PREFIX = "--sglang-"
 
 
+def server_arg(server_args: list[str], name: str) -> str | None:
+    """The value of --sglang-`name` among the collected server flags (`--x v` or `--x=v`)."""
+    option = SERVER_PREFIX + name
+    for i, arg in enumerate(server_args):
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+        if arg == option and i + 1 < len(server_args) and not server_args[i + 1].startswith("--"):
+            return server_args[i + 1]
+    return None
+
+
 def split_server_args(extras: list[str]) -> tuple[list[str], list[str]]:
     """(the --sglang-X flags argparse did not know, each with the values that follow it;
     the rest). Values are the arguments up to the next one that starts with "--"."""
@@ -61,8 +72,17 @@ class SglangConfig:
     sglang_server_args: list[str] = derived(
         [], "the --sglang-* server flags given, for the SGLang servers started here"
     )
+    # SGLang's --dp-size, as Miles' args.sglang_dp_size: what --sglang-dp-size gave (1 without).
+    sglang_dp_size: int = derived(
+        1,
+        "the --sglang-dp-size given (SGLang's --dp-size, passed to the SGLang servers started "
+        "here); plugins read it as args.sglang_dp_size",
+    )
     sglang_server_concurrency: int = flag(
-        512, "Miles: in-flight requests per engine; only 512: use --rollout-max-concurrency"
+        512,
+        "accepted: Miles' in-flight requests per engine, which sizes GenerateState's semaphore "
+        "(x engines) for plugins; millstream's own rollout is capped per worker by "
+        "--rollout-max-concurrency",
     )
     sglang_router_ip: str | None = flag(None, "an existing router (alias of --router-url's host)")
     sglang_router_port: int | None = flag(None, "")
@@ -114,6 +134,8 @@ class SglangConfig:
                 "--rollout-num-gpus-per-engine must be > 0 "
                 f"(got {self.rollout_num_gpus_per_engine})"
             )
+        if self.sglang_dp_size <= 0:
+            raise ConfigError(f"--sglang-dp-size must be > 0 (got {self.sglang_dp_size})")
         if self.update_weight_buffer_size <= 0:
             raise ConfigError(
                 f"--update-weight-buffer-size must be > 0 (got {self.update_weight_buffer_size})"

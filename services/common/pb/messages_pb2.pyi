@@ -33,7 +33,7 @@ VERDICT_FILTERED: Verdict
 VERDICT_FAILED: Verdict
 
 class PromptGroup(_message.Message):
-    __slots__ = ("group_id", "data_index", "epoch", "prompt_token_ids", "prompt_text", "label", "metadata_json", "n_samples", "admitted_version", "is_eval", "eval_name", "partial_samples", "admitted_unix")
+    __slots__ = ("group_id", "data_index", "epoch", "prompt_token_ids", "prompt_text", "label", "metadata_json", "n_samples", "admitted_version", "is_eval", "eval_name", "partial_samples", "admitted_unix", "label_json")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class PromptGroup(_message.Message):
     EVAL_NAME_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LABEL_JSON_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     data_index: int
     epoch: int
@@ -60,10 +61,11 @@ class PromptGroup(_message.Message):
     eval_name: str
     partial_samples: _containers.RepeatedCompositeFieldContainer[Sample]
     admitted_unix: float
-    def __init__(self, group_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., metadata_json: _Optional[str] = ..., n_samples: _Optional[int] = ..., admitted_version: _Optional[int] = ..., is_eval: _Optional[bool] = ..., eval_name: _Optional[str] = ..., partial_samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., admitted_unix: _Optional[float] = ...) -> None: ...
+    label_json: str
+    def __init__(self, group_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., metadata_json: _Optional[str] = ..., n_samples: _Optional[int] = ..., admitted_version: _Optional[int] = ..., is_eval: _Optional[bool] = ..., eval_name: _Optional[str] = ..., partial_samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., admitted_unix: _Optional[float] = ..., label_json: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("group_id", "index", "prompt_token_ids", "response_token_ids", "response_text", "label", "loss_mask", "rollout_logprobs", "weight_versions", "status", "reward", "metadata_json", "failure_reason", "finish_reason")
+    __slots__ = ("group_id", "index", "prompt_token_ids", "response_token_ids", "response_text", "label", "loss_mask", "rollout_logprobs", "weight_versions", "status", "reward", "metadata_json", "failure_reason", "finish_reason", "label_json")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class Sample(_message.Message):
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LABEL_JSON_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     index: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -92,10 +95,27 @@ class Sample(_message.Message):
     metadata_json: str
     failure_reason: str
     finish_reason: str
-    def __init__(self, group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., response_text: _Optional[str] = ..., label: _Optional[str] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., reward: _Optional[float] = ..., metadata_json: _Optional[str] = ..., failure_reason: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    label_json: str
+    def __init__(self, group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., response_text: _Optional[str] = ..., label: _Optional[str] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., status: _Optional[_Union[SampleStatus, str]] = ..., reward: _Optional[float] = ..., metadata_json: _Optional[str] = ..., failure_reason: _Optional[str] = ..., finish_reason: _Optional[str] = ..., label_json: _Optional[str] = ...) -> None: ...
+
+class PluginError(_message.Message):
+    __slots__ = ("flag", "path", "type", "message", "traceback", "service")
+    FLAG_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    flag: str
+    path: str
+    type: str
+    message: str
+    traceback: str
+    service: str
+    def __init__(self, flag: _Optional[str] = ..., path: _Optional[str] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., service: _Optional[str] = ...) -> None: ...
 
 class SampleGroup(_message.Message):
-    __slots__ = ("prompt", "samples", "failure_reason", "timings")
+    __slots__ = ("prompt", "samples", "failure_reason", "timings", "plugin_error")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -107,18 +127,22 @@ class SampleGroup(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_ERROR_FIELD_NUMBER: _ClassVar[int]
     prompt: PromptGroup
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     failure_reason: str
     timings: _containers.ScalarMap[str, float]
-    def __init__(self, prompt: _Optional[_Union[PromptGroup, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., failure_reason: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    plugin_error: PluginError
+    def __init__(self, prompt: _Optional[_Union[PromptGroup, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., failure_reason: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ..., plugin_error: _Optional[_Union[PluginError, _Mapping]] = ...) -> None: ...
 
 class ScoredGroup(_message.Message):
-    __slots__ = ("group", "verdict", "reason")
+    __slots__ = ("group", "verdict", "reason", "plugin_error")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_ERROR_FIELD_NUMBER: _ClassVar[int]
     group: SampleGroup
     verdict: Verdict
     reason: str
-    def __init__(self, group: _Optional[_Union[SampleGroup, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    plugin_error: PluginError
+    def __init__(self, group: _Optional[_Union[SampleGroup, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., reason: _Optional[str] = ..., plugin_error: _Optional[_Union[PluginError, _Mapping]] = ...) -> None: ...

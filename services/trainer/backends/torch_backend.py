@@ -21,6 +21,7 @@ more, the logprobs recomputed before the first step stay fixed for all steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections import defaultdict
@@ -37,6 +38,7 @@ from millstream.common.errors import MillstreamError
 
 from ..algorithms.advantages import token_advantages
 from ..algorithms.loss import Denominator, approx_kl, policy_loss, value_loss
+from ..algorithms.tis import CustomTis, GroupInfo, ParallelState
 from ..observe.profiler import TrainProfiler
 from . import batching, chunked, shared_prefix
 from .base import TrainSample
@@ -278,6 +280,20 @@ class TorchBackend:
         self.step_metrics: list[dict[str, float]] = []  # the last rollout's, one per step
         # --use-pytorch-profiler / --memory-snapshot-path: set by the build (rank 0), else off.
         self.profiler = TrainProfiler()
+
+    @functools.cached_property
+    def custom_tis(self) -> CustomTis | None:
+        """--custom-tis-function-path's function of the user's (with --use-tis), loaded at the
+        first step, when this rank knows its place among the data parallel ranks."""
+        algo = self.cfg.algo
+        if not (algo.use_tis and algo.custom_tis_function):
+            return None
+        from millstream.common.config.store import without_secrets
+        from millstream.common.miles import make_args
+
+        ranks = ParallelState(intra_dp=GroupInfo(self.rank, self.world_size))
+        args = make_args(without_secrets(self.cfg))
+        return CustomTis(algo.custom_tis_function, args, ranks)
 
     def _frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A model that only forwards (reference, teacher): on the device, in the actor's dtype."""
@@ -730,16 +746,21 @@ class TorchBackend:
             with synced:
                 logp_BT, entropy_BT, valid_BT = self._logprobs(self.train_model, mb, True)
                 T = logp_BT.shape[1]
+                scored_BT = logp_BT.detach() if p.old is None else self._padded(p.old, T)
+                rollout_BT = self._padded([s.rollout_logprobs for s in mb], T)
                 loss, mb_metrics = policy_loss(
                     logp_BT,
-                    logp_BT.detach() if p.old is None else self._padded(p.old, T),
+                    rollout_BT if self.cfg.algo.use_rollout_logprobs else scored_BT,
                     self._padded(p.advantages, T),
                     self._padded([s.loss_mask for s in mb], T) * valid_BT,
                     self.cfg.algo,
                     denom,
-                    rollout_logp_BT=self._padded([s.rollout_logprobs for s in mb], T),
+                    rollout_logp_BT=rollout_BT,
                     ref_logp_BT=None if p.ref is None else self._padded(p.ref, T),
                     entropy_BT=entropy_BT,
+                    scored_logp_BT=scored_BT,
+                    custom_tis=self.custom_tis,
+                    lengths=([s.response_len for s in mb], [len(s.tokens) for s in mb]),
                 )
                 loss.backward()
             metrics["loss"] += loss.item()

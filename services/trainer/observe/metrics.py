@@ -44,6 +44,8 @@ every key the trainer computes to TAGS). Millstream's own counters (admitted, tr
 have no Miles name and go under rollout/, on the rollout axis. The eval metrics of a row are
 mirrored by `log_eval`, which the trainer calls for every eval (the one before training too).
 --custom-rollout-log-function-path and --custom-eval-rollout-log-function-path: log_hooks.py.
+--log-passrate adds Miles' pass@k (`pass_at_k`): `passrate/pass@k` to each row, from the
+iteration's groups, and `eval/<set>-pass@k` to each eval's metrics.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
+import statistics
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,7 +65,7 @@ from millstream.common.config import ConfigError, RunConfig
 from millstream.common.config.schema import to_dict
 from millstream.common.config.store import without_secrets
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import make_args, miles_samples
+from millstream.common.miles import make_args, miles_samples, tracking
 
 from . import history, log_hooks
 
@@ -143,6 +147,11 @@ def tag(key: str) -> str:
     return f"rollout/{key}"
 
 
+def _number(value: Any) -> bool:
+    """A value a log row and its mirrors take: a real number (bools are not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def namespaced(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of a row by tag."""
     return {
@@ -214,6 +223,22 @@ def wandb_init_kwargs(
     }
 
 
+def pass_at_k(rewards: list[float], group_size: int) -> dict[str, float]:
+    """Miles' compute_pass_rate: `rewards` in consecutive groups of `group_size`; a sample
+    passes with reward 1. Per group of n with c passing, the unbiased estimate
+    pass@k = 1 - C(n - c, k) / C(n, k), averaged over the groups, for k = 1, 2, 4, ... <= n
+    (nothing for groups of one)."""
+    n = group_size
+    if n < 2 or not rewards or len(rewards) % n:
+        return {}
+    passing = [sum(r == 1 for r in rewards[i : i + n]) for i in range(0, len(rewards), n)]
+    out = {}
+    for k in (2**i for i in range(int(math.log2(n)) + 1)):
+        estimates = (1.0 - math.comb(n - c, k) / math.comb(n, k) for c in passing)
+        out[f"pass@{k}"] = statistics.fmean(estimates)
+    return out
+
+
 def format_row(iteration: int, total: int, m: dict[str, float]) -> str:
     return (
         f"[trainer] iter {iteration}/{total} | loss={m.get('loss', 0):.3f} reward={m.get('raw_reward', 0):.2f} "
@@ -282,20 +307,29 @@ class MetricsLogger:
     ) -> None:
         """Iteration `step` (from 1): its row to metrics.jsonl; train/, rollout/ and perf/ to
         the mirrors (the eval/ keys are `log_eval`'s); `groups`, the iteration's ScoredGroups,
-        give the custom rollout log function its samples."""
-        record = {"step": step, "time": time.time(), **metrics}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        give the custom rollout log function its samples (and --log-passrate its rewards)."""
+        if self.cfg.logging.log_passrate and groups:
+            rewards = [s.reward for g in groups for s in g.group.samples]
+            n = self.cfg.rollout.n_samples_per_prompt or 1
+            metrics = {**metrics, **{f"passrate/{k}": v for k, v in pass_at_k(rewards, n).items()}}
         rollout_id = step - 1
         tags = {t: v for t, v in namespaced(metrics).items() if not t.startswith("eval/")}
         train = {t: v for t, v in tags.items() if step_key(t) == "train/step"}
         rest = {t: v for t, v in tags.items() if step_key(t) == "rollout/step"}
+        logged: dict[str, Any] = {}
         if self._rollout_hook is not None:
             samples = [s for g in groups or () for s in miles_samples(g.group)]
             extra = {t: v for t, v in rest.items() if t.startswith("rollout/")}
             rollout_time = metrics.get("rollout_time", 0.0)
-            if self._rollout_hook(rollout_id, self.args, samples, extra, rollout_time):
+            with tracking.collect() as logged:  # Miles' tracking.log inside the function
+                skip = self._rollout_hook(rollout_id, self.args, samples, extra, rollout_time)
+            if skip:
                 rest = {t: v for t, v in rest.items() if not t.startswith("rollout/")}
+            logged = {t: v for t, v in logged.items() if _number(v)}
+            rest |= logged
+        record = {"step": step, "time": time.time(), **metrics, **logged}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
         self._mirror(train, "train/step", train_step(self.cfg, rollout_id))
         self._mirror(rest, "rollout/step", rollout_id)
         if row:
@@ -321,17 +355,30 @@ class MetricsLogger:
 
     def log_eval(
         self, iteration: int, metrics: dict[str, Any], data: dict[str, Any] | None = None
-    ) -> None:
+    ) -> dict[str, float]:
         """An eval after `iteration` iterations (0: before training): its eval/ metrics to the
         mirrors at Miles' eval/step; `data` ({set: {"rewards", "truncated", "samples"}}) is
-        for the custom eval log function."""
+        for the custom eval log function and --log-passrate, whose eval/<set>-pass@k it
+        returns (for the row)."""
         rollout_id = max(iteration - 1, 0)
-        tags = {t: v for t, v in namespaced(metrics).items() if t.startswith("eval/")}
-        if self._eval_hook is not None and self._eval_hook(
-            rollout_id, self.args, data or {}, dict(tags)
-        ):
-            return
+        extra: dict[str, float] = {}
+        if self.cfg.logging.log_passrate:
+            n = self.cfg.eval.n_samples_per_eval_prompt
+            for name, d in (data or {}).items():
+                found = pass_at_k(list(d.get("rewards", ())), n)
+                extra |= {f"eval/{name}-{k}": v for k, v in found.items()}
+        tags = {t: v for t, v in namespaced({**metrics, **extra}).items() if t.startswith("eval/")}
+        if self._eval_hook is not None:
+            with tracking.collect() as logged:  # Miles' tracking.log inside the function
+                skip = self._eval_hook(rollout_id, self.args, data or {}, dict(tags))
+            logged = {t: v for t, v in logged.items() if _number(v)}
+            extra |= logged
+            if skip:
+                self._mirror(logged, "eval/step", rollout_id)
+                return extra
+            tags |= logged
         self._mirror(tags, "eval/step", rollout_id)
+        return extra
 
     def _mirror(self, tags: dict[str, float], key: str, step: int) -> None:
         if not tags:

@@ -1,7 +1,8 @@
 """RUN_DIR/summary.json: how a run of `millstream train` / `train-async` ended, on every exit.
 
     {"ended": "finished" | "signal SIGTERM" | "signal SIGINT" | "stall timeout: <why>"
-              | "error: <type>: <message>",
+              | "plugin failed: <n> groups in a row failed ...: <service>: <flag> <path> raised
+                 <Type>: <message>" | "error: <type>: <message>",
      "exit_code": 0 | 130 | 1,
      "iteration": 12, "num_rollout": 300, "checkpoint": 10 (the latest under --save, or null),
      "counts": {"admitted", "trained", "filtered", "failed", "dropped_stale", "dropped_at_end",
@@ -30,6 +31,7 @@ from millstream.common.errors import MillstreamError
 
 from ..evaluate import format_accuracies
 from .history import RESUMED_FROM, read
+from .plugin_failures import PluginCrashed
 from .watch import Stalled
 
 TERMINAL = ("trained", "filtered", "failed", "dropped_stale", "dropped_at_end")
@@ -42,6 +44,8 @@ def ended_by(err: BaseException | None, signal_name: str | None) -> tuple[str, i
     if isinstance(err, Exception):
         if isinstance(err, Stalled):
             return f"stall timeout: {err}", 1
+        if isinstance(err, PluginCrashed):  # its traceback: on the console, not in here
+            return f"plugin failed: {err.summary}", 1
         return f"error: {type(err).__name__}: {err}", 1
     if signal_name is not None or isinstance(err, KeyboardInterrupt):
         return f"signal {signal_name or 'SIGINT'}", INTERRUPTED

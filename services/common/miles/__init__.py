@@ -1,9 +1,10 @@
-"""Miles' plugin interfaces, as the interfaces: `args`, `Sample`, `DynamicFilterOutput`.
+"""Miles' public plugin surface, for every service that runs plugins: `args`, `Sample`, the hooks.
 
 A plugin written for Miles (radixark/miles) runs here unchanged where the hook means the same
-thing in a disaggregated system. Each worker builds one `args` from the resolved RunConfig
-(`make_args`) and converts its wire messages (protobuf, common/types.py) to Miles' `Sample` at
-the edge, in this module only (`sample_from_pb`, `sample_to_pb`, `groups_from_pb`).
+thing in a disaggregated system, imports included. Each worker builds one `args` from the
+resolved RunConfig (`make_args`) and converts its wire messages (protobuf, common/types.py) to
+Miles' `Sample` at the edge, in this module only (`sample_from_pb`, `sample_to_pb`,
+`groups_from_pb`).
 
 Hooks (flag -> what is called -> where; the call sites name the flag and path on errors):
 
@@ -41,49 +42,68 @@ Hooks (flag -> what is called -> where; the call sites name the flag and path on
 * `--eval-function-path` is refused in preflight (common/config/refusals.py), saying what to use
   instead.
 
-`Sample` follows miles/utils/types.py: `tokens` is prompt + response token ids,
-`response_length` the response's share of them, `loss_mask` and `rollout_log_probs` one per
-response token, `status` a `Sample.Status`. Differences, all from the wire message: `index`
-is the sample's index inside its group (0 .. n-1; Miles numbers samples globally),
-`group_index` is the prompt's position in the data source when known, `weight_versions` has
-one entry per response token (Miles: one per generate call), `reward` is None before scoring,
-and millstream adds `group_id`, `finish_reason` and `failure_reason`. Fields with no wire
+`Sample` is Miles' (types.py): every field and method, Miles' `Sample.Status` values.
+From the wire message: `index` is the sample's index inside its group (0 .. n-1; Miles numbers
+samples globally), `group_index` is the prompt's position in the data source when known,
+`weight_versions` has one entry per response token (Miles: one per generate call), `reward` is
+None before scoring, `label` is the data row's label as Miles hands it over (the JSON value of
+`label_json` when the row held a dict, list, number or bool, else the `label` text), and
+millstream adds `group_id`, `finish_reason` and `failure_reason`. Fields with no wire
 counterpart (multimodal inputs, `remove_sample`, teacher logprobs, ...) are not carried back.
 
-A plugin keeps Miles' imports: `load_function` (common/plugins.py) first puts stand-ins for
-Miles' modules in `sys.modules` when Miles itself is not installed (`install_miles_modules`), so
-`from miles.utils.types import Sample`, `from miles.rollout.filter_hub.base_types import
-DynamicFilterOutput` and `from miles.rollout.data_source import DataSource` import the types of
-this module, and `from miles.utils.http_utils import post` its `http_post`. Any other Miles module stays missing, and the loader's error says so.
+Miles' imports: every plugin loader (common/plugins.py) first installs an import hook for
+Miles' module names when Miles itself is not installed (importer.py `install_miles_modules`),
+so Miles' modules below are the modules of this package, the same objects:
 
-Loads without torch.
+| Miles' module | here | what |
+| --- | --- | --- |
+| miles.utils.types | types.py | Sample, RewardSpec, AdapterRef, MultimodalTypes |
+| miles.utils.http_utils | http_utils.py | post (with retries), get, wait_http_ok, port helpers |
+| miles.utils.misc | misc.py | load_function, SingletonMeta, get_free_port, ... |
+| miles.utils.async_utils | async_utils.py | run (a background event loop) |
+| miles.utils.data | data.py | Dataset (JSONL/Parquet prompt rows as Samples) |
+| miles.utils.iter_utils | iter_utils.py | group_by, chunk_named_params_by_size |
+| miles.utils.processing_utils | processing_utils.py | load_tokenizer, load_processor, images |
+| miles.utils.mask_utils | mask_utils.py | MultiTurnLossMaskGenerator |
+| miles.rollout.base_types | base_types.py | RolloutFn*/GenerateFn* inputs and outputs |
+| miles.rollout.data_source | data_source.py | DataSource, RolloutDataSource(WithBuffer) |
+| miles.rollout.filter_hub.base_types | filter_hub.py | DynamicFilterOutput, MetricGatherer |
+| miles.rollout.filter_hub.dynamic_sampling_filters | filter_hub.py | the two filters |
+| miles.rollout.sglang_rollout | sglang_rollout.py | GenerateState, generate, generate_and_rm |
+| miles.rollout.rm_hub(.*) | rm_hub/ | async_rm, batched_async_rm and Miles' graders |
+
+Any other Miles module raises ModuleNotFoundError naming it and why (importer.py REFUSED:
+Ray, Megatron internals, launch tooling, LoRA, whole-batch rollout drivers, ...).
+
+Loads without torch: each stand-in imports transformers and the like when first used.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
-import importlib.util
 import inspect
 import json
-import sys
-import types
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-from .config import GROUPS, RunConfig
-from .errors import MillstreamError
-from .types import PromptGroup, SampleGroup, SampleStatus
-from .types import Sample as PbSample
+from ..config import GROUPS, RunConfig
+from ..errors import MillstreamError
+from ..types import PromptGroup, SampleGroup, SampleStatus
+from ..types import Sample as PbSample
+from .data_source import DataSource
+from .filter_hub import DynamicFilterOutput
+from .http_utils import post as http_post
+from .importer import MILES_MODULES, install_miles_modules
+from .types import AdapterRef, RewardSpec, Sample
 
 __all__ = [
     "MILES_MODULES",
+    "AdapterRef",
     "Args",
     "DataSource",
     "DynamicFilterOutput",
     "PluginSignatureError",
+    "RewardSpec",
     "Sample",
     "check_not_old_signature",
     "check_rollout_function",
@@ -91,6 +111,7 @@ __all__ = [
     "http_post",
     "install_miles_modules",
     "is_async",
+    "label_from_pb",
     "make_args",
     "miles_samples",
     "named_error",
@@ -158,179 +179,10 @@ def make_args(cfg: RunConfig) -> Args:
                 raise ValueError(f"flag {f.name!r} is in two config groups")
             value = getattr(group, f.name)
             values[f.name] = tuple(value) if isinstance(value, list) else value
+    # --custom-config-path's keys that no flag took (common/config/custom.py), over the rest
+    # as Miles' setattr puts them: mis.yaml's tis_mode is its function's, not --tis-mode.
+    values.update(cfg.rollout.custom_config)
     return Args(values)
-
-
-@dataclass
-class DynamicFilterOutput:
-    """What a dynamic-sampling filter returns (Miles' filter_hub/base_types.py)."""
-
-    keep: bool
-    reason: str | None = None
-
-
-@dataclass
-class Sample:
-    """One sample, with the fields and meaning of Miles' `Sample` (see the module docstring)."""
-
-    group_index: int | None = None
-    index: int | None = None
-    prompt: str | list[dict[str, str]] = ""
-    tokens: list[int] = field(default_factory=list)
-    response: str = ""
-    response_length: int = 0
-    label: str | None = None
-    reward: float | dict[str, Any] | None = None
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-    remove_sample: bool = False
-
-    class Status(Enum):
-        PENDING = "pending"
-        COMPLETED = "completed"
-        TRUNCATED = "truncated"
-        ABORTED = "aborted"
-        FAILED = "failed"
-
-    status: Status = Status.PENDING
-    metadata: dict = field(default_factory=dict)
-    train_metadata: dict | None = None
-    # millstream's, from the wire message
-    group_id: str = ""
-    finish_reason: str = ""
-    failure_reason: str = ""
-
-    def get_reward_value(self, args: Any) -> float:
-        key = getattr(args, "reward_key", None)
-        return self.reward[key] if key and isinstance(self.reward, dict) else self.reward
-
-    @property
-    def effective_response_length(self) -> int:
-        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
-
-    @property
-    def prompt_tokens(self) -> list[int]:
-        return self.tokens[: len(self.tokens) - self.response_length]
-
-    @property
-    def response_tokens(self) -> list[int]:
-        return (
-            self.tokens[len(self.tokens) - self.response_length :] if self.response_length else []
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        value = dict(self.__dict__)
-        value["status"] = self.status.value
-        return value
-
-    @staticmethod
-    def from_dict(data: dict[str, Any]) -> Sample:
-        data = dict(data)
-        data["status"] = Sample.Status(data.get("status", "pending"))
-        names = {f.name for f in dataclasses.fields(Sample)}
-        return Sample(**{k: v for k, v in data.items() if k in names})
-
-
-class DataSource(abc.ABC):
-    """Miles' DataSource (miles/rollout/data_source.py), what --data-source-path names: a
-    class built with `args` whose `get_samples(n)` returns n groups, each a list of
-    n_samples_per_prompt `Sample`s of one prompt (trainer/data.py PluginDataSource says how
-    the trainer reads them). `save(rollout_id)` runs with every checkpoint and
-    `load(rollout_id)` on resume, with the checkpoint's rollout id (None: a fresh start).
-    `add_samples`, Miles' way back for aborted groups, is never called here: those groups stay
-    in the rollout workers' partial buffer (--buffer-filter-path orders it)."""
-
-    @abc.abstractmethod
-    def get_samples(self, num_samples: int) -> list[list[Sample]]:
-        """The next num_samples groups."""
-
-    @abc.abstractmethod
-    def save(self, rollout_id: int) -> None:
-        """Keep the position in the data, for a resume at rollout_id."""
-
-    @abc.abstractmethod
-    def load(self, rollout_id: int | None = None) -> None:
-        """Go back to the position saved at rollout_id."""
-
-    def get_buffer_length(self) -> int | None:
-        return None
-
-
-_HTTP: Any = None  # http_post's client: one per process, keep-alive
-
-
-async def http_post(
-    url: str,
-    payload: dict[str, Any] | None,
-    max_retries: int = 60,
-    action: str = "post",
-    headers: Any = None,
-) -> Any:
-    """Miles' `miles.utils.http_utils.post`: `action` (post, or get/delete without a payload)
-    and the JSON answer (the text when it is not JSON). As Miles' does, any failure, an HTTP
-    error status included (a router answering 503 while the engines take new weights), is
-    tried again once a second, `max_retries` tries in all, and the last one raises."""
-    import asyncio
-
-    import httpx
-
-    global _HTTP
-    if _HTTP is None:
-        _HTTP = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_keepalive_connections=64))
-    if max_retries < 1:
-        raise ValueError(f"max_retries {max_retries}: must be >= 1")
-    for attempt in range(1, max_retries + 1):
-        try:
-            if action in ("get", "delete"):
-                response = await getattr(_HTTP, action)(url, headers=headers)
-            else:
-                response = await getattr(_HTTP, action)(url, json=payload or {}, headers=headers)
-            response.raise_for_status()
-        except httpx.HTTPError:
-            if attempt == max_retries:
-                raise
-            await asyncio.sleep(1)
-            continue
-        try:
-            return response.json()
-        except ValueError:
-            return response.text
-    raise AssertionError("unreachable")
-
-
-# Miles' module -> the names this module stands in for there (install_miles_modules).
-MILES_MODULES: dict[str, dict[str, Any]] = {
-    "miles": {},
-    "miles.utils": {},
-    "miles.utils.types": {"Sample": Sample},
-    "miles.utils.http_utils": {"post": http_post},
-    "miles.rollout": {},
-    "miles.rollout.filter_hub": {},
-    "miles.rollout.filter_hub.base_types": {"DynamicFilterOutput": DynamicFilterOutput},
-    "miles.rollout.data_source": {"DataSource": DataSource},
-}
-
-
-def install_miles_modules() -> bool:
-    """Stand-ins for MILES_MODULES in sys.modules, unless Miles itself is installed; True when
-    `import miles.utils.types` now gives this module's Sample. Idempotent."""
-    present = sys.modules.get("miles")
-    if present is not None:
-        return bool(getattr(present, "__millstream__", False))
-    if importlib.util.find_spec("miles") is not None:
-        return False  # the real Miles: its imports are its own
-    for name, attrs in MILES_MODULES.items():
-        module = types.ModuleType(name, f"millstream's stand-in for Miles' {name}")
-        module.__millstream__ = True  # type: ignore[attr-defined]
-        if not attrs:
-            module.__path__ = []  # a package: its other submodules are "No module named"
-        module.__dict__.update(attrs)
-        sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, module)
-    return True
 
 
 _STATUS_FROM_PB = {
@@ -353,15 +205,38 @@ def _metadata(text: str) -> dict:
     return value if isinstance(value, dict) else {"metadata_json": value}
 
 
+def label_from_pb(label: str, label_json: str) -> Any:
+    """The label a plugin sees: the JSON value when the wire carries one, else the text."""
+    return json.loads(label_json) if label_json else label
+
+
+def _label_to_pb(label: Any) -> tuple[str, str]:
+    """(label, label_json) on the wire: text as it is; any other value as JSON in both."""
+    if label is None:
+        return "", ""
+    if isinstance(label, str):
+        return label, ""
+    text = json.dumps(label)
+    return text, text
+
+
+def _group_label_json(pb: PbSample, label_json: str) -> str:
+    """The group's label JSON for a wire sample that kept the group's label (its text, or
+    none) but not its JSON."""
+    return label_json if pb.label in ("", label_json) else ""
+
+
 def sample_from_pb(
     pb: PbSample,
     *,
     prompt: str | list[dict[str, str]] = "",
     group_index: int | None = None,
     scored: bool = False,
+    label_json: str = "",
 ) -> Sample:
     """Miles' Sample for the wire `pb`. `prompt`: the group's prompt text (the wire sample has
-    none); `scored`: the reward on the wire is real (after the reward stage), else None."""
+    none); `scored`: the reward on the wire is real (after the reward stage), else None;
+    `label_json`: the group's, for a wire sample that carries no JSON of its own."""
     response = list(pb.response_token_ids)
     return Sample(
         group_index=group_index,
@@ -370,7 +245,7 @@ def sample_from_pb(
         tokens=list(pb.prompt_token_ids) + response,
         response=pb.response_text,
         response_length=len(response),
-        label=pb.label,
+        label=label_from_pb(pb.label, pb.label_json or _group_label_json(pb, label_json)),
         reward=pb.reward if scored else None,
         loss_mask=list(pb.loss_mask) if len(pb.loss_mask) else None,
         weight_versions=[str(v) for v in pb.weight_versions],
@@ -396,13 +271,15 @@ def sample_to_pb(sample: Sample) -> PbSample:
         if value is not None and len(value) != n:
             raise ValueError(f"sample.{name} has {len(value)} entries for {n} response tokens")
     meta = sample.metadata
+    label, label_json = _label_to_pb(sample.label)
     return PbSample(
         group_id=sample.group_id,
         index=sample.index or 0,
         prompt_token_ids=sample.prompt_tokens,
         response_token_ids=sample.response_tokens,
         response_text=sample.response,
-        label=sample.label or "",
+        label=label,
+        label_json=label_json,
         loss_mask=sample.loss_mask or [],
         rollout_logprobs=sample.rollout_log_probs or [],
         weight_versions=[int(v) for v in sample.weight_versions],
@@ -415,16 +292,18 @@ def sample_to_pb(sample: Sample) -> PbSample:
 
 
 def samples_from_pb(
-    pbs: Iterable[PbSample], prompt: str = "", *, scored: bool = False
+    pbs: Iterable[PbSample], prompt: str = "", *, scored: bool = False, label_json: str = ""
 ) -> list[Sample]:
-    return [sample_from_pb(s, prompt=prompt, scored=scored) for s in pbs]
+    """`sample_from_pb` of each; `label_json`: the group's (PromptGroup.label_json)."""
+    return [sample_from_pb(s, prompt=prompt, scored=scored, label_json=label_json) for s in pbs]
 
 
 def miles_samples(group: SampleGroup) -> list[Sample]:
     """Miles' Samples of a scored wire group: its prompt text, data index and rewards."""
+    p = group.prompt
     return [
         sample_from_pb(
-            s, prompt=group.prompt.prompt_text, group_index=group.prompt.data_index, scored=True
+            s, prompt=p.prompt_text, group_index=p.data_index, scored=True, label_json=p.label_json
         )
         for s in group.samples
     ]
@@ -435,7 +314,9 @@ def groups_from_pb(groups: Sequence[PromptGroup]) -> list[list[Sample]]:
     samples, with the group's prompt text and data index."""
     return [
         [
-            sample_from_pb(s, prompt=g.prompt_text, group_index=g.data_index)
+            sample_from_pb(
+                s, prompt=g.prompt_text, group_index=g.data_index, label_json=g.label_json
+            )
             for s in g.partial_samples
         ]
         for g in groups

@@ -1,33 +1,25 @@
-"""Miles' rule-based rewards, as rules (`--rm-compat miles`, the default).
+"""Miles' `miles.rollout.rm_hub.math_utils`: the `math` grader, `grade_answer_verl`.
 
-What each Miles rm_type scores:
+`grade_answer_verl(solution_str, ground_truth)` is True when the contents of the last
+`\\boxed{...}` of the solution (no box: False) match the ground truth, itself unboxed when it
+holds a `\\boxed{...}` (an empty or falsy ground truth: False; a number is read as its text).
+A match is either of two tiers:
 
-* math (`math_score`, 1 / 0): the contents of the last `\\boxed{...}` in the response (no
-  box: 0), graded against the label (itself unboxed when it holds a `\\boxed{...}`; an empty
-  label: 0) by `answers_match`.
-* deepscaler (`deepscaler_score`, 1 / 0): the same grading, on the text after the last
-  `</think>`, or else on the text between the first and second `###Response`; a response with
-  neither marker scores 0.
-* dapo (`dapo_score`, +1 / -1 in a dict with "score", "acc" and "pred"): the last
-  `Answer: ...` line within the final 300 characters, and the label, both put through
-  `_minerva_form`; the label must then read as a number, whose integer part is what the
-  answer has to equal as a string (a label that is no number raises ValueError).
-* f1: token-level F1, which is rm_hub's `f1_reward` in both compat modes.
-* the `boxed_` prefix reads the response through `boxed_answer` ("" when it has no box).
+1. mathd (`grade_answer_mathd`): both sides are rewritten into one canonical LaTeX spelling
+   (`mathd_normalize_answer`, the steps in `_MATHD_STEPS`) and compared as strings.
+2. sympy (`grade_answer_sympy`): both sides are rewritten into something sympy can parse
+   (units, currency and LaTeX dropped), split into tuple or interval elements when the ground
+   truth is one, and compared element by element: unreduced fractions and integers only as
+   strings, anything else by `sympy.simplify(truth - answer) == 0`.
 
-`answers_match(answer, label)` tries two tiers, either one is enough:
+`extract_answer(passage)` is what the `boxed_` prefix of an rm_type reads: the last
+`\\boxed{...}`'s contents, None without one (an `\\fbox` alone, `\\boxed 5`, an unclosed box).
 
-1. Exact string tier (`_mathd_form`): both sides are rewritten into one canonical LaTeX
-   spelling (see the steps in `_MATHD_STEPS`) and compared as strings.
-2. sympy tier (`_sympy_form`, `_sympy_match`): both sides are rewritten into something sympy
-   can parse (units, currency and LaTeX dropped), split into tuple or interval elements when
-   the label is one, and compared element by element: unreduced fractions and integers only
-   as strings, anything else by `sympy.simplify(label - answer) == 0`.
-
-Behaviour matches Miles' rm_hub at commit 31f1ca96 (checked by
-tests/unit/test_rm_miles_parity.py). sympy and pylatexenc are imported only when the sympy tier
-first needs them. Without pylatexenc (the `reward` extra) LaTeX stays as written in the sympy
-tier, so e.g. `\\dfrac{3}{4}` against `0.75` scores 0 where Miles scores 1; a warning says so.
+Behaviour matches Miles' rm_hub at commit 31f1ca96 (tests/unit/test_rm_miles_parity.py checks
+it through the reward service, which calls these very functions). Unlike Miles' module, this
+one imports neither sympy nor pylatexenc until the sympy tier first needs them. Without
+pylatexenc (the `reward` extra) LaTeX stays as written in the sympy tier, so e.g.
+`\\dfrac{3}{4}` against `0.75` is no match where Miles finds one; a warning says so.
 """
 
 from __future__ import annotations
@@ -39,6 +31,20 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+__all__ = [
+    "are_equal_under_sympy",
+    "extract_answer",
+    "extract_boxed_answer",
+    "grade_answer_mathd",
+    "grade_answer_sympy",
+    "grade_answer_verl",
+    "last_boxed_only_string",
+    "mathd_normalize_answer",
+    "remove_boxed",
+    "should_allow_eval",
+    "split_tuple",
+]
+
 log = logging.getLogger(__name__)
 
 
@@ -47,62 +53,66 @@ log = logging.getLogger(__name__)
 _BOX = "\\boxed"
 
 
-def boxed_answer(text: str) -> str | None:
-    """What the last `\\boxed` in `text` holds, when it opens a brace at once (`\\boxed{...}`)
-    and that brace is closed; None otherwise (`\\boxed 5`, `\\fbox{5}`, an unclosed box)."""
-    start = text.rfind(_BOX)
-    if start < 0 or not text.startswith("{", start + len(_BOX)):
-        return None
-    return _brace_group(text, start + len(_BOX))
-
-
-def _brace_group(text: str, open_at: int) -> str | None:
-    """The text inside the brace opened at `open_at` and its matching close, or None."""
+def _closing_brace(text: str, start: int) -> int | None:
+    """Where the brace depth, counted from `start`, first falls back to zero at a `}`; None
+    when it never does (a `}` before any `{` only takes the depth below zero)."""
     depth = 0
-    for i in range(open_at, len(text)):
+    for i in range(start, len(text)):
         if text[i] == "{":
             depth += 1
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[open_at + 1 : i]
+                return i
     return None
 
 
-def _after_think(response: str) -> str | None:
-    """The part deepscaler grades: after the last `</think>`, else the first `###Response`
-    section (up to the next one), else None."""
-    if "</think>" in response:
-        return response.rpartition("</think>")[2]
-    if "###Response" in response:
-        return response.split("###Response")[1]
-    return None
+def last_boxed_only_string(string: str) -> str | None:
+    """The last `\\boxed` (without one, the last `\\fbox`) through the brace that closes
+    the first brace after it, command included; None when there is neither or it never closes."""
+    start = string.rfind(_BOX)
+    if start < 0:
+        start = string.rfind("\\fbox")
+    if start < 0:
+        return None
+    end = _closing_brace(string, start)
+    return None if end is None else string[start : end + 1]
 
 
-def math_score(response: str, label: str) -> int:
-    """Miles' `math` reward: 1 when the last boxed answer matches the label."""
-    if not label:
-        return 0
-    answer = boxed_answer(response)
-    return 1 if answer is not None and answers_match(answer, _label_answer(label)) else 0
+def remove_boxed(s: str | None) -> str | None:
+    """The inside of `\\boxed{...}`; None for anything else (an `\\fbox{...}`, `\\boxed 5`)."""
+    left = _BOX + "{"
+    if s is None or not s.startswith(left) or not s.endswith("}"):
+        return None
+    return s[len(left) : -1]
 
 
-def deepscaler_score(response: str, label: str) -> int:
-    """Miles' `deepscaler` reward: `math_score` on the part after the thinking."""
-    section = _after_think(response)
-    return 0 if section is None else math_score(section, label)
+def extract_boxed_answer(solution: str) -> str | None:
+    """What the last `\\boxed{...}` of `solution` holds, or None."""
+    return remove_boxed(last_boxed_only_string(solution))
 
 
-def _label_answer(label: str) -> str | None:
-    """A label written as a boxed answer is graded by what the box holds."""
-    return boxed_answer(label) if _BOX in label else label
+def extract_answer(passage: str) -> str | None:
+    """The answer a `\\boxed{...}` gives; None when the passage has no `\\boxed` at all."""
+    return extract_boxed_answer(passage) if _BOX in passage else None
 
 
-def answers_match(answer: str, label: str | None) -> bool:
-    """Either tier says equal (see the module docstring)."""
-    if label is None:
+def grade_answer_verl(solution_str: str, ground_truth: Any) -> bool:
+    """Miles' `math` reward as a bool (see the module docstring)."""
+    if not ground_truth:
         return False
-    return _mathd_form(answer) == _mathd_form(label) or _sympy_match(answer, label)
+    truth: str | None = str(ground_truth)
+    if _BOX in truth:
+        truth = extract_answer(truth)
+    given = extract_answer(solution_str)
+    if given is None:
+        return False
+    return grade_answer_mathd(given, truth) or grade_answer_sympy(given, truth)
+
+
+def grade_answer_mathd(given_answer: str, ground_truth: str | None) -> bool:
+    """Tier 1: the same canonical LaTeX spelling."""
+    return mathd_normalize_answer(ground_truth) == mathd_normalize_answer(given_answer)
 
 
 # --- tier 1: one canonical LaTeX spelling, compared as strings --------------------------------
@@ -216,7 +226,7 @@ _MATHD_STEPS: tuple[Callable[[str], str], ...] = (
 )
 
 
-def _mathd_form(answer: str | None) -> str | None:
+def mathd_normalize_answer(answer: str | None) -> str | None:
     """Tier 1's canonical spelling: outer whitespace and a whole-answer `\\text{}` go first,
     then `_MATHD_STEPS`. An empty answer stays empty."""
     if answer is None:
@@ -345,7 +355,7 @@ def _sympy_form(answer: str | None) -> str | None:
     return _int_text(s) or s
 
 
-def _tuple_elements(s: str) -> list[str]:
+def split_tuple(s: str) -> list[str]:
     """The elements of `(a, b)` / `[a, b)` (brackets only at the two ends), else `[s]`."""
     s = _drop_thousands_commas(s)
     if not s:
@@ -365,16 +375,16 @@ def _is_plain_fraction(s: str) -> bool:
     return re.search(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$", s) is not None
 
 
-def _sympy_match(answer: str, label: str) -> bool:
+def grade_answer_sympy(given_answer: str, ground_truth: str | None) -> bool:
     """Tier 2: equal spellings, or a same-shaped tuple whose elements all agree."""
-    want, got = _sympy_form(label), _sympy_form(answer)
+    want, got = _sympy_form(ground_truth), _sympy_form(given_answer)
     if want is None:
         return False
     if want == got:
         return True
     if not got:
         return False
-    want_parts, got_parts = _tuple_elements(want), _tuple_elements(got)
+    want_parts, got_parts = split_tuple(want), split_tuple(got)
     if len(want_parts) > 1 and (want[0] != got[0] or want[-1] != got[-1]):
         return False  # an interval's brackets must agree: (1, 2) is not [1, 2)
     if len(want_parts) != len(got_parts):
@@ -387,7 +397,7 @@ def _elements_agree(want: str, got: str) -> bool:
         return want == got  # 2/4 is not an answer of 1/2: fractions must be reduced alike
     if (_int_text(want) is None) != (_int_text(got) is None):
         return False  # an integer is only matched by the same integer
-    return _difference_is_zero(want, got)
+    return are_equal_under_sympy(want, got)
 
 
 _TOO_MANY_LETTERS = 2
@@ -395,15 +405,16 @@ _TOO_MANY_LETTERS = 2
 _RISKY_POWER = re.compile(r"\^\{|\^\(|\^[0-9]+\^|\^[0-9][0-9]+")
 
 
-def _worth_evaluating(expr: str) -> bool:
+def should_allow_eval(expr: str) -> bool:
     """Not text or a function of more than two unknowns, and no power sympy may hang on."""
     letters = {ch for ch in expr.replace("sqrt", "").replace("frac", "") if ch.isalpha()}
     return len(letters) <= _TOO_MANY_LETTERS and _RISKY_POWER.search(expr) is None
 
 
-def _difference_is_zero(want: str, got: str) -> bool:
-    expr = f"({want})-({got})"
-    if not _worth_evaluating(expr):
+def are_equal_under_sympy(ground_truth_normalized: str, given_normalized: str) -> bool:
+    """sympy simplifies the difference of the two (sympy forms) to 0."""
+    expr = f"({ground_truth_normalized})-({given_normalized})"
+    if not should_allow_eval(expr):
         return False
     try:
         import sympy
@@ -417,66 +428,3 @@ def _difference_is_zero(want: str, got: str) -> bool:
         return bool(sympy.simplify(parsed) == 0)
     except Exception:  # anything sympy cannot read or simplify is "not shown equal"
         return False
-
-
-# --- dapo ----------------------------------------------------------------------------------------
-
-_DAPO_WINDOW = 300  # only the end of the response is read
-_DAPO_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
-_DAPO_NO_ANSWER = "[INVALID]"
-
-# Applied in order, as plain string replacements: articles and spaces go, `mbox` reads as
-# `text`, `and` in a text becomes a comma, a metre text empties.
-_MINERVA_REPLACE = (
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
-    ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
-)  # fmt: skip
-# Then deleted, in order: unit and counting words, ellipses, empty or unit texts, ordinal
-# and degree marks, thin spaces and `,\!` separators, quotes and chat end tokens.
-_MINERVA_DELETE = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
-    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds",
-    "meters", "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}",
-    "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",
-    "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
-    "<|im_end|>", "<|endoftext|>",
-)  # fmt: skip
-# Then these rewrites, in order: keep only the first `$...$` span; unwrap `\text{}`,
-# `\textbf{}`, `\overline{}` (to the first `}`) and `\boxed{}` (to the last); brace one-character
-# `frac` and `sqrt` arguments.
-_MINERVA_REWRITE = (
-    (r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$"),
-    (r"(\\text\{)(.*?)(\})", r"\2"),
-    (r"(\\textbf\{)(.*?)(\})", r"\2"),
-    (r"(\\overline\{)(.*?)(\})", r"\2"),
-    (r"(\\boxed\{)(.*)(\})", r"\2"),
-    (r"(frac)([^{])(.)", r"frac{\2}{\3}"),
-    (r"(sqrt)([^{])", r"sqrt{\2}"),
-)
-
-
-def _minerva_form(answer: str) -> str:
-    """The Minerva-style normal form: only the right-hand side of the last `=`, then the
-    tables above, then `$` dropped; digits with commas lose the commas; outer space stripped."""
-    s = str(answer).split("=")[-1]
-    for old, new in _MINERVA_REPLACE:
-        s = s.replace(old, new)
-    for piece in _MINERVA_DELETE:
-        s = s.replace(piece, "")
-    for pattern, replacement in _MINERVA_REWRITE:
-        s = re.sub(pattern, replacement, s)
-    s = s.replace("$", "")
-    if s.replace(",", "").isdigit():
-        s = s.replace(",", "")
-    return s.strip()
-
-
-def dapo_score(response: str, label: str) -> dict[str, Any]:
-    """Miles' `dapo` reward: {"score": 1.0 / -1.0, "acc": bool, "pred": the normal form read}.
-    The label's normal form must read as a number (ValueError otherwise); its integer part, as
-    a string, is the only right answer."""
-    found = _DAPO_ANSWER_LINE.findall(response[-_DAPO_WINDOW:])
-    pred = _minerva_form(found[-1] if found else _DAPO_NO_ANSWER)
-    want = str(int(float(_minerva_form(label))))
-    right = pred == want
-    return {"score": 1.0 if right else -1.0, "acc": right, "pred": pred}
