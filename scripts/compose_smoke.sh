@@ -83,7 +83,8 @@ rows = [
     ("admitted == terminal states", f"{r['admitted']} == {r['terminal']}", r["admitted"] == r["terminal"]),
     ("eval accuracy rose", f"{r['eval_first']:.3f} -> {r['eval_last']:.3f}", r["eval_last"] > r["eval_first"]),
     ("engines at the final version", f"{r['engines']}: {r['versions']}", r["engines"] >= 2 and set(r["versions"]) == {n}),
-    ("one group's trace in Phoenix spans >= 4 services", f"{len(r['trace_services'])}: {', '.join(r['trace_services'])} ({r['trace_spans']} spans)", len(r["trace_services"]) >= 4),
+    ("trained groups whose trace is whole (millstream trace)", f"{r['whole_traces']} of {r['trained_groups']} {r['stages_lacking'] or ''}", r["trained_groups"] > 0 and r["whole_traces"] >= 0.95 * r["trained_groups"]),
+    ("one group's trace in Phoenix spans 5 services", f"{len(r['trace_services'])}: {', '.join(r['trace_services'])} ({r['trace_spans']} spans)", len(r["trace_services"]) >= 5),
     ("Prometheus scrapes router, engine, rollout, reward", ", ".join(r["prometheus_jobs_up"]), {"router", "engine", "rollout", "reward"} <= set(r["prometheus_jobs_up"])),
     ("screenshot of that trace (headless Chromium)", f"{os.path.relpath(shot)}, {shot_kb} KB", shot_kb > 20),
 ]

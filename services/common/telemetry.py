@@ -7,6 +7,8 @@ Where spans go, decided once per process from the environment by `setup_tracing`
      `<service>-<replica>.jsonl` (`replica_name`), one span per line; `millstream trace` reads
      them;
   3. else nothing: the no-op tracer, zero cost (also whenever OTEL_SDK_DISABLED=true).
+With both an endpoint and a run dir, spans go to both: `millstream trace` then reads a compose
+run as it reads a local one, while the viewer shows it too.
 
 Context crosses process boundaries as W3C trace context (`traceparent`/`tracestate`) in three
 carriers: stream entry fields, HTTP headers and gRPC metadata. Nothing here runs at import.
@@ -57,6 +59,7 @@ TRACE_FIELDS = ("traceparent", "tracestate")
 STAGE = "millstream.stage"
 GROUP_ID = "millstream.group_id"
 GROUP_IDS = "millstream.group_ids"  # every group a shared request serves (module docstring)
+MIRROR_OF = "millstream.mirror_of"  # a copy of a shared span in one group's trace (`mirror`)
 GROUPS_HEADER = "x-millstream-groups"
 # A group's stages in lifecycle order, then the trainer's per-iteration ones.
 STAGES = (
@@ -135,18 +138,49 @@ def make_provider(service_name: str, run_dir: str | Path | None = None) -> Trace
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or _if_resolves(
         os.environ.get(OTLP_IF_RESOLVES, "")
     )
+    exporters: list[SpanExporter] = []
     if endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint)
-    elif run_dir is not None:
-        exporter = JsonlSpanExporter(Path(run_dir) / "traces" / f"{service_name}-{replica}.jsonl")
-    else:
+        exporters.append(OTLPSpanExporter(endpoint=endpoint))
+    if run_dir is not None:
+        path = Path(run_dir) / "traces" / f"{service_name}-{replica}.jsonl"
+        exporters.append(JsonlSpanExporter(path))
+    if not exporters:
         return None
     provider = TracerProvider(resource=resource)
-    processor = BatchSpanProcessor(exporter, schedule_delay_millis=500, max_queue_size=SPAN_QUEUE)
-    provider.add_span_processor(processor)
+    for exporter in exporters:
+        provider.add_span_processor(
+            BatchSpanProcessor(exporter, schedule_delay_millis=500, max_queue_size=SPAN_QUEUE)
+        )
     return provider
+
+
+def mirror(tracer: trace.Tracer, span: Any, links: Sequence[trace.Link] | None = None) -> None:
+    """A copy of the ended `span` (a train step, a weight sync, a batched request's router and
+    engine spans: one span for many groups) in the trace of every group it links to (`links`,
+    by default the span's own) but its own trace, as a child of the group's linked span, with
+    the same name, times and stage and a link back. A trace viewer shows one trace at a time,
+    so this is what puts them into each group's own trace; the copies carry MIRROR_OF and
+    `millstream trace` skips them (it follows the links)."""
+    links = getattr(span, "links", ()) if links is None else links
+    ctx = span.get_span_context()
+    start, end = getattr(span, "start_time", None), getattr(span, "end_time", None)
+    if not ctx.is_valid or start is None or end is None:
+        return  # the no-op tracer, or a span still open
+    attributes = {MIRROR_OF: format(ctx.span_id, "016x")}
+    stage = (getattr(span, "attributes", None) or {}).get(STAGE)
+    if stage:
+        attributes[STAGE] = stage
+    for link in links:
+        if link.context.trace_id == ctx.trace_id:
+            continue  # its own trace has the span itself
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(link.context))
+        copy = tracer.start_span(
+            span.name, context=parent, start_time=start, links=[trace.Link(ctx)],
+            attributes=attributes,
+        )  # fmt: skip
+        copy.end(end_time=end)
 
 
 def replica_name() -> str:

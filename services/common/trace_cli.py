@@ -41,7 +41,7 @@ from rich.table import Table
 from rich.text import Text
 
 from millstream.common.errors import MillstreamError
-from millstream.common.telemetry import GROUP_ID, GROUP_IDS, STAGE, STAGES
+from millstream.common.telemetry import GROUP_ID, GROUP_IDS, MIRROR_OF, STAGE, STAGES
 
 ITERATION = "millstream.iteration"
 # Stages that belong to the trainer's iteration, not to one group.
@@ -117,6 +117,8 @@ def _read(files: list[Path], traces: set[str] | None) -> tuple[list[Span], int]:
                     if traces is not None and d["trace_id"] not in traces:
                         continue
                     attrs = d["attributes"]
+                    if MIRROR_OF in attrs:  # a copy for trace viewers: the original counts
+                        continue
                     spans.append(
                         Span(
                             d["name"], d["service"], d["trace_id"], d["span_id"],

@@ -106,6 +106,7 @@ async def generate(req: GenerateReqIn, request: Request) -> Any:
         await wait_done(core, job, request.receive)
         outputs = [output_of(core, item, job.text_in_logprobs) for item in job.items]
         span.set_attributes(_generation_usage(job, outputs))
+    telemetry.mirror(tracer("millstream.engine"), span)  # in each served group's own trace
     # Plain JSON types already: as a JSONResponse they skip FastAPI's walk of every value
     # through its encoder (0.65 ms of a 128-answer batch request, measured on the engine).
     return JSONResponse(outputs if job.as_list else outputs[0])
@@ -152,6 +153,7 @@ async def _traced_stream(
     finally:
         span.set_attributes(_generation_usage(job, None))
         span.end()
+        telemetry.mirror(tracer("millstream.engine"), span)
 
 
 @router.get("/health")

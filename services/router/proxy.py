@@ -396,3 +396,4 @@ class Proxy:
         if status >= 500:
             span.set_status(Status(StatusCode.ERROR))
         span.end()
+        telemetry.mirror(self._tracer, span)  # in each served group's own trace

@@ -200,7 +200,9 @@ class Trainer:
         training ended, the sync's report)."""
         tracer = _tracer()
         attributes = {telemetry.STAGE: "train_step", "millstream.groups": n_groups}
-        with tracer.start_as_current_span("trainer.step", links=links, attributes=attributes):
+        with tracer.start_as_current_span(
+            "trainer.step", links=links, attributes=attributes
+        ) as step_span:
             if self.p.teacher is not None:
                 samples = await self.p.teacher.score(samples)
             steps = self.cfg.rollout.num_steps_per_rollout
@@ -211,6 +213,7 @@ class Trainer:
             )
             if self.p.colocation is not None:
                 await self.p.colocation.before_sync()
+        telemetry.mirror(tracer, step_span, links)  # the step in each group's own trace
         t2 = time.monotonic()
         report = await self._watched(
             f"the weight sync to version {self.version + 1}",

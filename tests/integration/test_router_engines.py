@@ -348,7 +348,11 @@ def test_trace_context_continues_through_the_router(engines, router_factory, tmp
     assert router.stop() == 0  # flushes the span exporter
     files = list((run_dir / "traces").glob("router-*.jsonl"))
     lines = [json.loads(line) for f in files for line in f.read_text().splitlines()]
-    (span,) = [s for s in lines if s["name"] == "router.proxy"]
+    proxy = [s for s in lines if s["name"] == "router.proxy"]
+    (span,) = [s for s in proxy if "millstream.mirror_of" not in s["attributes"]]
+    # and a copy in the other group's own trace (a viewer shows one trace at a time)
+    (copy,) = [s for s in proxy if "millstream.mirror_of" in s["attributes"]]
+    assert f"{copy['trace_id']}-{copy['parent_span_id']}" == other
     assert span["trace_id"] == trace_id and span["parent_span_id"] == parent
     assert span["attributes"]["millstream.worker"] == engines["a"].url
     assert span["attributes"]["millstream.group_ids"] == ["g1", "g2"]

@@ -6,6 +6,7 @@ import json
 import os
 import time
 
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -138,19 +139,53 @@ def test_otlp_when_the_endpoint_is_set(monkeypatch):
 
 
 def test_otlp_to_the_compose_collector_only_when_its_name_resolves(tmp_path, monkeypatch):
-    """Compose names Jaeger in MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES: a host that resolves
-    (here localhost) gets the spans over OTLP; one that does not leaves them in JSONL files."""
+    """Compose names its trace viewer in MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES: a host that
+    resolves (here localhost) gets the spans over OTLP as well as the run dir's JSONL files
+    (`millstream trace` reads a compose run as a local one); one that does not, the files
+    alone."""
+
+    def exporters(provider) -> list[str]:
+        processors = provider._active_span_processor._span_processors
+        return [type(p.span_exporter).__name__ for p in processors]
+
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.setenv(telemetry.OTLP_IF_RESOLVES, "http://localhost:4317")
     provider = telemetry.make_provider("svc", tmp_path)
-    processor = provider._active_span_processor._span_processors[0]
-    assert type(processor.span_exporter).__name__ == "OTLPSpanExporter"
+    assert exporters(provider) == ["OTLPSpanExporter", "JsonlSpanExporter"]
     provider.shutdown()
     monkeypatch.setenv(telemetry.OTLP_IF_RESOLVES, "http://no-such-host.invalid:4317")
     provider = telemetry.make_provider("svc", tmp_path)
-    processor = provider._active_span_processor._span_processors[0]
-    assert type(processor.span_exporter).__name__ == "JsonlSpanExporter"
+    assert exporters(provider) == ["JsonlSpanExporter"]
     provider.shutdown()
+
+
+def test_a_span_of_many_groups_is_mirrored_into_each_groups_trace():
+    """A train step serves many groups: a viewer shows one trace at a time, so each linked
+    group's trace gets a copy (same name, times, stage; a link back), which the CLI skips."""
+    provider, exporter = _provider()
+    tracer = provider.get_tracer("t")
+    groups = []
+    for gid in ("g0", "g1"):
+        with tracer.start_as_current_span(f"wait {gid}") as wait:
+            groups.append(wait.get_span_context())
+    links = [trace.Link(c) for c in groups]
+    attributes = {telemetry.STAGE: "train_step"}
+    with tracer.start_as_current_span("trainer.step", links=links, attributes=attributes) as step:
+        pass
+    telemetry.mirror(tracer, step, links)
+    copies = [s for s in exporter.get_finished_spans() if telemetry.MIRROR_OF in s.attributes]
+    assert [c.parent.span_id for c in copies] == [g.span_id for g in groups]
+    assert [c.context.trace_id for c in copies] == [g.trace_id for g in groups]
+    for c in copies:
+        assert (c.name, c.start_time, c.end_time) == (
+            "trainer.step",
+            step.start_time,
+            step.end_time,
+        )
+        assert c.attributes[telemetry.STAGE] == "train_step"
+        assert c.links[0].context.span_id == step.get_span_context().span_id
+    telemetry.mirror(tracer, trace.INVALID_SPAN, links)  # the no-op tracer's: nothing
+    assert len(exporter.get_finished_spans()) == 5
 
 
 def test_a_queue_wait_is_a_span_from_the_entry_time_to_now():
@@ -171,3 +206,21 @@ def test_a_queue_wait_is_a_span_from_the_entry_time_to_now():
     assert (
         exporter.get_finished_spans()[-1].start_time <= exporter.get_finished_spans()[-1].end_time
     )
+
+
+def test_a_batched_requests_span_is_mirrored_into_the_other_groups_traces_only():
+    """The router's and engine's span of a batch is the first group's child and links to every
+    group it serves (X-Millstream-Groups): the copies go to the other groups' traces."""
+    provider, exporter = _provider()
+    tracer = provider.get_tracer("t")
+    groups = []
+    for gid in ("g0", "g1", "g2"):
+        with tracer.start_as_current_span(f"rollout {gid}") as rollout:
+            groups.append(rollout.get_span_context())
+    parent = trace.set_span_in_context(trace.NonRecordingSpan(groups[0]))
+    links = [trace.Link(c) for c in groups]
+    with tracer.start_as_current_span("router.proxy", context=parent, links=links) as span:
+        pass
+    telemetry.mirror(tracer, span)  # its own links
+    copies = [s for s in exporter.get_finished_spans() if telemetry.MIRROR_OF in s.attributes]
+    assert [c.context.trace_id for c in copies] == [groups[1].trace_id, groups[2].trace_id]

@@ -395,6 +395,7 @@ class WeightSync:
                     "millstream.sync.removed": len(report.removed),
                 }
             )
+        telemetry.mirror(self._tracer, span, links)  # the sync in each shipped group's trace
         log.info(
             "weight sync v%d: %d engine(s), %.1f MB in %d bucket(s), %.2fs (%s)%s",
             version,
