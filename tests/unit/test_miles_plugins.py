@@ -86,7 +86,8 @@ def test_args_has_every_flag_by_its_miles_name_and_is_read_only():
     assert (args.rollout_batch_size, args.n_samples_per_prompt) == (2, 4)
     assert (args.rm_type, args.mode, args.custom_rm_path) == ("math", "async", None)
     assert args.rollout_stop == ("x",)  # lists come as tuples: nothing in args is mutable
-    assert getattr(args, "sglang_router_ip_nope", "default") == "default"
+    assert getattr(args, "router_ip_nope", "default") == "default"
+    assert getattr(args, "sglang_router_ip_nope", "default") is None  # SGLang's: not given
     with pytest.raises(AttributeError, match="no attribute 'nope': no such flag"):
         _ = args.nope
     with pytest.raises(AttributeError, match=r"args is read-only \(setting args.rm_type\)"):

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from millstream.common.config import ConfigError, checks, parse_run_config
+from millstream.common.config import ConfigError, checks, foreign, parse_run_config
 from millstream.common.miles import make_args
 from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus, ScoredGroup
 from millstream.launch import engines
@@ -146,3 +146,21 @@ def test_miles_default_rollout_and_server_concurrency_from_scripts_are_taken(
     assert cfg.rollout.rollout_function_path is None and cfg.rollout.eval_function_path is None
     assert make_args(cfg).sglang_server_concurrency == 1024
     checks.check(cfg)
+
+
+def test_args_answers_miles_flags_millstream_refuses_or_hands_to_sglang():
+    """Miles' default log function reads `args.load_debug_rollout_data`,
+    `args.log_reward_category` and `args.sglang_speculative_algorithm`: a refused Miles flag
+    reads None (off, as its Miles default: a run given it was refused), a --sglang-X flag its
+    value as given (None when not); any other unknown name is still an AttributeError."""
+    args = make_args(_cfg("--sglang-speculative-algorithm", "EAGLE", "--sglang-enable-metrics",
+                          "--sglang-cuda-graph-bs", "1", "2", "--sglang-dp-size=2"))  # fmt: skip
+    assert args.load_debug_rollout_data is None and args.log_reward_category is None
+    assert args.lora_rank is None  # a refused family (--lora-*)
+    assert args.sglang_speculative_algorithm == "EAGLE" and args.sglang_enable_metrics is True
+    assert args.sglang_cuda_graph_bs == ["1", "2"] and args.sglang_chunked_prefill_size is None
+    with pytest.raises(AttributeError, match="no such flag here"):
+        _ = args.no_such_thing
+    with pytest.raises(SystemExit):  # refused by name, as every foreign flag
+        _cfg("--log-reward-category", "difficulty")
+    assert "dict reward" in foreign.why_not("--log-reward-category")

@@ -115,6 +115,13 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("--use-session-server", _SESSIONS),
     ("--tito-model", _SESSIONS),
     (
+        "--log-reward-category",
+        (
+            "logs the share of each category a dict reward names; here a sample's reward is "
+            "one number on the wire (a dict reward is read through --reward-key): drop it"
+        ),
+    ),
+    (
         "--loss-type",
         (
             "picks Miles' loss (policy_loss, sft_loss, custom_loss); millstream has the policy "
@@ -168,6 +175,15 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ),
     ("--eval-config", "is Miles' YAML eval config: give --eval-prompt-data NAME PATH pairs"),
 )
+
+
+def is_foreign(name: str) -> bool:
+    """`name` (an `args` attribute, `load_debug_rollout_data`) is a flag of FAMILIES: one a run
+    that got this far was not given, so it stands at its Miles default."""
+    flag = "--" + name.replace("_", "-")
+    return any(
+        flag == entry or (entry.endswith("-") and flag.startswith(entry)) for entry, _ in FAMILIES
+    )
 
 
 def why_not(flag: str) -> str:

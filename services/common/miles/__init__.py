@@ -86,7 +86,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..config import GROUPS, RunConfig
+from ..config import GROUPS, RunConfig, foreign
 from ..errors import MillstreamError
 from ..types import PromptGroup, SampleGroup, SampleStatus
 from ..types import Sample as PbSample
@@ -128,8 +128,11 @@ class PluginSignatureError(MillstreamError):
 class Args:
     """Miles' `args`: every flag of the run by its Miles name (`args.rollout_batch_size`),
     read-only. Built from the resolved RunConfig: the fields of all its groups, plus `mode`.
-    Setting or deleting an attribute raises AttributeError; a name that is no flag here raises
-    AttributeError naming it, so `getattr(args, name, default)` works as it does on Miles'."""
+    Setting or deleting an attribute raises AttributeError; an SGLang server flag handed on as
+    given (`--sglang-X v`, config/sglang.py) reads its value (True for a bare flag), None when
+    not given; a Miles flag millstream refuses (config/foreign.py) reads None, as off as its Miles default; any other name that is no flag
+    here raises AttributeError naming it, so `getattr(args, name, default)` works as it does
+    on Miles'."""
 
     __slots__ = ("_values",)
 
@@ -141,6 +144,13 @@ class Args:
         try:
             return values[name]
         except KeyError:
+            if name.startswith("sglang_"):
+                return _server_arg(values.get("sglang_server_args") or (), name)
+            if foreign.is_foreign(name):
+                # A Miles flag millstream refuses (config/foreign.py), so never given to a run
+                # that gets here: off, as Miles' default is (`if args.load_debug_rollout_data:`
+                # in Miles' default log function).
+                return None
             raise AttributeError(f"args has no attribute {name!r}: no such flag here") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -167,6 +177,25 @@ class Args:
     def to_dict(self) -> dict[str, Any]:
         """A copy of the values, by flag name."""
         return dict(self._values)
+
+
+def _server_arg(server_args: Sequence[str], name: str) -> Any:
+    """The value of `--<name with dashes>` among the SGLang server flags as given (`--x v`,
+    `--x=v`, several values: a list, none: True), or None."""
+    flag = "--" + name.replace("_", "-")
+    for i, arg in enumerate(server_args):
+        key, eq, inline = arg.partition("=")
+        if key != flag:
+            continue
+        if eq:
+            return inline
+        values = []
+        for value in server_args[i + 1 :]:
+            if value.startswith("--"):
+                break
+            values.append(value)
+        return True if not values else values[0] if len(values) == 1 else values
+    return None
 
 
 def make_args(cfg: RunConfig) -> Args:
