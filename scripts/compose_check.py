@@ -41,7 +41,7 @@ def spans(**query: str | list[str]) -> list[dict]:
     return get(f"{PHOENIX}?{urllib.parse.urlencode(query, doseq=True)}")["data"]
 
 
-def widest_group_trace(run: str) -> tuple[str, list[str], int]:
+def group_trace_in_viewer(run: str) -> tuple[str, list[str], int]:
     """(trace id, its services, its span count) in Phoenix of a trained group's trace whose
     spans in the run's files (copies for viewers included) hold every stage: what a user who
     opens one group's trace in the viewer sees."""
@@ -96,7 +96,7 @@ def main() -> None:
     curve = [acc for _, _, acc in summary["eval_curve"]]
     engines = get("http://router:30000/list_workers")["urls"]
     versions = [get(u + "/get_weight_version")["weight_version"] for u in engines]
-    trace_id, services, n_spans = widest_group_trace(run)
+    trace_id, services, n_spans = group_trace_in_viewer(run)
     whole, trained, lacking = whole_traces(run)
     targets = get(PROMETHEUS)["data"]["activeTargets"]
     jobs_up = sorted({t["labels"]["job"] for t in targets if t["health"] == "up"})
