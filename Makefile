@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap run test lint format protos bench chaos clean compose compose-up compose-down compose-test swarm-test
+.PHONY: bootstrap run test lint format protos bench chaos clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -28,6 +28,17 @@ protos: bootstrap
 # The chaos suite at full length (about 15 minutes): kills, restarts, poison; prints its table.
 chaos: bootstrap
 	$(PY) -m tests.chaos
+
+# One NVIDIA GPU: every GPU path once, one table into docs/benchmarks.md (bench/gpu_check.py).
+# Not after bootstrap (its torch is the CPU build): scripts/gpu_check.sh says what it uses.
+#   make gpu-check                      on the GPU machine (ARGS="--stages tests" for one stage)
+#   make gpu-check ARGS="--device cpu --small --no-docs"     the plumbing, without a GPU
+gpu-check:
+	@bash scripts/gpu_check.sh $(ARGS)
+
+# .gpu/: the wheels, redis-server and `millstream` command a GPU machine without network lacks.
+gpu-bundle:
+	@bash scripts/gpu_bundle.sh
 
 bench: bootstrap
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

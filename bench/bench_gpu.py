@@ -27,7 +27,9 @@ train   one GRPO step (forward, backward, AdamW) on --batch rows of --seq-len to
 engine  `millstream engine` on the model (bf16; on a GPU its CUDA graphs) at each
         --concurrency, --rounds requests per client of --new-tokens tokens each (ignore_eos,
         greedy: every request makes exactly that many), against HF `generate` in bf16 of
-        --hf-batch prompts x --new-tokens in one batch. Output tokens/s; ratio to HF.
+        --hf-batch prompts x --new-tokens in one batch. Output tokens/s; ratio to HF. At the
+        highest concurrency twice more: on a GPU with --disable-cuda-graph (eager decoding),
+        and on an FP8 copy of the model (not with --no-fp8).
 sync    WeightSync.sync (trainer/weights/sync.py, transport auto: CUDA IPC on a GPU, a /dev/shm
         file on the CPU) of the whole model, in the engine's dtype, from this process to that
         engine through a `millstream router`: pause to continue, the median of --syncs after
@@ -36,7 +38,9 @@ sync    WeightSync.sync (trainer/weights/sync.py, transport auto: CUDA IPC on a 
 run     examples/arith/run.sh (`make run`) in sync (MODE=train) and async mode with
         --colocate on --device, and as `make run` runs it on the CPU (no GPU visible):
         seconds from the trainer's start to the first greedy eval >= 85% and completions/s
-        (the trainer's summary.json). "not run: <why>" where --colocate is refused.
+        (the trainer's summary.json), the weight transport its start-up line chose, and the
+        engine's CUDA graph captures. "not run: <why>" where --colocate is refused;
+        --no-cpu-run leaves out the CPU runs (make gpu-check: the GPU's rows only).
 
 Goals beside the rows: train with --bf16 >= 0.85x the plain bf16 loop; engine >= 5x HF
 generate at the highest concurrency (64); the colocated weight update <= 20 ms per GB.
@@ -53,6 +57,7 @@ import gc
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -449,8 +454,17 @@ def arith_run(mode: str, on_device: bool, args: argparse.Namespace, tmp: Path) -
         raise RuntimeError(f"run.sh exited {code}: {' | '.join(lines[-3:])}")
     summary = json.loads((run_dir / "summary.json").read_text())
     first = [s for _, s, acc in summary["eval_curve"] if acc.get("arith", 0.0) >= 0.85]
+    console = log.read_text(errors="replace")
+    engine_log = run_dir / "logs" / "engine-0.log"
+    engine_text = engine_log.read_text(errors="replace") if engine_log.is_file() else ""
     return {"to_85_s": first[0] if first else None, "completions_per_s":
-            summary["completions_per_s"], "wall_s": wall}  # fmt: skip
+            summary["completions_per_s"], "wall_s": wall,
+            "best_eval": max((acc.get("arith", 0.0) for _, _, acc in summary["eval_curve"]),
+                             default=None),
+            "iterations": summary.get("iteration"),
+            "routes": sorted(set(re.findall(r"weight transport to \S+: ([^\n]+)", console))),
+            "graph_captures": engine_text.count("captured the decode step"),
+            "tracebacks": console.count("Traceback") + engine_text.count("Traceback")}  # fmt: skip
 
 
 def run_section(args: argparse.Namespace, tmp: Path) -> list[Row]:
@@ -461,7 +475,9 @@ def run_section(args: argparse.Namespace, tmp: Path) -> list[Row]:
     for mode, label in (("train", "sync"), ("train-async", "async")):
         names = (f"arith {label}, {where} --colocate", f"arith {label}, CPU as `make run`")
         got = {}
-        for on_device, name in zip((True, False), names, strict=True):
+        for on_device, name in list(zip((True, False), names, strict=True))[
+            : 1 if args.no_cpu_run else 2
+        ]:
             progress(f"run: {name}, {args.arith_rollouts} rollouts ...")
             try:
                 got[name] = arith_run(mode, on_device, args, tmp)
@@ -470,7 +486,7 @@ def run_section(args: argparse.Namespace, tmp: Path) -> list[Row]:
                             note=f"not run: {why}") for m in ("sync", "async")]  # fmt: skip
             except (RuntimeError, OSError) as err:
                 got[name] = {"error": str(err)}
-        cpu = got[names[1]]
+        cpu = got.get(names[1], {})
         for name, r in got.items():
             if "error" in r:
                 rows.append(Row("run", name, None, "s to 85%", note=f"failed: {r['error']}"))
@@ -505,7 +521,8 @@ def goals(rows: list[Row]) -> list[dict[str, Any]]:
             out.append(goal("train step, --bf16 vs the plain bf16 loop", r, True,
                             GOALS["train"], r.ratio, "x"))  # fmt: skip
     engine = [r for r in measured
-              if r.section == "engine" and "concurrency" in r.extra and not r.extra.get("fp8")]  # fmt: skip
+              if r.section == "engine" and "concurrency" in r.extra
+              and not r.extra.get("fp8") and r.extra.get("graphs", True)]  # fmt: skip
     if engine:
         top = max(engine, key=lambda r: r.extra["concurrency"])
         out.append(goal(f"engine at concurrency {top.extra['concurrency']} vs HF generate", top,
@@ -581,6 +598,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket-mb", type=int, default=512, help="the sync's bucket size")
     parser.add_argument("--arith-rollouts", type=int, default=90, help="run.sh's NUM_ROLLOUT")
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run.sh")
+    parser.add_argument("--no-cpu-run", action="store_true",
+                        help="run: only the --colocate runs on --device, not the CPU's")  # fmt: skip
     args = parser.parse_args(argv)
     for name, (full, small) in SIZES.items():
         if getattr(args, name) is None:
@@ -596,13 +615,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def git_commit() -> str:
-    """`git rev-parse --short HEAD`, with +dirty when the tree has changes."""
+    """`git rev-parse --short HEAD`, with +dirty when the tree has changes; where there is no
+    git or no .git (a copied tree on a GPU machine), $MILLSTREAM_COMMIT, else "unknown"."""
 
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
+    def git(*argv: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  check=False, timeout=30)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
 
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain") else "")
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return os.environ.get("MILLSTREAM_COMMIT") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain") else "")
 
 
 def resources(args: argparse.Namespace, params: int) -> dict[str, Any]:
@@ -646,11 +673,6 @@ def engine_and_sync(model_dir: Path, args: argparse.Namespace, tmp: Path) -> lis
         engine.wait_ready("/health", timeout_s=600)
         if "engine" in args.only:
             rows = engine_section(engine.url, rows[0], args)
-        if "engine" in args.only and not args.no_fp8:
-            engine.stop()  # the FP8 engine gets the memory
-            rows += fp8_engine_rows(model_dir, rows, args, tmp)
-            engine = ServiceProcess("engine", ["--model-path", str(model_dir), *flags], tmp)
-            engine.wait_ready("/health", timeout_s=600)
         if "sync" in args.only:
             router = ServiceProcess("router", ["--worker-urls", engine.url], tmp)
             router.wait_ready("/health")
@@ -662,32 +684,41 @@ def engine_and_sync(model_dir: Path, args: argparse.Namespace, tmp: Path) -> lis
     for r in rows:
         if r.section == "engine":
             r.extra["engine_flags"] = flags
+    if "engine" in args.only and args.device == "cuda" and not args.disable_cuda_graph:
+        rows += variant_engine_rows(model_dir, rows, args, tmp, graphs=False)
+    if "engine" in args.only and not args.no_fp8:
+        rows += variant_engine_rows(model_dir, rows, args, tmp, graphs=None)
     return rows
 
 
-def fp8_engine_rows(
-    model_dir: Path, rows: list[Row], args: argparse.Namespace, tmp: Path
+def variant_engine_rows(
+    model_dir: Path, rows: list[Row], args: argparse.Namespace, tmp: Path, graphs: bool | None
 ) -> list[Row]:
-    """The engine on an FP8 copy of the model (examples/arith/make_fp8.py: e4m3 weights with
-    128 x 128 block scales, engine/fp8.py) at the highest concurrency: ratio to HF generate,
-    and to the bf16 engine in the note."""
-    import importlib.util
-
+    """The engine once more at the highest concurrency, as a variant of the rows measured:
+    `graphs` False, the bf16 engine with --disable-cuda-graph (eager decoding over the live
+    columns); None, the FP8 engine on an FP8 copy of the model (examples/arith/make_fp8.py:
+    e4m3 weights with 128 x 128 block scales, engine/fp8.py). Ratio to HF generate; to the
+    bf16 engine with graphs in the note."""
     from bench_engine import engine_run
 
     from tests.support.router_proc import ServiceProcess
 
-    spec = importlib.util.spec_from_file_location("make_fp8", ARITH / "make_fp8.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    progress("engine: making an FP8 copy of the model ...")
-    fp8_dir = module.make_fp8(model_dir, tmp / "model-fp8")
     conc = max(args.concurrency)
     hf = rows[0].value or 1.0
     bf16 = next((r.value for r in rows if r.extra.get("concurrency") == conc), None)
-    progress(f"engine: FP8, concurrency {conc} ...")
-    engine = ServiceProcess("engine", ["--model-path", str(fp8_dir), *engine_flags(args)], tmp)
+    flags = engine_flags(args)
+    if graphs is False:
+        path, label = model_dir, f"millstream engine, CUDA graphs off, concurrency {conc}"
+        flags = engine_flags(argparse.Namespace(**{**vars(args), "disable_cuda_graph": True}))
+        extra: dict[str, Any] = {"graphs": False}
+    else:
+        progress("engine: making an FP8 copy of the model ...")
+        path = make_fp8_copy(model_dir, tmp)
+        label = f"millstream engine FP8 (e4m3, 128x128 blocks), concurrency {conc}"
+        extra = {"fp8": True}
+    progress(f"engine: {label} ...")
+    free_memory(args.device)
+    engine = ServiceProcess("engine", ["--model-path", str(path), *flags], tmp)
     try:
         engine.wait_ready("/health", timeout_s=600)
         asyncio.run(engine_run(engine.url, prompts(conc, args.prompt_tokens, 99), 8, conc))
@@ -698,10 +729,21 @@ def fp8_engine_rows(
     finally:
         engine.stop()
     tps = made / seconds
-    note = f"{tps / bf16:.2f}x the bf16 engine" if bf16 else ""
-    return [Row("engine", f"millstream engine FP8 (e4m3, 128x128 blocks), concurrency {conc}",
-                tps, "tokens/s", tps / hf, "HF generate", note=note,
-                extra={"tokens": made, "seconds": seconds, "concurrency": conc, "fp8": True})]  # fmt: skip
+    note = f"{tps / bf16:.2f}x the bf16 engine" + (" with graphs" if graphs is False else "")
+    return [Row("engine", label, tps, "tokens/s", tps / hf, "HF generate",
+                note=note if bf16 else "",
+                extra={"tokens": made, "seconds": seconds, "concurrency": conc,
+                       "engine_flags": flags, **extra})]  # fmt: skip
+
+
+def make_fp8_copy(model_dir: Path, tmp: Path) -> Path:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_fp8", ARITH / "make_fp8.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_fp8(model_dir, tmp / "model-fp8")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@
 #      drags in gigabytes of CUDA packages)
 #   3. millstream in editable mode with its extras, at the versions of scripts/constraints.txt
 #      (what make test was last green with), re-installed only when either file changes
-#   4. a redis-server binary (Debian's package when none is on PATH)
+#   4. the lowest transformers it claims, in .venv/floor (for tests/unit/test_transformers_floor.py)
+#   5. a redis-server binary (Debian's package when none is on PATH)
 # A second call checks each step and skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,18 @@ if [ ! -f "$STAMP" ]; then
   "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e '.[all,dev]' "$TORCH_PIN"
   rm -f "$VENV"/.millstream-*
   touch "$STAMP"
+fi
+
+# The lowest transformers the engine and the trainer claim (pyproject.toml; the GPU image has it),
+# beside the venv's: tests/unit/test_transformers_floor.py runs the engine's tests on it.
+FLOOR=$VENV/floor
+FLOOR_PINS="transformers==5.17.0 huggingface_hub==1.33.0"
+if [ ! -f "$FLOOR/.done-${FLOOR_PINS// /_}" ]; then
+  say "installing $FLOOR_PINS into $FLOOR (the transformers floor, for its test)"
+  rm -rf "$FLOOR"
+  # shellcheck disable=SC2086
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$FLOOR" $FLOOR_PINS
+  touch "$FLOOR/.done-${FLOOR_PINS// /_}"
 fi
 
 if ! command -v redis-server >/dev/null; then

@@ -46,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "millstream.launch.plan:main",
         "print the GPU plan of `train` flags ([--gpus N]; starts nothing)",
     ),
+    "gpus": ("millstream.launch.plan:gpus_main", "print how many GPUs torch sees here"),
     "trace": ("millstream.common.trace_cli:main", "summarise a run's traces"),
     "plot": ("millstream.trainer.observe.plot:main", "draw a run's metric curves"),
     "convert": (

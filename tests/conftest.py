@@ -15,6 +15,21 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from tests.support.redis_server import RedisServer
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`@pytest.mark.gpu` tests skip where torch sees no CUDA GPU (CI); `make gpu-check` runs
+    them on one. torch is imported only when a collected test carries the mark."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA GPU (make gpu-check runs it on one)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One real redis-server for the session; tests isolate themselves by run id / flushdb."""

@@ -83,12 +83,27 @@ SERVICE_ARGS=(
 )
 
 # One GPU: colocate, as Miles does when GPUs are scarce (not when the engines run elsewhere).
-PYTHON="$(dirname "$MILLSTREAM")/python"
-if [ "${COLOCATE:-auto}" != 0 ] && [[ " $* " != *" --router-url "* ]] \
-   && "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
-then
-   PERF_ARGS+=(--colocate --bf16)
-   echo "[run.sh] a GPU is visible: --colocate --bf16 (COLOCATE=0 to run as written)" >&2
+# `millstream gpus` answers with the torch the trainer will import, whatever $MILLSTREAM is (a
+# venv's script, a `python3 -m millstream.cli` wrapper, a command on PATH); the decision is
+# printed either way.
+if [ "${COLOCATE:-auto}" = 0 ]; then
+   echo "[run.sh] COLOCATE=0: the flags as written" >&2
+elif [[ " $* " == *" --router-url "* || " $* " == *" --router-url="* ]]; then
+   echo "[run.sh] --router-url: the engines run elsewhere; the flags as written" >&2
+else
+   ASKED=0
+   GPUS="$("$MILLSTREAM" gpus)" || ASKED=$?  # its errors go to our stderr
+   GPUS="${GPUS%%$'\n'*}"
+   if [ "$ASKED" != 0 ] || ! [[ "$GPUS" =~ ^[0-9]+$ ]]; then
+      echo "[run.sh] '$MILLSTREAM gpus' gave no GPU count (exit $ASKED, first line" \
+         "'${GPUS:0:120}'): CPU run" >&2
+   elif [ "$GPUS" -gt 0 ]; then
+      PERF_ARGS+=(--colocate --bf16)
+      echo "[run.sh] $GPUS GPU(s) visible to $MILLSTREAM: --colocate --bf16 (COLOCATE=0 to" \
+         "run as written)" >&2
+   else
+      echo "[run.sh] no GPU visible to $MILLSTREAM: CPU run" >&2
+   fi
 fi
 
 MODE="${MODE:-train-async}"

@@ -13,11 +13,25 @@ Two kinds of handle, each a JSON object (no pickle: DESIGN.md section 3):
 
 - `cuda_ipc`: the CUDA IPC handle of the allocation holding the bytes, with the fields torch's
   multiprocessing reductions put in their pickle (`UntypedStorage._share_cuda_()`: device,
-  handle, sizes, the producer's ref counter and event), the bytes base64-encoded. The receiver
-  opens the same GPU memory (`UntypedStorage._new_shared_cuda`): no copy, and it only works on
-  the same GPU of the same machine. SGLang carries the same fields pickled
-  (`MultiprocessingSerializer`); after its copy the receiver calls `torch.cuda.ipc_collect()`,
-  and the producer keeps its tensor alive until every receiver answered.
+  handle, sizes, the producer's ref counter and event), the bytes base64-encoded, and the
+  producer GPU's UUID (as torch writes it; nvidia-smi adds a `GPU-` prefix):
+
+      {"kind": "cuda_ipc", "gpu_uuid": "8f0c1d2e-...", "device": 0, "handle": b64,
+       "storage_size_bytes": n, "storage_offset_bytes": n, "ref_counter_handle": b64,
+       "ref_counter_offset": n, "event_handle": b64, "event_sync_required": bool,
+       "tensor_offset": n, "numel": n}
+
+  The receiver opens the same GPU memory (`UntypedStorage._new_shared_cuda`): no copy, and it
+  only works on the same GPU of the same machine. Which of its GPUs that is, it finds by the
+  UUID (`local_device`), as SGLang and Miles do: two processes number GPUs differently
+  (CUDA_VISIBLE_DEVICES=1 makes the producer's cuda:1 the receiver's cuda:0), so `device`, the
+  producer's index, is only the fallback for a handle without a UUID. A receiver that sees no
+  GPU with that UUID refuses the handle (ValueError) and gives back the reference torch counted
+  for it: the producer's memory is freed only once every reference is dropped (`_share_cuda_`
+  counts one; a receiver drops it when its last view goes), so a refusal that kept it would hold
+  the bucket for good. SGLang carries the same fields pickled (`MultiprocessingSerializer`);
+  after its copy the receiver calls `torch.cuda.ipc_collect()`, and the producer keeps its
+  tensor alive until every receiver answered.
 - `shm`: a file in a shared-memory directory (/dev/shm) that both sides map
   (`UntypedStorage.from_file(shared=True)`): the CPU twin. The producer keeps one such file
   (`ShmBuffer`) and flattens each bucket straight into it; a receiver keeps its mapping
@@ -43,6 +57,7 @@ import json
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +140,7 @@ def share(flat: torch.Tensor) -> Shared:
     return Shared(
         {
             "kind": "cuda_ipc",
+            "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid),
             "device": int(device),
             "handle": _b64(handle),
             "storage_size_bytes": int(size),
@@ -238,17 +254,67 @@ def open_flat(handle: dict[str, Any], mappings: Mappings | None = None) -> torch
             raise ValueError(f"shm file {path}: {flat.numel()} bytes, the bucket needs {numel}")
         return flat[:numel]
     if kind == "cuda_ipc":
+        try:
+            index = local_device(handle, local_gpu_uuids())
+        except ValueError:
+            _give_back(handle)
+            raise
         torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(
-            handle["device"], _unb64(handle["handle"]), handle["storage_size_bytes"],
+            index, _unb64(handle["handle"]), handle["storage_size_bytes"],
             handle["storage_offset_bytes"], _unb64(handle["ref_counter_handle"]),
             handle["ref_counter_offset"], _unb64(handle["event_handle"]),
             handle["event_sync_required"],
         )  # fmt: skip
-        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle['device']}")
+        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
         flat.set_(storage, handle["tensor_offset"], (numel,), (1,))
         return flat
     raise ValueError(f"flattened_tensor: unknown handle kind {kind!r} (shm or cuda_ipc)")
+
+
+def _bare_uuid(text: str) -> str:
+    """A GPU UUID as torch writes it (bare hex groups, lower case): nvidia-smi and
+    CUDA_VISIBLE_DEVICES write `GPU-...` (`MIG-...` for a MIG instance)."""
+    text = text.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        text = text.removeprefix(prefix)
+    return text
+
+
+def local_device(handle: dict[str, Any], local_uuids: Sequence[str]) -> int:
+    """The index, in this process's numbering, of the GPU a `cuda_ipc` handle's bytes live on:
+    the one whose UUID (`local_uuids[i]` is cuda:i's) is the handle's `gpu_uuid`; ValueError
+    naming it when this process sees none. A handle without a UUID gives the producer's index,
+    right only where both processes number the GPUs alike."""
+    wanted = handle.get("gpu_uuid")
+    if wanted is None:
+        return int(handle["device"])
+    bare = [_bare_uuid(u) for u in local_uuids]
+    if _bare_uuid(str(wanted)) in bare:
+        return bare.index(_bare_uuid(str(wanted)))
+    seen = ", ".join(f"cuda:{i} {u}" for i, u in enumerate(local_uuids)) or "none"
+    raise ValueError(
+        f"cuda_ipc handle: this process sees no GPU with UUID {wanted} (its GPUs: {seen}); "
+        "the bytes are on another GPU than any it can open"
+    )
+
+
+def local_gpu_uuids() -> list[str]:
+    """The UUID of each GPU this process sees, by torch's index (none without CUDA)."""
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def _give_back(handle: dict[str, Any]) -> None:
+    """Drop the reference torch counted for this receiver of a `cuda_ipc` handle without
+    opening it (torch.multiprocessing does the same for a storage it already has open); the
+    producer then frees the bytes at its release. A counter file that is gone (the producer
+    exited) is ignored by torch itself."""
+    counter = handle.get("ref_counter_handle")
+    if counter is None or not torch.backends.cuda.is_built():  # a CPU build cannot open it
+        return
+    torch.UntypedStorage._release_ipc_counter_cuda(
+        _unb64(counter), int(handle["ref_counter_offset"])
+    )
 
 
 def open_bucket(entry: str, mappings: Mappings | None = None) -> list[tuple[str, torch.Tensor]]:

@@ -81,6 +81,11 @@ class Span:
     def seconds(self) -> float:
         return (self.end - self.start) / 1e9
 
+    @property
+    def mirror_of(self) -> str | None:
+        """The span id of the shared span this is a copy of (`read_mirrors`), else None."""
+        return self.attrs.get(MIRROR_OF)
+
 
 def span_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
     """The run's own span files, and those of services that outlive runs (SHARED_TRACES)."""
@@ -106,8 +111,27 @@ def read_spans(run_dir: Path) -> tuple[list[Span], int]:
     return spans + more, unreadable + torn
 
 
-def _read(files: list[Path], traces: set[str] | None) -> tuple[list[Span], int]:
-    """The spans in `files` (of `traces` only, when given) and the count of unreadable lines."""
+def read_mirrors(run_dir: Path) -> dict[str, list[Span]]:
+    """The copies `telemetry.mirror` made of the run's shared spans (a train step, a weight
+    sync, a batch request's router and engine spans), by the trace each was copied into: a
+    group's own. `read_spans` skips them, since the originals count and this module follows
+    their links; the copies are what a trace viewer, one trace at a time, shows of those
+    stages in a group's trace."""
+    spans, _ = read_spans(run_dir)
+    own, shared = span_files(run_dir)
+    copies = _read(own, None, copies=True)[0]
+    copies += _read(shared, {s.trace_id for s in spans}, copies=True)[0]
+    by_trace: dict[str, list[Span]] = defaultdict(list)
+    for copy in copies:
+        by_trace[copy.trace_id].append(copy)
+    return dict(by_trace)
+
+
+def _read(
+    files: list[Path], traces: set[str] | None, copies: bool = False
+) -> tuple[list[Span], int]:
+    """The spans in `files` (of `traces` only, when given) and the count of unreadable lines;
+    the originals, or with `copies` the mirror copies (MIRROR_OF) alone."""
     spans, unreadable = [], 0
     for path in files:
         with path.open(encoding="utf-8") as lines:
@@ -117,7 +141,7 @@ def _read(files: list[Path], traces: set[str] | None) -> tuple[list[Span], int]:
                     if traces is not None and d["trace_id"] not in traces:
                         continue
                     attrs = d["attributes"]
-                    if MIRROR_OF in attrs:  # a copy for trace viewers: the original counts
+                    if (MIRROR_OF in attrs) != copies:
                         continue
                     spans.append(
                         Span(

@@ -128,8 +128,11 @@ async def continue_generation(
 async def release_memory_occupation(
     request: Request, req: MemoryOccupationReqIn | None = None
 ) -> dict[str, Any]:
-    """Free GPU memory for a trainer on the same GPU (--colocate): running requests are
-    retracted and wait, with every new one, for /resume_memory_occupation (scheduler.py)."""
+    """Free memory for a trainer on the same GPU (--colocate), by SGLang's tags (`weights`,
+    `kv_cache`, `cuda_graph`; none: all): running requests are retracted and wait, with every
+    new one, for /resume_memory_occupation. The weights are discarded, not copied anywhere:
+    after their resume no step runs until weight updates have written every parameter
+    (scheduler.py, model_runner.py). `bytes`: what each tag freed."""
     tags = req.tags if req is not None else None
     freed = await asyncio.wrap_future(_core(request).scheduler.release_memory(tags))
     return {"success": True, "message": f"released {sorted(freed)}", "bytes": freed}

@@ -89,7 +89,7 @@ class EngineCore:
             weight_version=config.weight_version,
             batch=batch,
         )
-        self.groups = UpdateGroups(config.weight_update_timeout)
+        self.groups = UpdateGroups(config.weight_update_timeout, self.runner.device)
         self.loader = WeightLoader(self.runner.model)
         self.started_at = time.time()
         self._rng = random.Random(config.seed)

@@ -70,6 +70,9 @@ class RunningBatch:
     def forget_graphs(self) -> None:
         pass  # eager decoding captures nothing
 
+    def warm_graphs(self) -> None:
+        pass
+
     def add(self, seqs: list[Sequence], cache: Any, mask_BT: torch.Tensor) -> None:
         """Merge prefilled rows (their own cache, `mask_BT` marking real columns) in."""
         if not seqs:

@@ -27,14 +27,18 @@ CUDA graphs (`DecodeGraphs`): for each B of 1, 2, 4, 8 and then every 8 up to
 --cuda-graph-max-bs, the decode forward is captured on first use into one shared memory pool,
 over static input buffers; a replay copies the inputs in and returns the static logits. The
 graphs hold the weights' and the pool's addresses: a weight update copies in place (they
-stay valid); releasing memory (control_api's /release_memory_occupation) drops them, and
-they are captured again after the resume. Where capture is not possible (the CPU, or
---disable-cuda-graph) the same code runs eagerly, over the live columns only.
+stay valid); releasing memory (control_api's /release_memory_occupation) drops them, since
+the weights and the pool come back at new addresses (model_runner.py), and they are captured
+again once the engine can step: all at once when no row runs (`warm_graphs`, after a
+colocated sync: the rows were retracted), else each size on first use. Every capture logs
+its time. Where capture is not possible (the CPU, or --disable-cuda-graph) the same code runs
+eagerly, over the live columns only.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -170,14 +174,27 @@ class DecodeGraphs:
         """The captured batch size a batch of `rows` runs as (None: larger than any)."""
         return next((b for b in self.sizes if b >= rows), None)
 
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)
+
     def capture_all(self) -> None:
-        """Capture every size now, largest first (the smaller reuse its memory): at start-up,
-        so the first requests do not wait for captures."""
+        """Capture every size now, largest first (the smaller reuse its memory): at start-up
+        and after a resume, so the first requests do not wait for captures. Zeroes the pool:
+        call it with no row in it."""
+        start = time.perf_counter()
         with torch.inference_mode():  # as the scheduler thread runs them
             for rows in sorted(self.sizes, reverse=True):
                 if rows not in self._graphs:
                     self._graphs[rows] = self._capture(rows)
             self.pool.zero_()
+        torch.cuda.synchronize(self.pool.device)
+        log.info(
+            # Not "captured the decode step ...": bench_gpu.py counts those lines, one a size.
+            "CUDA graphs of the decode step for batch sizes %s ready in %.2f s",
+            self.sizes,
+            time.perf_counter() - start,
+        )
 
     def clear(self) -> None:
         """Forget every graph (the weights or the pool moved; captured again on next use)."""
@@ -194,6 +211,7 @@ class DecodeGraphs:
         return logits_BV
 
     def _capture(self, rows: int) -> tuple[Any, _StepInputs, torch.Tensor]:
+        start = time.perf_counter()
         pool, width = self.pool, self.pool.width
         inputs = _StepInputs(rows, width, pool.dtype, pool.device)
         # Warm up on a side stream (cuBLAS workspaces, lazy inits), as torch.cuda.graphs says.
@@ -210,7 +228,11 @@ class DecodeGraphs:
             self._memory = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._memory):
             logits_BV = _forward(self.model, pool, inputs, self.column, width)
-        log.info("captured the decode step for batch size %d in a CUDA graph", rows)
+        log.info(
+            "captured the decode step for batch size %d in a CUDA graph (%.3f s)",
+            rows,
+            time.perf_counter() - start,
+        )
         return graph, inputs, logits_BV
 
 
@@ -263,6 +285,12 @@ class PoolBatch:
     def forget_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()
+
+    def warm_graphs(self) -> None:
+        """Capture every graph size again now, if they were forgotten and no row runs (the
+        capture zeroes the pool); with rows running, each size is captured on first use."""
+        if self.graphs is not None and not self.graphs.captured and not self.seqs:
+            self.graphs.capture_all()
 
     def add(self, seqs: list[Sequence], cache: Any, mask_BT: torch.Tensor) -> None:
         """Copy prefilled rows (their dynamic cache, `mask_BT` marking real columns) into the

@@ -14,13 +14,42 @@ between cache columns (kv_batch.py), which sliding-window caches do not allow.
 
 A checkpoint whose config.json has an FP8 quantization_config is served in FP8: its quantized
 Linears hold the e4m3 weights and block scales (fp8.py); `quantization` says "fp8".
+
+Releasing the weights (/release_memory_occupation, for a colocated trainer) discards them, as
+SGLang does under torch_memory_saver without its CPU backup: every parameter's `.data` becomes
+an empty tensor (each tied parameter once), so its memory goes back to the allocator with no
+copy anywhere, on the GPU and on the CPU alike, and the bytes freed are reported. The
+Parameter objects stay, so the weight loader's references stay valid. Resuming allocates them
+again, uninitialized: their content is garbage until a weight update has written every
+parameter, and `weights_valid` stays False until then (the scheduler runs no step meanwhile:
+requests queue, as while released). The sync that follows a resume overwrites every weight
+anyway, so nothing is lost but the copy GPU -> host -> GPU that keeping them would cost;
+/update_weights_from_disk of the checkpoint restores them too. The new storage has new
+addresses, so CUDA graphs are captured again after a resume (kv_pool.py). SGLang keeps the
+virtual addresses (torch_memory_saver remaps physical pages under them) so its graphs survive;
+that package is not a dependency here, and an allocator swap under the model is not something
+`make test` could check on the CPU, so graphs are simply captured again (the capture time is
+logged). Buffers (rotary frequencies) are small and stay.
+
+KV budget on a GPU (`kv_tokens_for`): SGLang's ModelRunner.profile_max_num_token. After the
+weights are loaded, with F = --mem-fraction-static,
+    rest   = free_after_weights - total x (1 - F)
+    tokens = rest // bytes_per_token          (keys and values of every layer)
+so total x (1 - F) of the GPU stays free for activations, CUDA graphs and the sampling
+buffers, whatever else (a colocated trainer) holds memory; too little free is an error naming
+--mem-fraction-static, never an OOM later while capturing. SGLang's `total` is the memory
+free before loading the weights; the device's total is used here, which keeps at least as
+much free.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import inspect
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +62,17 @@ from . import fp8
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@functools.cache
+def _glibc() -> Any:
+    """glibc, for malloc_trim; None where malloc is another libc's."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc's, not every libc's
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,25 +104,35 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * itemsize
 
 
+def kv_tokens_for(
+    total: int, free_after_weights: int, mem_fraction: float, bytes_per_token: int
+) -> int:
+    """Tokens of KV cache SGLang's --mem-fraction-static allows (module docstring): what is
+    free after the weights, less `total x (1 - mem_fraction)` kept free for activations and
+    CUDA graphs. Memory in bytes."""
+    keep_free = int(total * (1 - mem_fraction))
+    rest = free_after_weights - keep_free
+    if rest < bytes_per_token:
+        gib = 2**30
+        raise MillstreamError(
+            f"--mem-fraction-static {mem_fraction}: {free_after_weights / gib:.2f} GiB of the "
+            f"GPU's {total / gib:.2f} GiB are free after loading the weights, and "
+            f"{keep_free / gib:.2f} GiB (1 - {mem_fraction} of it) must stay free for "
+            "activations and CUDA graphs, which leaves nothing for the KV cache; raise "
+            "--mem-fraction-static, or free the GPU (another process, e.g. a colocated "
+            "trainer, may hold memory: see nvidia-smi)"
+        )
+    return rest // bytes_per_token
+
+
 def kv_token_budget(
     config: Any, dtype: torch.dtype, device: torch.device, mem_fraction: float
 ) -> int:
-    """SGLang's --mem-fraction-static on `device`: of the GPU's memory, `mem_fraction` is for
-    the weights plus the static KV cache; what the loaded weights (and anything else this
-    process holds) leave of that share is the cache, in tokens."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    used = torch.cuda.memory_allocated(device)
-    # Never more than the GPU has free now: another process (a colocated trainer) may hold
-    # part of it; a tenth of that stays free for activations and the CUDA graphs.
-    free_now = int(torch.cuda.mem_get_info(device)[0] * 0.9)
-    free = min(int(total * mem_fraction) - used, free_now)
-    if free <= 0:
-        raise MillstreamError(
-            f"--mem-fraction-static {mem_fraction}: the weights already take "
-            f"{used / 2**30:.1f} GiB of the {total * mem_fraction / 2**30:.1f} GiB it allows on "
-            f"{torch.cuda.get_device_name(device)}; raise it"
-        )
-    return free // kv_bytes_per_token(config, dtype)
+    """`kv_tokens_for` on `device` as it is now (the weights loaded): its free memory, as
+    SGLang measures it, with this process's cached blocks handed back first."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_tokens_for(total, free, mem_fraction, kv_bytes_per_token(config, dtype))
 
 
 def cache_kwarg(model: Any) -> str:
@@ -149,6 +199,11 @@ class ModelRunner:
             counts = fp8.set_gemm(self.model, self.fp8_gemm)
             fp8.probe_scaled_mm(self.model, self.device, self.dtype)
             log.info("FP8 Linears in 128x128 blocks, computed by %s", counts)
+        # Each parameter once (tied ones share one), with its shape: what release frees.
+        unique = {id(p): p for p in self.model.parameters()}
+        self._shapes = [(p, p.shape) for p in unique.values()]
+        self.weights_released = False
+        self._unwritten: set[int] = set()  # ids of parameters not written since a resume
         self._cache_class = DynamicCache
         probe = DynamicCache(config=self.model.config)
         if any(getattr(layer, "is_sliding", False) for layer in probe.layers):
@@ -171,29 +226,56 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.nbytes for t in self.model.state_dict().values())
+        """Bytes of the parameters, each tied one once (released or not)."""
+        return sum(shape.numel() * p.element_size() for p, shape in self._shapes)
+
+    @property
+    def weights_valid(self) -> bool:
+        """Whether the parameters hold weights: not released, and written by updates since
+        the last resume (module docstring)."""
+        return not self.weights_released and not self._unwritten
+
+    @property
+    def unwritten_parameters(self) -> int:
+        return len(self._unwritten)
 
     def release_weights(self) -> int:
-        """Move the weights to host memory, freeing the GPU's (nothing moves on the CPU);
-        returns the bytes freed. Parameters keep their identity (`Module.to` swaps their
-        data), so the weight loader's references stay valid and an update that arrives
-        while released lands in the host copy."""
-        if self.device.type == "cpu":
+        """Discard the weights (module docstring); returns the bytes freed."""
+        if self.weights_released:
             return 0
-        self.model.to("cpu")
+        with torch.inference_mode(False):  # plain tensors: an update may run outside it
+            for p, _ in self._shapes:
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self.weights_released = True
         return self.weight_bytes
 
     def resume_weights(self) -> int:
-        """The weights back on the device; returns the bytes moved."""
-        if self.device.type == "cpu":
+        """Allocate the weights again, uninitialized; invalid until updates have written
+        every parameter (`note_written`). Returns the bytes allocated."""
+        if not self.weights_released:
             return 0
-        self.model.to(self.device)
+        with torch.inference_mode(False):
+            for p, shape in self._shapes:
+                p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
+        self.weights_released = False
+        self._unwritten = {id(p) for p, _ in self._shapes}
         return self.weight_bytes
 
+    def note_written(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """An update wrote `params`; True when that made the weights valid again."""
+        if not self._unwritten:
+            return False
+        self._unwritten.difference_update(id(p) for p in params)
+        return not self._unwritten
+
     def empty_device_cache(self) -> None:
-        """Hand freed GPU memory back to the driver, so another process can have it."""
+        """Hand freed memory back, so another process (a colocated trainer) can have it: the
+        GPU's to the driver; the CPU's to the OS, which glibc would otherwise keep (the
+        engine has it keep up to 1 GB: common/heap.py)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        elif (libc := _glibc()) is not None:
+            libc.malloc_trim(0)
 
     def new_cache(self) -> Any:
         return self._cache_class(config=self.model.config)

@@ -28,11 +28,18 @@ and puts running sequences back at the head of the queue, to be re-prefilled on 
 While paused, new requests queue up and run after /continue_generation.
 
 Memory occupation (SGLang's /release_memory_occupation, for a trainer sharing the GPU:
---colocate): releasing "kv_cache" drops the cache, and the running sequences go back to the
-head of the queue as in a retract; releasing "weights" moves the model to host memory
-(model_runner.py). No step runs while anything is released (requests queue up), whatever the
-pause state; /resume_memory_occupation brings back what it names, and stepping resumes once
-nothing is released and generation is not paused.
+--colocate): releasing "kv_cache" frees the cache, and the running sequences go back to the
+head of the queue as in a retract; releasing "weights" discards them (model_runner.py: no
+copy to host memory); releasing anything drops the CUDA graphs ("cuda_graph" alone too).
+/resume_memory_occupation allocates what it names again: the cache zeroed, the weights
+uninitialized. No step runs while anything is released, nor while the weights are invalid
+(resumed, and not yet written in full by weight updates: the sync that follows a resume, or
+/update_weights_from_disk of the checkpoint), whatever the pause state: requests queue up,
+and `info()` says why (`memory_released`, `weights_valid`). Waiting, not failing, because
+in a colocated run the update is already on its way. An update while the weights are
+released is refused (there is nothing to write into). Stepping resumes, with the CUDA graphs
+captured again, once nothing is released, the weights are valid and generation is not
+paused.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -230,15 +237,26 @@ class Scheduler:
         return list(tags)
 
     def update_weights(
-        self, copy_in: Callable[[], None], weight_version: str | None, abort_all: bool = False
+        self,
+        copy_in: Callable[[], Iterable[torch.nn.Parameter] | None],
+        weight_version: str | None,
+        abort_all: bool = False,
     ) -> Future[None]:
-        """Run `copy_in` between two steps; the version changes in the same command, so
-        every token sampled afterwards reports the new one."""
+        """Run `copy_in` (it returns the parameters it wrote) between two steps; the version
+        changes in the same command, so every token sampled afterwards reports the new one."""
 
         def run() -> None:
+            if "weights" in self.released:
+                raise RequestError(
+                    "the weights are released (/release_memory_occupation): resume them "
+                    '(/resume_memory_occupation {"tags": ["weights"]}) before updating them'
+                )
             if abort_all:
                 self._abort(lambda _: True, "aborted for a weight update")
-            copy_in()
+            written = copy_in()
+            if written is not None and self.runner.note_written(written):
+                log.info("every parameter written since the resume: the weights are valid")
+                self._warm_graphs()
             if weight_version is not None:
                 self.weight_version = weight_version
 
@@ -250,6 +268,7 @@ class Scheduler:
             "num_waiting_reqs": len(self._waiting),
             "paused": self.paused,
             "memory_released": sorted(self.released),
+            "weights_valid": self.runner.weights_valid,
             "max_running_requests": self.max_running_requests,
             "kv_cache_columns": self._batch.width,
             **vars(self.stats),
@@ -257,13 +276,15 @@ class Scheduler:
 
     # ---- scheduler thread -------------------------------------------------------------
 
+    def _can_step(self) -> bool:
+        return not self.paused and not self.released and self.runner.weights_valid
+
     def _run(self) -> None:
         with torch.inference_mode():
             while not self._stopping:
-                stepping = not self.paused and not self.released
-                busy = stepping and (self._batch.seqs or self._waiting)
+                busy = self._can_step() and (self._batch.seqs or self._waiting)
                 self._drain_commands(block=not busy)
-                if self._stopping or self.paused or self.released:
+                if self._stopping or not self._can_step():
                     continue
                 try:
                     self._step()
@@ -436,7 +457,19 @@ class Scheduler:
             allocated["kv_cache"] = self._batch.resume()
         self.released -= set(tags)
         log.info("resumed %s (%s)", tags, _sizes(allocated))
+        if "weights" in allocated:
+            log.info(
+                "the weights are allocated, uninitialized: no step runs until weight updates "
+                "have written all %d parameters",
+                self.runner.unwritten_parameters,
+            )
+        self._warm_graphs()
         return allocated
+
+    def _warm_graphs(self) -> None:
+        """The CUDA graphs captured again as soon as the engine can step (kv_pool.py)."""
+        if not self.released and self.runner.weights_valid:
+            self._batch.warm_graphs()
 
     def _fail_running(self, message: str) -> None:
         failed = self._batch.seqs + [

@@ -11,10 +11,12 @@ The engine's rank is `rank_offset` (a CPU engine has one rank). gloo on CPU, ncc
 where CUDA exists. Every collective has the group's timeout (--weight-update-timeout).
 
 Distributed update (`/update_weights_from_distributed`): for each (name, dtype, shape), in
-order, receive `broadcast(src=0)` into a fresh tensor. Receiving happens off the scheduler
-thread, so decoding goes on meanwhile; the copy into the model's parameters then runs as ONE
-scheduler command between two steps, so no step ever sees half of an update, and the
-weight version changes in the same command.
+order, receive `broadcast(src=0)` into a fresh tensor on the group's device: the engine's GPU
+for nccl (as SGLang receives, straight into device tensors: no round trip through host
+memory), the CPU for gloo. Receiving happens off the scheduler thread, so decoding goes on
+meanwhile; the copy into the model's parameters then runs as ONE scheduler command between
+two steps, so no step ever sees half of an update, and the weight version changes in the
+same command.
 
 `/update_weights_from_tensor` differs from SGLang on purpose: SGLang pickles tensors, and
 nothing on our wire is pickled (DESIGN.md section 3). `serialized_named_tensors` here is a
@@ -22,6 +24,9 @@ list of base64 strings, each a safetensors blob (`safetensors.torch.save({name: 
 decoded without executing anything.
 
 `/update_weights_from_disk` reads every `*.safetensors` file in `model_path`.
+
+Every update reports the parameters it wrote (`WeightLoader.copy_in`): after a resume the
+weights are garbage until updates have written all of them (model_runner.py).
 """
 
 from __future__ import annotations
@@ -100,8 +105,9 @@ class UpdateGroups:
     """Named process groups this engine receives weights on. Blocking methods: call them
     from a worker thread, never the event loop."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, device: torch.device | str = "cpu"):
         self._timeout = timedelta(seconds=timeout_s)
+        self._device = torch.device(device)  # the model's: where an nccl group receives
         self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
 
@@ -116,9 +122,11 @@ class UpdateGroups:
             raise RequestError(f"group_name: {name!r} exists; destroy it first")
         if rank >= world_size:
             raise RequestError(f"rank_offset: {rank} must be < world_size {world_size}")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise RequestError("backend: nccl needs CUDA and this engine runs on CPU; use gloo")
-        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        if backend == "nccl" and self._device.type != "cuda":
+            raise RequestError(
+                f"backend: nccl needs CUDA and this engine runs on {self._device}; use gloo"
+            )
+        device = self._device if backend == "nccl" else torch.device("cpu")
         pg = _new_group(address, port, rank, world_size, name, backend, self._timeout)
         self._groups[name] = _Group(pg, rank, world_size, device, self._timeout)
         log.info(
@@ -146,21 +154,43 @@ class UpdateGroups:
         if group is None:
             raise RequestError(f"group_name: no update group {name!r} (have {self.names})")
         specs = [(n, parse_dtype(d), s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank = 0
         # Two updates interleaving their broadcasts on one group would corrupt both.
         with self._lock:
-            if not flattened:
-                out: NamedTensors = []
-                for tensor_name, dtype, shape in specs:
-                    tensor = torch.empty(shape, dtype=dtype, device=group.device)
-                    group.pg.broadcast([tensor], opts).wait(group.timeout)
-                    out.append((tensor_name, tensor.cpu()))
-                return out
-            nbytes = sum(torch.Size(s).numel() * d.itemsize for _, d, s in specs)
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-            group.pg.broadcast([flat], opts).wait(group.timeout)
-        return unflatten_bytes(flat.cpu(), specs)
+            return receive_broadcast(group.pg, specs, group.device, flattened, group.timeout)
+
+
+def receive_broadcast(
+    pg: Any,
+    specs: list[tuple[str, torch.dtype, list[int]]],
+    device: torch.device,
+    flattened: bool,
+    timeout: timedelta,
+) -> NamedTensors:
+    """One bucket received from rank 0 of `pg` into tensors on `device`, where they stay:
+    the weight loader copies them into the parameters from there."""
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    if not flattened:
+        out: NamedTensors = []
+        for tensor_name, dtype, shape in specs:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            pg.broadcast([tensor], opts).wait(timeout)
+            out.append((tensor_name, tensor))
+        _arrived(device)
+        return out
+    nbytes = sum(torch.Size(s).numel() * d.itemsize for _, d, s in specs)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pg.broadcast([flat], opts).wait(timeout)
+    _arrived(device)
+    return unflatten_bytes(flat, specs)
+
+
+def _arrived(device: torch.device) -> None:
+    """Wait until the bytes are here. An nccl wait only orders this thread's stream after the
+    broadcast; blocking here (off the event loop, under --weight-update-timeout) keeps a
+    sender that never comes from stalling the engine's stream behind the copy-in."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def unflatten_bytes(
@@ -217,6 +247,8 @@ class WeightLoader:
 
     def __init__(self, model: torch.nn.Module):
         self._params = dict(model.named_parameters(remove_duplicate=False))
+        # Shapes as loaded: a released parameter's data is empty (model_runner.py).
+        self._shapes = {name: list(p.shape) for name, p in self._params.items()}
         self._fp8 = fp8.fp8_layers(model)
 
     def check_specs(self, names: list[str], shapes: list[list[int]]) -> None:
@@ -224,25 +256,30 @@ class WeightLoader:
         if unknown:
             raise RequestError(f"names: not parameters of this model: {unknown[:5]}")
         for name, shape in zip(names, shapes, strict=True):
-            if list(self._params[name].shape) != list(shape):
-                raise RequestError(
-                    f"shapes: {name} is {list(self._params[name].shape)} here, got {shape}"
-                )
+            if self._shapes[name] != list(shape):
+                raise RequestError(f"shapes: {name} is {self._shapes[name]} here, got {shape}")
 
     def check(self, tensors: NamedTensors) -> None:
         self.check_specs([n for n, _ in tensors], [list(t.shape) for _, t in tensors])
         if why := fp8.update_refusal(self._fp8, tensors):
             raise RequestError(why)
 
-    def copy_in(self, tensors: NamedTensors) -> None:
+    def copy_in(self, tensors: NamedTensors) -> list[torch.nn.Parameter]:
+        """Copy `tensors` into the parameters (from any device); returns those written (an
+        FP8 weight writes its scales too; a tied parameter is written under either name)."""
         given = dict(tensors)
+        written: list[torch.nn.Parameter] = []
         with torch.no_grad():
             for name, tensor in tensors:
                 layer = self._fp8.get(name)
                 if layer is None:
                     if not fp8.is_scale_of(name, self._fp8):  # a scale goes with its weight
                         self._params[name].copy_(tensor)
-                elif tensor.dtype == fp8.FP8_DTYPE:
+                        written.append(self._params[name])
+                    continue
+                if tensor.dtype == fp8.FP8_DTYPE:
                     layer.load_quantized(tensor, given[name + fp8.SCALE_SUFFIX])
                 else:
                     layer.load_full(tensor)
+                written += [layer.weight, layer.weight_scale_inv]
+        return written

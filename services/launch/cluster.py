@@ -49,7 +49,14 @@ from millstream.common.keys import RunKeys
 from millstream.common.redis_conn import connect, redact
 
 from . import engines as engine_commands
-from .plan import GpuPlan, cpu_budget, engine_device_args, given_router_url, gpu_plan, visible_gpus
+from .plan import (
+    GpuPlan,
+    cpu_budget,
+    engine_device_args,
+    given_router_url,
+    gpu_plan,
+    visible_devices,
+)
 from .procs import (
     Child,
     RunDirLock,
@@ -420,7 +427,7 @@ class LocalCluster:
             )
         if not Path(model).is_dir():
             raise MillstreamError(f"engine model path {model!r} is not a directory")
-        self.plan = plan = gpu_plan(self.cfg, visible_gpus())
+        self.plan = plan = gpu_plan(self.cfg, visible_devices())  # children get these ids
         self.say(plan.describe())
         sglang = engine_commands.sglang_installed()
         engine_commands.check(self.cfg, sglang)

@@ -7,6 +7,15 @@ time each wait on threads the other holds; the split is made once, at start-up (
 themselves: common/threads.py). `gpu_plan`: which GPUs each trainer rank and each engine
 gets, from Miles' placement flags, printed at start-up (`millstream plan` prints it for any
 GPU count without starting anything); `engine_device_args`: an engine's device flags.
+
+The plan's GPU numbers are indices into the GPUs this process sees (torch's cuda:i, torchrun's
+LOCAL_RANK i); a child is told its GPUs in CUDA_VISIBLE_DEVICES, which the child reads as the
+driver's ids, not as indices into ours. So the plan keeps the ids its indices stand for
+(`visible_devices`: this process's CUDA_VISIBLE_DEVICES entries, integers or `GPU-...`/`MIG-...`
+UUIDs as written, else the driver's 0..n-1) and hands a child those: under
+CUDA_VISIBLE_DEVICES=2,3 the engine on index 1 is given `3`, not `1`. A child inherits
+CUDA_DEVICE_ORDER, so it reads the ids in the order they were written for. `millstream gpus`:
+how many GPUs torch sees (what examples/arith/run.sh asks before adding --colocate --bf16).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -53,23 +63,32 @@ def cpu_budget(cfg: RunConfig) -> threads.CpuBudget:
 
 @dataclass(frozen=True)
 class GpuPlan:
-    """Which GPUs (indices of this machine's) each local trainer rank and each engine gets.
+    """Which GPUs (indices of the GPUs this process sees) each local trainer rank and each
+    engine gets.
 
     `trainer[i]`: local rank i's GPU (torchrun's LOCAL_RANK i uses cuda:i); `engines[k]`:
     engine k's GPUs, empty for an engine on the CPU, given to it as CUDA_VISIBLE_DEVICES.
     `shares`: the engines are on the trainer's GPUs (--colocate, or too few GPUs to give
-    them their own when nobody asked for any)."""
+    them their own when nobody asked for any). `devices[i]`: the id of index i as a child
+    must be told it (`visible_devices`); empty: the indices are the ids (a plan for N GPUs of
+    some machine, `millstream plan --gpus N`)."""
 
     gpus: int
     trainer: tuple[int, ...]
     engines: tuple[tuple[int, ...], ...]
     colocated: bool = False
     shares: bool = False
+    devices: tuple[str, ...] = ()
+
+    def ids(self, indices: Sequence[int]) -> list[str]:
+        """The ids of these GPUs for a child's CUDA_VISIBLE_DEVICES (and for the plan's
+        print-out: the numbers nvidia-smi shows where nothing hid some)."""
+        return [self.devices[i] if self.devices else str(i) for i in indices]
 
     def engine_env(self, k: int) -> dict[str, str]:
         """What engine k sees: its GPUs (an engine on the CPU is told --device cpu)."""
         gpus = self.engines[k]
-        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.ids(gpus))} if gpus else {}
 
     def engine_fraction(self, cfg: RunConfig) -> float | None:
         """The engines' --mem-fraction-static: --sglang-mem-fraction-static, else a share
@@ -84,29 +103,40 @@ class GpuPlan:
         if not self.gpus:
             where = "; ".join(f"engine-{k}: CPU" for k in range(len(self.engines)))
             return f"GPU plan: no GPU here; trainer: CPU; {where or 'no engines started'}"
-        ranks = ", ".join(f"rank {i}: GPU {g}" for i, g in enumerate(self.trainer))
+        ranks = ", ".join(f"rank {i}: GPU {g}" for i, g in enumerate(self.ids(self.trainer)))
         engines = "; ".join(
-            f"engine-{k}: " + (f"GPU {','.join(map(str, g))}" if g else "CPU")
+            f"engine-{k}: " + (f"GPU {','.join(self.ids(g))}" if g else "CPU")
             for k, g in enumerate(self.engines)
         )
         how = " (colocated: they take turns)" if self.colocated else ""
         if self.shares and not self.colocated:
             how = " (sharing the trainer's GPU: --colocate makes them take turns)"
+        hidden = ""  # ids that are not the indices came from CUDA_VISIBLE_DEVICES: say so
+        if self.devices and self.devices != tuple(map(str, range(self.gpus))):
+            hidden = f" (CUDA_VISIBLE_DEVICES={','.join(self.devices)})"
         return (
-            f"GPU plan on {self.gpus} GPU(s): trainer {ranks}; "
+            f"GPU plan on {self.gpus} GPU(s){hidden}: trainer {ranks}; "
             f"{engines or 'no engines started'}{how}"
         )
 
 
-def gpu_plan(cfg: RunConfig, gpus: int) -> GpuPlan:
-    """The placement Miles' flags ask for on a machine with `gpus` GPUs (MillstreamError when
-    it has fewer than asked). As in Miles: the trainer's ranks take the first GPUs
-    (--actor-num-gpus-per-node of this node); --rollout-num-gpus more follow for the engines,
-    --rollout-num-gpus-per-engine each, or, with --colocate, the engines take the trainer's
-    own GPUs (as many as --rollout-num-gpus, by default the trainer's). Nobody asking
-    (--rollout-num-gpus not given), the --rollout-num-engines engines get GPUs of their own
-    when the machine has them, else share the trainer's; --rollout-num-gpus 0 puts them on
-    the CPU."""
+def gpu_plan(cfg: RunConfig, gpus: int | Sequence[str]) -> GpuPlan:
+    """The placement Miles' flags ask for on a machine with `gpus` GPUs: a count (a plan for
+    any machine), or this process's GPU ids (`visible_devices()`: the plan hands its children
+    those). MillstreamError when the machine has fewer than asked."""
+    if isinstance(gpus, int):
+        return _place(cfg, gpus)
+    return replace(_place(cfg, len(gpus)), devices=tuple(gpus))
+
+
+def _place(cfg: RunConfig, gpus: int) -> GpuPlan:
+    """The plan on `gpus` GPUs indexed 0..gpus-1. As in Miles: the trainer's ranks take the
+    first GPUs (--actor-num-gpus-per-node of this node); --rollout-num-gpus more follow for
+    the engines, --rollout-num-gpus-per-engine each, or, with --colocate, the engines take the
+    trainer's own GPUs (as many as --rollout-num-gpus, by default the trainer's). Nobody
+    asking (--rollout-num-gpus not given), the --rollout-num-engines engines get GPUs of their
+    own when the machine has them, else share the trainer's; --rollout-num-gpus 0 puts them
+    on the CPU."""
     s = cfg.sglang
     per_engine = s.rollout_num_gpus_per_engine
     local_ranks = cfg.megatron.actor_num_gpus_per_node
@@ -168,16 +198,23 @@ def engine_device_args(plan: GpuPlan, cfg: RunConfig, k: int) -> list[str]:
     )
 
 
-def visible_gpus() -> int:
-    """The GPUs this process may use, found without importing torch (the launcher starts the
-    engines before the trainer spends seconds importing it): CUDA_VISIBLE_DEVICES when set
-    (as many ids as it lists, at most the driver's), else the NVIDIA driver's count."""
+def visible_devices() -> tuple[str, ...]:
+    """The GPUs this process may use, by the ids a child must be given to see the same ones
+    (cuda:i here is the i-th), found without importing torch (the launcher starts the engines
+    before the trainer spends seconds importing it): CUDA_VISIBLE_DEVICES' entries when it is
+    set (as written: integers, or GPU-/MIG- UUIDs; at most as many as the driver has), else
+    the NVIDIA driver's GPUs 0..n-1."""
     driver = _driver_gpus()
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is None:
-        return driver
+        return tuple(map(str, range(driver)))
     ids = [x.strip() for x in listed.split(",") if x.strip()]
-    return min(len(ids), driver)
+    return tuple(ids[:driver])
+
+
+def visible_gpus() -> int:
+    """How many GPUs this process may use (`visible_devices`), without importing torch."""
+    return len(visible_devices())
 
 
 def _driver_gpus() -> int:
@@ -198,7 +235,8 @@ def _driver_gpus() -> int:
 def main(argv: list[str]) -> int:
     """`millstream plan [--gpus N] [--async] <train flags>`: the flags checked as `millstream
     train` checks them (those alone: no file is read), then the GPU plan they make on a machine
-    with N GPUs (default: this one's) and which engine server would start. Exit 2 on a refusal.
+    with N GPUs (default: this one's, by the ids CUDA_VISIBLE_DEVICES gives them) and which
+    engine server would start. Exit 2 on a refusal.
     """
     import argparse
 
@@ -213,7 +251,7 @@ def main(argv: list[str]) -> int:
     ns, rest = pre.parse_known_args(argv)
     mode = "async" if ns.async_mode else "sync"
     cfg = parse_run_config(rest, mode=mode, prog="millstream plan")
-    gpus = visible_gpus() if ns.gpus is None else ns.gpus
+    gpus = visible_devices() if ns.gpus is None else ns.gpus
     sglang = engines.sglang_installed()
     try:
         checks.check(cfg)
@@ -227,6 +265,30 @@ def main(argv: list[str]) -> int:
     if plan.engines:
         server = "SGLang (sglang.launch_server)" if sglang else "millstream engine"
         fraction = plan.engine_fraction(cfg)
-        shown = f", --mem-fraction-static {fraction}" if fraction is not None and gpus else ""
+        shown = f", --mem-fraction-static {fraction}" if fraction is not None and plan.gpus else ""
         print(f"engines: {len(plan.engines)} x {server}{shown}")
+    return 0
+
+
+def gpus_main(argv: list[str]) -> int:
+    """`millstream gpus`: how many GPUs torch sees in this process: the count on the first line
+    (0 without CUDA; without a driver or a visible GPU, torch is not even imported, so a CPU
+    machine's `make run` pays nothing), then one line per GPU (index, name, UUID). A script asks millstream
+    itself, not a python it guesses beside it, so the answer is the trainer's own torch's
+    (examples/arith/run.sh decides --colocate --bf16 by it)."""
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="millstream gpus", description="print how many GPUs torch sees here"
+    ).parse_args(argv)
+    if visible_gpus() == 0:  # no NVIDIA driver, or none visible: 0 without importing torch
+        print(0)
+        return 0
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(count)
+    for i in range(count):
+        props = torch.cuda.get_device_properties(i)
+        print(f"cuda:{i} {props.name} {props.uuid}")
     return 0

@@ -1,8 +1,9 @@
 """`make run`'s arith job with --colocate, on the CPU: every iteration the engine releases its
 KV cache and weights before the trainer steps and resumes them around the weight sync, and the
 trainer's state goes to host memory and back (docs/gpus.md). On the CPU nothing moves,
-so what this proves is the turns themselves (the engine's own log counts them), that a
-retracted rollout resumes, and that the job still learns, sync and async."""
+so what this proves is the turns themselves (the engine's own log counts them, the trainer's
+record orders them), that a retracted rollout resumes, and that the job still learns, sync
+and async. The turns' order alone, fast: tests/unit/test_colocate_turns.py."""
 
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ def test_the_arith_job_learns_colocated(tmp_path, mode):
     weights = re.findall(r"resumed \['weights'\]", engine_log)
     kv = re.findall(r"resumed \['kv_cache'\]", engine_log)
     assert len(released) == len(weights) == len(kv) == ROLLOUTS, (released, weights, kv)
+    # The trainer's record of its turns (weights/colocate.py): in order every iteration, its
+    # state in host memory whenever the engine holds its KV cache. (A turn out of order
+    # stops the run with ColocationError: the return code above.)
+    turns = re.findall(
+        r"colocate turn ([a-z_ ]+): the trainer's state (on the device|in host)", out
+    )
+    iteration = [
+        ("release", "in host"), ("onload", "on the device"), ("resume weights", "on the device"),
+        ("offload", "in host"), ("resume kv_cache", "in host"),
+    ]  # fmt: skip
+    assert turns == [("offload", "in host"), *iteration * ROLLOUTS], turns
 
     summary = json.loads((run_dir / "summary.json").read_text())
     c = summary["counts"]

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -99,12 +100,49 @@ def _check_whole_traces(run_dir: Path) -> trace_cli.Run:
     return run
 
 
+# The stages of spans shared by many groups, which telemetry.mirror copies into their traces.
+MIRRORED = ("router", "engine", "train_step", "weight_sync")
+
+
+def _check_mirrors(run_dir: Path, run: trace_cli.Run) -> Counter[str]:
+    """A trace viewer shows one trace at a time, so each trained group's own trace holds a
+    copy, under one of its spans, of every shared span of its life that lives in another
+    trace: the train step that consumed it and the sync that shipped it (the trainer's
+    iteration trace), and the router and engine spans of a batch request (its first member's
+    trace). `millstream trace` skips the copies (it follows the links), so only this sees them.
+    Returns how many shared spans of each stage were found copied."""
+    copies = trace_cli.read_mirrors(run_dir)
+    found: Counter[str] = Counter()
+    missing = []
+    for gid in sorted(run.trained_in):
+        admit = [s for s in run.groups[gid] if s.stage == "admit"]
+        assert admit, f"group {gid} has no admit span: which trace is its own?"
+        trace_id, own = admit[0].trace_id, {s.span_id for s in run.groups[gid]}
+        copy_of = {c.mirror_of: c for c in copies.get(trace_id, ()) if c.parent in own}
+        for s in trace_cli.group_timeline(run, gid):
+            if s.stage not in MIRRORED or s.trace_id == trace_id:
+                continue
+            if s.span_id in copy_of and copy_of[s.span_id].stage == s.stage:
+                found[s.stage] += 1
+            else:
+                missing.append(f"group {gid}: its trace {trace_id} lacks a copy of its {s.stage} "
+                               f"span {s.name!r} ({s.service}, span {s.span_id})")  # fmt: skip
+    assert not missing, "shared spans not mirrored into the groups' traces:\n" + "\n".join(missing)
+    trained = len(run.trained_in)
+    assert found["train_step"] == found["weight_sync"] == trained, (found, trained)
+    return found
+
+
 def _check_traces(run_dir: Path) -> None:
     """`millstream trace` finds every stage of a group's life in the services' span files,
     and one trained group's waterfall runs from its admission to the sync that shipped it."""
     from millstream.common.telemetry import STAGES
 
     run = _check_whole_traces(run_dir)
+    # The two groups of a batch are claimed together and go out as one request, in the first
+    # one's trace: so the other's router and engine spans are copies (the check is not empty).
+    mirrored = _check_mirrors(run_dir, run)
+    assert mirrored["router"] >= 1 and mirrored["engine"] >= 1, mirrored
     spans = run.spans
     assert set(trace_cli.stage_table(run)) == set(STAGES) - {"reward_task"}  # no Celery here
     assert sorted(run.iterations) == [1, 2, 3] and len(run.trained_in) == 6
@@ -191,7 +229,8 @@ def test_three_iterations_through_every_service(command, tiny_model_dir, prompts
     if command == "train-async":
         assert max(r["staleness_max"] for r in _records(run_dir)) <= 2
         assert "[trainer] Prometheus /metrics on port " in proc.stdout  # served, then closed
-        _check_whole_traces(run_dir)  # Miles' generate posts with the group's trace context
+        # Miles' generate posts with the group's trace context, one request per sample
+        _check_mirrors(run_dir, _check_whole_traces(run_dir))
         _check_miles_plugins(run_dir, summary)
 
 

@@ -266,29 +266,43 @@ def test_pause_abort_in_place_and_continue(client: httpx.Client, pool: ThreadPoo
     assert kept.result(60)["meta_info"]["finish_reason"] == {"type": "length", "length": 1000}
 
 
-def test_release_and_resume_memory_occupation(client: httpx.Client, pool: ThreadPoolExecutor):
+def test_release_and_resume_memory_occupation(
+    client: httpx.Client, pool: ThreadPoolExecutor, tiny_model_dir: Path
+):
     """SGLang's colocation endpoints: a release retracts what runs and holds every request
-    until the resume; the retracted request ends as it would have without the release."""
+    until the resume; the weights are discarded, so after the resume requests still wait,
+    until a full update (here the checkpoint from disk) writes them back; then the retracted
+    request ends as it would have without the release."""
     body = {"input_ids": list(b"colocated"), "sampling_params": {**LONG, "temperature": 0}}
     alone = post(client, "/generate", body)
     running = pool.submit(post, client, "/generate", body)
     wait_for(lambda: info(client)["num_running_reqs"] == 1)
+    restore = {"model_path": str(tiny_model_dir)}
     try:
         released = post(client, "/release_memory_occupation", {})
         assert released["success"] and set(released["bytes"]) == {"kv_cache", "weights"}
+        assert released["bytes"]["weights"] > 0  # freed on the CPU too
         state = info(client)
         assert state["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
         assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 1
         post(client, "/continue_generation", {})  # not enough: memory is still released
+        refused = client.post("/update_weights_from_disk", json=restore).json()
+        assert not refused["success"] and "the weights are released" in refused["message"]
         time.sleep(0.3)
         assert not running.done(), "a request ran while the engine's memory was released"
         post(client, "/resume_memory_occupation", {"tags": ["weights"]})
         assert info(client)["memory_released"] == ["cuda_graph", "kv_cache"]
-    finally:  # never leave the module's shared engine released for the next test
         post(client, "/resume_memory_occupation", {})
+        state = info(client)
+        assert state["memory_released"] == [] and state["weights_valid"] is False
+        time.sleep(0.3)
+        assert not running.done(), "a request ran on weights no update had written"
+    finally:  # never leave the module's shared engine released, or its weights unwritten
+        post(client, "/resume_memory_occupation", {})
+        post(client, "/update_weights_from_disk", restore)
     after = running.result(60)
     assert after["output_ids"] == alone["output_ids"]
-    assert info(client)["memory_released"] == []
+    assert info(client)["weights_valid"] is True
 
 
 @pytest.mark.parametrize(

@@ -114,3 +114,42 @@ def test_links_inside_docs_resolve():
         if not (doc.parent / target).exists()
     ]
     assert not bad, "\n".join(bad)
+
+
+def _gpu_tests() -> list[str]:
+    """Every test that carries the gpu mark (on itself, its class or its module), by node id."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+
+        def marked(node: ast.AST) -> bool:
+            decorators = getattr(node, "decorator_list", [])
+            return any("mark.gpu" in ast.unparse(d) for d in decorators)
+
+        module = any(
+            isinstance(n, ast.Assign)
+            and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+            and "mark.gpu" in ast.unparse(n.value)
+            for n in tree.body
+        )
+        rel = path.relative_to(REPO).as_posix()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+                if module or marked(node):
+                    found.append(f"{rel}::{node.name}")
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    is_test = isinstance(item, ast.FunctionDef) and item.name.startswith("test")
+                    if is_test and (module or marked(node) or marked(item)):
+                        found.append(f"{rel}::{node.name}::{item.name}")
+    return found
+
+
+def test_testing_md_lists_every_gpu_only_test():
+    listed = (REPO / "docs" / "testing.md").read_text()
+    gpu = _gpu_tests()
+    assert len(gpu) >= 5, gpu
+    missing = [t for t in gpu if f"`{t}`" not in listed]
+    assert not missing, f"docs/testing.md (GPU-only tests) does not list {missing}"

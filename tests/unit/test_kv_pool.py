@@ -7,8 +7,12 @@ CUDA graphs, how --kv-cache / --max-total-tokens size it, and releasing its memo
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +25,8 @@ from millstream.engine.kv_pool import KVPool, PoolBatch, graph_sizes
 from millstream.engine.model_runner import ModelRunner
 from millstream.engine.scheduler import RequestError, Scheduler
 from millstream.engine.sequence import Sequence
+from millstream.engine.weights import WeightLoader
+from tests.support.tiny_model import build_tiny_model
 from tests.unit.test_engine_scheduler import (
     PROMPTS,
     Tracked,
@@ -152,8 +158,35 @@ def test_device_cuda_without_a_gpu_is_an_error_that_says_so(tiny_model_dir: Path
         ModelRunner(str(tiny_model_dir), device="cuda")
 
 
+@pytest.fixture
+def own_runner(tiny_model_dir: Path) -> ModelRunner:
+    """A runner of its own: releasing discards its weights (model_runner.py)."""
+    return ModelRunner(str(tiny_model_dir))
+
+
+def weights_of(runner: ModelRunner) -> list[tuple[str, torch.Tensor]]:
+    """What a trainer's sync sends: every parameter by name, each tied one once."""
+    return [(n, p.detach().clone()) for n, p in runner.model.named_parameters()]
+
+
+def send_back(
+    sched: Scheduler, loader: WeightLoader, weights: list[tuple[str, torch.Tensor]]
+) -> None:
+    """A real weight update (the scheduler command core.apply_weights runs; the loader made
+    at start-up, as core.py makes it)."""
+    loader.check(weights)
+    sched.update_weights(lambda: loader.copy_in(weights), None).result(10)
+
+
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-def test_released_memory_holds_every_request_until_resumed(runner: ModelRunner, kind: str):
+def test_released_memory_holds_every_request_until_resumed_and_updated(
+    own_runner: ModelRunner, kind: str
+):
+    """A release retracts the running request; nothing runs while released, nor after the
+    resume until a full weight update has written the discarded weights back; then the
+    retracted request ends as it would have without the release."""
+    runner = own_runner
+    weights, loader = weights_of(runner), WeightLoader(runner.model)
     batch = pool_batch(runner, slots=4, width=256) if kind == "static" else None
     sched = Scheduler(runner, max_running_requests=4, batch=batch, context_length=256)
     sched.start()
@@ -169,6 +202,7 @@ def test_released_memory_holds_every_request_until_resumed(runner: ModelRunner, 
         with pytest.raises(RequestError, match="tags"):
             sched.release_memory(["gpu"]).result(10)
         freed = sched.release_memory(None).result(10)
+        assert freed["weights"] == runner.weight_bytes > 0  # the CPU frees them too
         if kind == "static":
             assert freed["kv_cache"] == batch.pool.nbytes_allocated > 0
             assert not batch.pool.allocated
@@ -186,42 +220,164 @@ def test_released_memory_holds_every_request_until_resumed(runner: ModelRunner, 
         allocated = sched.resume_memory(None).result(10)
         if kind == "static":
             assert allocated["kv_cache"] > 0 and batch.pool.allocated
-        assert again.result().output_ids == alone.seq.output_ids
+        time.sleep(0.3)
+        assert sched.stats.steps == steps, "stepped on uninitialized weights"
+        assert sched.info()["weights_valid"] is False
+        send_back(sched, loader, weights)
+        assert again.result().output_ids == alone.seq.output_ids  # re-prefilled: 1e-5
+        torch.testing.assert_close(
+            torch.tensor(again.seq.output_logprobs), torch.tensor(alone.seq.output_logprobs),
+            atol=1e-5, rtol=0,
+        )  # fmt: skip
         assert len(newcomer.result().output_ids) == 3
-        assert sched.released == set()
+        assert sched.released == set() and sched.info()["weights_valid"] is True
     finally:
         sched.stop()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_decoding_equals_eager_decoding_on_the_gpu(tiny_model_dir: Path):
-    """On a GPU: the decode step replayed from CUDA graphs gives the tokens and logprobs of the
-    same pool decoded eagerly, with rows joining and leaving (graph sizes 1..8), and a
-    release/resume in the middle (the graphs are captured again)."""
-    gpu = ModelRunner(str(tiny_model_dir), dtype="float32", device="cuda")
+def test_released_weights_are_freed_and_a_resume_serves_nothing_until_all_are_written(
+    own_runner: ModelRunner,
+):
+    """Releasing `weights` frees every parameter's memory (each tied one once) with no copy;
+    an update while released is refused; after the resume the weights are garbage, so a
+    request waits through a partial update and runs once the last parameter is written,
+    giving exactly what it gave before the release."""
+    runner = own_runner
+    weights, loader = weights_of(runner), WeightLoader(runner.model)
+    tied = dict(runner.model.named_parameters(remove_duplicate=False))
+    assert tied["lm_head.weight"] is tied["model.embed_tokens.weight"]  # sent once, freed once
+    expected = sum(t.nbytes for _, t in weights)
+    assert runner.weight_bytes == expected
+    sched = Scheduler(runner, max_running_requests=4)
+    sched.start()
+    try:
+        params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}
+        before = Tracked("before", PROMPTS[2], **params)
+        sched.submit([before.seq])
+        before.result()
 
-    def generate(graphs: int | None) -> list[Sequence]:
+        assert sched.release_memory(["weights"]).result(10) == {"weights": expected}
+        assert all(p.untyped_storage().nbytes() == 0 for p in runner.model.parameters())
+        with pytest.raises(RequestError, match="the weights are released"):
+            send_back(sched, loader, weights)
+
+        assert sched.resume_memory(["weights"]).result(10) == {"weights": expected}
+        assert all(p.shape == t.shape for (_, p), (_, t) in zip(
+            runner.model.named_parameters(), weights, strict=True
+        ))  # fmt: skip
+        after = Tracked("after", PROMPTS[2], **params)
+        sched.submit([after.seq])
+        steps = sched.stats.steps
+        send_back(sched, loader, weights[:-1])  # a bucket: all but one parameter
+        time.sleep(0.3)
+        assert sched.stats.steps == steps and not after.done.is_set()
+        assert sched.info()["weights_valid"] is False and runner.unwritten_parameters == 1
+        send_back(sched, loader, weights[-1:])
+        assert after.result().output_ids == before.seq.output_ids
+        assert after.seq.output_logprobs == before.seq.output_logprobs
+    finally:
+        sched.stop()
+
+
+HOST_RELEASE = """
+import json, os, sys
+from millstream.common import heap
+from millstream.engine.model_runner import ModelRunner
+from millstream.engine.scheduler import Scheduler
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+heap.keep_freed_memory()  # as the engine runs (engine/main.py)
+runner = ModelRunner(sys.argv[1], dtype="bfloat16")  # cast: in the heap, not the file's pages
+runner.prefill([list(b"every weight is read")])
+sched = Scheduler(runner)
+sched.start()
+before = rss()
+freed = sched.release_memory(["weights"]).result(30)["weights"]
+released = rss()
+sched.resume_memory(["weights"]).result(30)
+sched.stop()
+print(json.dumps({"freed": freed, "weight_bytes": runner.weight_bytes, "fell": before - released}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
+def test_releasing_weights_on_the_cpu_gives_their_memory_back_to_the_os(tmp_path: Path):
+    """The CPU twin of a GPU release, in an engine-like process (glibc told to keep freed
+    memory, common/heap.py): the weights' bytes are reported and leave the process's
+    resident memory, so a colocated trainer can have them."""
+    model_dir = build_tiny_model(
+        tmp_path, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=8
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", HOST_RELEASE, str(model_dir)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["freed"] == out["weight_bytes"] > 16 * 2**20
+    assert out["fell"] >= 0.9 * out["freed"], out
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decoding_equals_eager_decoding_on_the_gpu(tiny_model_dir: Path):
+    """On a GPU: the decode step replayed from CUDA graphs (sizes 1, 2, 4, 8) gives the tokens
+    and logprobs of the same pool decoded eagerly, for batches of 1, 3 (run as 4: a spare
+    row), 8 and 5 (run as 8) with rows leaving as they finish, and across a release/resume
+    in the middle of a batch: the weights are discarded, written back by a real update, and
+    the graphs are captured again at the new addresses."""
+
+    def generate(graphs: int | None) -> tuple[list[Sequence], list[int]]:
+        gpu = ModelRunner(str(tiny_model_dir), dtype="float32", device="cuda")
+        weights, loader = weights_of(gpu), WeightLoader(gpu.model)
         pool = KVPool(gpu.model.config, 8, 128, gpu.dtype, gpu.device)
         batch = PoolBatch(gpu.model, pool, cuda_graph_max_bs=graphs)
+        replayed: list[int] = []
         if batch.graphs is not None:
             batch.graphs.capture_all()
+            replay = batch.graphs.step
+
+            def step(rows: int, fill: Any) -> torch.Tensor:
+                replayed.append(rows)
+                return replay(rows, fill)
+
+            batch.graphs.step = step  # type: ignore[method-assign]
         sched = Scheduler(gpu, max_running_requests=8, batch=batch, context_length=128)
         sched.start()
+        done: list[Sequence] = []
         try:
+            for size in (1, 3, 8, 5):
+                tracked = [
+                    Tracked(f"b{size}-{i}", PROMPTS[i % 4] + [i], max_new_tokens=8 + 4 * i,
+                            ignore_eos=True, temperature=0)
+                    for i in range(size)
+                ]  # fmt: skip
+                sched.submit([t.seq for t in tracked])
+                done += [t.result() for t in tracked]
             tracked = [
                 Tracked(f"r{i}", p, max_new_tokens=20 + 5 * i, ignore_eos=True, temperature=0)
                 for i, p in enumerate(PROMPTS)
             ]
-            sched.submit([t.seq for t in tracked[:2]])
+            sched.submit([t.seq for t in tracked])
             tracked[0].wait_tokens(5)
-            sched.release_memory(None).result(10)
+            freed = sched.release_memory(None).result(10)
+            assert freed["weights"] == gpu.weight_bytes and freed["kv_cache"] > 0
             sched.resume_memory(None).result(10)
-            sched.submit([t.seq for t in tracked[2:]])
-            return [t.result() for t in tracked]
+            assert batch.graphs is None or not batch.graphs.captured  # weights not valid yet
+            send_back(sched, loader, weights)
+            if batch.graphs is not None:  # captured again right after the update
+                assert batch.graphs.captured == batch.graphs.sizes
+            done += [t.result() for t in tracked]
         finally:
             sched.stop()
+        return done, replayed
 
-    eager, graphed = generate(None), generate(8)
+    (eager, _), (graphed, replayed) = generate(None), generate(8)
+    assert {1, 4, 8} <= set(replayed), sorted(set(replayed))
     for e, g in zip(eager, graphed, strict=True):
         assert g.output_ids == e.output_ids, g.rid
         torch.testing.assert_close(

@@ -238,9 +238,7 @@ def _distributed_optimizer_steps(rank: int, model_dir: str, out: str) -> None:
     torch.save(results, Path(out) / "results.pt")
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="megatron's distributed optimizer needs a GPU"
-)
+@pytest.mark.gpu  # megatron's distributed optimizer needs a GPU
 def test_the_distributed_optimizer_takes_the_torch_backends_steps_and_resumes(
     tiny_model_dir, tmp_path
 ):

@@ -116,6 +116,68 @@ def test_visible_gpus_reads_cuda_visible_devices_without_torch(monkeypatch):
     assert plan.visible_gpus() == 0
 
 
+def test_visible_devices_keeps_the_ids_as_written(monkeypatch):
+    monkeypatch.setattr(plan, "_driver_gpus", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert plan.visible_devices() == ("0", "1", "2", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", " 2, 3,")
+    assert plan.visible_devices() == ("2", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5b6a7c8d-aaaa,MIG-1f2e3d4c-bbbb")
+    assert plan.visible_devices() == ("GPU-5b6a7c8d-aaaa", "MIG-1f2e3d4c-bbbb")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")  # more than the driver has
+    assert plan.visible_devices() == ("0", "1", "2", "3")
+
+
+@pytest.mark.parametrize(
+    ("parent", "flags", "engine_ids"),
+    [
+        (None, [], ["1"]),  # nothing hidden: the index is the id
+        ("2,3", ["--colocate"], ["2"]),  # the engine on the trainer's index 0: physical GPU 2
+        ("2,3", [], ["3"]),
+        ("GPU-aaaa,GPU-bbbb", [], ["GPU-bbbb"]),  # UUIDs (or MIG ids) as the parent gave them
+        ("4,5,6,7", ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
+                     "--rollout-num-gpus-per-engine", "2"], ["6,7"]),
+        ("3,1", ["--rollout-num-engines", "2"], ["3", "1"]),  # in the order the parent wrote
+    ],
+)  # fmt: skip
+def test_a_child_is_told_its_gpus_by_the_parents_ids_not_by_index(
+    monkeypatch, parent, flags, engine_ids
+):
+    """Under CUDA_VISIBLE_DEVICES=2,3 the launcher's GPU 0 is the machine's GPU 2: an engine
+    given CUDA_VISIBLE_DEVICES=0 would land on GPU 0, someone else's."""
+    monkeypatch.setattr(plan, "_driver_gpus", lambda: 8)
+    if parent is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent)
+    p = gpu_plan(_cfg(*flags), plan.visible_devices())
+    got = [p.engine_env(k)["CUDA_VISIBLE_DEVICES"] for k in range(len(p.engines))]
+    assert got == engine_ids
+
+
+def test_the_plan_prints_the_ids_the_gpus_have_on_the_machine(monkeypatch, capsys):
+    monkeypatch.setattr(plan, "_driver_gpus", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    p = gpu_plan(_cfg(), plan.visible_devices())
+    assert p.describe() == (
+        "GPU plan on 2 GPU(s) (CUDA_VISIBLE_DEVICES=2,3): trainer rank 0: GPU 2; engine-0: GPU 3"
+    )
+    flags = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rm-type", "math",
+             "--num-rollout", "1", "--rollout-batch-size", "2",
+             "--n-samples-per-prompt", "2"]  # fmt: skip
+    assert plan.main(flags) == 0
+    assert capsys.readouterr().out.splitlines()[0] == p.describe()
+    # --gpus N: a plan for some machine's N GPUs, numbered as they are there.
+    assert plan.main(["--gpus", "2", *flags]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "GPU plan on 2 GPU(s): trainer rank 0: GPU 0; engine-0: GPU 1"
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_plan(_cfg(), plan.visible_devices()).describe() == (
+        "GPU plan on 4 GPU(s): trainer rank 0: GPU 0; engine-0: GPU 1"
+    )
+
+
 # -- the engines' command lines -----------------------------------------------------------
 
 

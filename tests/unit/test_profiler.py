@@ -196,7 +196,7 @@ def test_memory_history_spans_the_window_and_is_dumped_after_each_step(monkeypat
     assert calls == [("record", "all", 1_000_000), ("dump", str(path)), ("record", None, None)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_a_real_cuda_memory_snapshot(tmp_path):
     path = tmp_path / "m.pickle"
     profiler = TrainProfiler(start=0, end=1, memory_snapshot_path=path, say=lambda line: None)

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from millstream.common import trace_cli
 from millstream.common.errors import MillstreamError
-from millstream.common.telemetry import GROUP_ID, GROUP_IDS, STAGE
+from millstream.common.telemetry import GROUP_ID, GROUP_IDS, MIRROR_OF, STAGE
 
 MS = 1_000_000
 T0 = 1_800_000_000_000 * MS  # ns since the epoch
@@ -193,6 +193,39 @@ def test_spans_that_services_wrote_beside_the_run_dir_are_read_for_its_traces(tm
     assert trace_cli.main([str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "from 1 file(s) and 1 shared" in out and "whole traces: 1 of 1 trained groups" in out
+
+
+def test_mirror_copies_are_left_out_of_the_summary_and_read_by_the_trace_they_are_in(tmp_path):
+    """telemetry.mirror's copies of a shared span, one in each group's trace: `millstream trace`
+    counts the original alone; read_mirrors hands the copies back by trace (the shared files'
+    of the run's own traces only)."""
+    s = Spans()
+    _, buf1 = s.group("g1", "t1", 0, rollout_ms=50)
+    roll2, buf2 = s.group("g2", "t2", 0, rollout_ms=50, generate=False)  # rode g1's request
+    s.iteration(1, "t3", 100, links=[buf1, buf2])
+    step = next(x["span_id"] for x in s.lines if x["name"] == "trainer.step")
+    router = next(x["span_id"] for x in s.lines if x["name"] == "router.proxy")
+    for trace, parent in (("t1", buf1), ("t2", buf2)):
+        s.add("trainer.step", trace, 130, 230, parent=parent, stage="train_step", links=[step],
+              **{MIRROR_OF: step})  # fmt: skip
+    run_dir = s.write(tmp_path / "runs" / "arith")
+    shared = Spans(first_id=1000)
+    shared.add("router.proxy", "t2", 12, 58, parent=roll2, stage="router", service="r",
+               links=[router], **{MIRROR_OF: router})  # fmt: skip
+    shared.add("router.proxy", "another-run", 12, 58, stage="router", service="r",
+               **{MIRROR_OF: "00000000000000ff"})  # fmt: skip
+    shared.write(tmp_path / "runs" / "services", name="router-host-1.jsonl")
+
+    spans, _ = trace_cli.read_spans(run_dir)
+    assert len(spans) == len(s.lines) - 2 and not any(x.mirror_of for x in spans)
+    assert len(trace_cli.stage_table(trace_cli.Run.index(spans))["train_step"]) == 1
+    copies = trace_cli.read_mirrors(run_dir)
+    assert {
+        trace: [(c.name, c.parent, c.mirror_of) for c in cs] for trace, cs in copies.items()
+    } == {
+        "t1": [("trainer.step", buf1, step)],
+        "t2": [("trainer.step", buf2, step), ("router.proxy", roll2, router)],
+    }
 
 
 def test_iteration_and_since_narrow_what_is_counted(run_dir: Path):

@@ -156,6 +156,61 @@ def test_cuda_ipc_needs_a_cuda_tensor():
         tensor_share.share(torch.zeros(4, dtype=torch.uint8))
 
 
+# Two GPUs as torch names them (bare UUIDs), and a third this process does not see.
+UUID_A = "8f0c1d2e-0000-4000-8000-00000000000a"
+UUID_B = "5b6a7c8d-0000-4000-8000-00000000000b"
+ELSEWHERE = "GPU-dead0000-0000-4000-8000-00000000beef"
+
+
+def _cuda_handle(**fields) -> dict:
+    """A cuda_ipc handle as `share` writes it (the CUDA fields are never opened here)."""
+    raw = tensor_share._b64(b"\0" * 64)
+    return {"kind": "cuda_ipc", "gpu_uuid": UUID_A, "device": 0, "handle": raw,
+            "storage_size_bytes": 64, "storage_offset_bytes": 0,
+            "ref_counter_handle": tensor_share._b64(b"/torch_millstream_test_counter"),
+            "ref_counter_offset": 0, "event_handle": raw, "event_sync_required": False,
+            "tensor_offset": 0, "numel": 64, **fields}  # fmt: skip
+
+
+def test_the_receiver_finds_the_producers_gpu_by_its_uuid_not_its_index():
+    """The producer's cuda:0 is the receiver's cuda:1 when the two number GPUs differently
+    (CUDA_VISIBLE_DEVICES=1,0 in one of them): the UUID says which, the index does not."""
+    here = [UUID_B, UUID_A]
+    assert tensor_share.local_device(_cuda_handle(gpu_uuid=UUID_A, device=0), here) == 1
+    assert tensor_share.local_device(_cuda_handle(gpu_uuid=UUID_B, device=1), here) == 0
+    # As nvidia-smi and CUDA_VISIBLE_DEVICES write it, or a MIG instance's: the same GPU.
+    assert tensor_share.local_device(_cuda_handle(gpu_uuid=f"GPU-{UUID_A.upper()}"), here) == 1
+    assert tensor_share.local_device(_cuda_handle(gpu_uuid=f"MIG-{UUID_B}"), [UUID_B]) == 0
+    # A handle without a UUID (an older producer): its index is all there is.
+    legacy = _cuda_handle(device=1)
+    del legacy["gpu_uuid"]
+    assert tensor_share.local_device(legacy, here) == 1
+
+
+def test_a_handle_for_a_gpu_this_process_does_not_see_is_refused_by_name():
+    with pytest.raises(ValueError, match=f"sees no GPU with UUID {ELSEWHERE} .*cuda:1 {UUID_A}"):
+        tensor_share.local_device(_cuda_handle(gpu_uuid=ELSEWHERE), [UUID_B, UUID_A])
+    with pytest.raises(ValueError, match=r"\(its GPUs: none\)"):
+        tensor_share.local_device(_cuda_handle(), [])
+
+
+def test_the_engine_refuses_such_a_handle_so_the_sync_falls_back():
+    """open_flat refuses a handle whose GPU this process does not see (here: any GPU on a CPU
+    machine, an unknown one on a GPU machine) before opening anything; the engine turns that
+    into the error the trainer reads as "not shared with it", and moves the engine to the
+    update group (transport.py `opening_failed`)."""
+    from millstream.engine.control_api import RequestError, _open_shared
+    from millstream.trainer.weights.transport import opening_failed
+
+    handle = _cuda_handle(gpu_uuid=ELSEWHERE)
+    with pytest.raises(ValueError, match=f"no GPU with UUID {ELSEWHERE}"):
+        tensor_share.open_flat(handle)
+    entry = json.dumps({"flattened_tensor": handle, "metadata": []})
+    with pytest.raises(RequestError) as err:
+        _open_shared(entry, tensor_share.Mappings())
+    assert opening_failed(err.value)
+
+
 def test_an_sglang_server_on_the_trainers_gpu_gets_files():
     """A placement the launcher gave (no weight_transports: a real SGLang server) on the
     trainer's GPU: neither NCCL (two ranks on one GPU) nor our handle; files."""
