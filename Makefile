@@ -16,8 +16,10 @@ format: bootstrap
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Then the contract tier: SGLang's own package (.venv/sglang, bootstrap) judges what we send it.
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+	MILLSTREAM_CONTRACT=1 PYTHONPATH=$(VENV)/sglang $(PY) -m pytest tests/contract $(PYTEST_ARGS)
 
 run: bootstrap
 	@bash examples/run_main.sh

@@ -12,6 +12,8 @@ one budget (what is left of --budget-s; a stage that runs out is stopped and FAI
   tests   the GPU-marked tests (`pytest -m gpu` over the files that carry the mark, listed in
           docs/testing.md): the CUDA IPC route between two processes, colocation's turns on
           the device, the engine's memory release, CUDA graph decoding against eager, ...
+  contract  the contract tier's GPU-marked tests (tests/contract/, as make test runs it: SGLang
+          reads the trainer's CUDA IPC payloads); "skip" where sglang is not importable
   bench   bench/bench_gpu.py --only train,engine,sync, sized to fit: the --bf16 train step
           against a plain bf16 loop, the engine with and without CUDA graphs against HF
           generate at concurrency 1 and 64, the FP8 engine, the colocated weight update
@@ -49,9 +51,10 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("tests", "bench", "arith")
+STAGES = ("tests", "contract", "bench", "arith")
 # Seconds each stage wants at most (the budget's remainder caps it).
-WANT_S = {"tests": 120, "bench": 170, "arith": 160}
+WANT_S = {"tests": 120, "contract": 60, "bench": 170, "arith": 160}
+SGLANG_DIR = REPO_ROOT / ".venv" / "sglang"  # the contract tier's SGLang (scripts/bootstrap.sh)
 BENCH_CUDA = ["--batch", "32", "--seq-len", "512", "--micro-batch-size", "8", "--repeats", "1",
               "--hf-batch", "64", "--prompt-tokens", "32", "--new-tokens", "32",
               "--concurrency", "1,64", "--rounds", "1", "--syncs", "3",
@@ -113,14 +116,17 @@ class MemorySampler:
             self._stop.wait(self.period_s)
 
 
-def run_stage(name: str, argv: list[str], limit_s: float, out: Path, device: str) -> dict:
+def run_stage(
+    name: str, argv: list[str], limit_s: float, out: Path, device: str,
+    env: dict[str, str] | None = None,
+) -> dict:  # fmt: skip
     """`argv` under `limit_s` (SIGINT, then SIGKILL 20 s later), its output in out/NAME.log."""
     log = out / f"{name}.log"
     say(f"=== {name} (limit {limit_s:.0f} s): {' '.join(argv[1:4])} ...")
     start = time.monotonic()
     with log.open("w") as sink, MemorySampler(device) as memory:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, env=env)  # fmt: skip
         timed_out = False
         try:
             rc = proc.wait(limit_s)
@@ -139,19 +145,37 @@ def run_stage(name: str, argv: list[str], limit_s: float, out: Path, device: str
             "peak_mib": memory.peak, "tail": tail}  # fmt: skip
 
 
-def gpu_test_files() -> list[str]:
+def gpu_test_files(contract: bool = False) -> list[str]:
     """The test files that carry the gpu mark (collecting only them keeps the stage short and
-    free of the imports other tiers need)."""
+    free of the imports other tiers need): the contract tier's (tests/contract/, run with
+    SGLang's package on the path) or the others."""
     files = sorted((REPO_ROOT / "tests").rglob("test_*.py"))
-    return [str(f.relative_to(REPO_ROOT)) for f in files if "mark.gpu" in f.read_text()]
+    return [
+        str(f.relative_to(REPO_ROOT))
+        for f in files
+        if "mark.gpu" in f.read_text() and (f.parent.name == "contract") == contract
+    ]
+
+
+def stage_env(name: str) -> dict[str, str] | None:
+    """The contract stage's environment: as make test runs tests/contract (MILLSTREAM_CONTRACT=1,
+    .venv/sglang first on the path where bootstrap made it; else an sglang installed here)."""
+    if name != "contract":
+        return None
+    env = {**os.environ, "MILLSTREAM_CONTRACT": "1"}
+    if SGLANG_DIR.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(SGLANG_DIR), env.get("PYTHONPATH", "")) if p
+        )
+    return env
 
 
 def stage_argv(name: str, args: argparse.Namespace, out: Path) -> list[str]:
     py = sys.executable
-    if name == "tests":
+    if name in ("tests", "contract"):
         return [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-W", "default",
-                "--timeout", "120", "--junitxml", str(out / "gpu_tests.xml"),
-                *gpu_test_files()]  # fmt: skip
+                "--timeout", "120", "--junitxml", str(out / f"gpu_{name}.xml"),
+                *gpu_test_files(contract=name == "contract")]  # fmt: skip
     bench = [py, "bench/bench_gpu.py", "--device", args.device]
     sizes = ["--small"] if args.small else (BENCH_CUDA if args.device == "cuda" else [])
     if name == "bench":
@@ -201,16 +225,21 @@ def commit() -> str:
 Row = tuple[str, str, str, str]  # check, measured, goal, verdict
 
 
-def test_rows(out: Path, stage: dict | None) -> list[Row]:
-    xml = out / "gpu_tests.xml"
+def test_rows(out: Path, stage: dict | None, name: str = "tests") -> list[Row]:
+    """A row per GPU-marked test of the stage `name` (its junit report)."""
+    xml = out / f"gpu_{name}.xml"
+    label = "GPU-marked tests" if name == "tests" else "GPU-marked contract tests"
     if stage is None:
         return []
+    if name == "contract" and stage["rc"] == 4 and "sglang is not importable" in str(stage):
+        return [(label, "not run: sglang is not importable here (scripts/bootstrap.sh puts the "
+                 "contract tier's in .venv/sglang)", "pass", "skip")]  # fmt: skip
     if not xml.is_file():
-        return [("GPU-marked tests", f"no report: {' | '.join(stage['tail'])}", "pass", "FAIL")]
+        return [(label, f"no report: {' | '.join(stage['tail'])}", "pass", "FAIL")]
     rows: list[Row] = []
     cases = list(ET.parse(xml).getroot().iter("testcase"))
     if not cases:
-        return [("GPU-marked tests", "none collected", "every test in docs/testing.md", "FAIL")]
+        return [(label, "none collected", "every test in docs/testing.md", "FAIL")]
     for case in cases:
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         seconds = float(case.get("time") or 0)
@@ -224,8 +253,8 @@ def test_rows(out: Path, stage: dict | None) -> list[Row]:
         else:
             rows.append((f"test {name}", f"passed in {seconds:.1f} s", "pass", "PASS"))
     if stage["timed_out"] or (stage["rc"] not in (0, 5) and not any(r[3] == "FAIL" for r in rows)):
-        rows.append(("GPU-marked tests", f"exit {stage['rc']}: {' | '.join(stage['tail'])}",
-                     "exit 0", "FAIL"))  # fmt: skip
+        rows.append((label, f"exit {stage['rc']}: {' | '.join(stage['tail'])}", "exit 0",
+                     "FAIL"))  # fmt: skip
     return rows
 
 
@@ -362,15 +391,16 @@ def main(argv: list[str] | None = None) -> int:
                             "tail": [f"not run: {left:.0f} s of the budget left"]}  # fmt: skip
             continue
         stages[name] = run_stage(name, stage_argv(name, args, out), args.limits[name], out,
-                                 args.device)  # fmt: skip
+                                 args.device, stage_env(name))  # fmt: skip
     software = ", ".join(f"{k} {env[k]}" for k in ("python", "torch", "cuda", "transformers",
                                                    "driver") if env.get(k))  # fmt: skip
     rows: list[Row] = [("environment", f"{env.get('card')}: {software}", "", "info")]
     rows += test_rows(out, stages.get("tests"))
+    rows += test_rows(out, stages.get("contract"), "contract")
     rows += bench_rows(load(out / "bench.json"), stages.get("bench"), args.strict)
     rows += arith_rows(load(out / "arith.json"), stages.get("arith"), args.device)
     for name, s in stages.items():
-        if s["timed_out"] or (name != "tests" and s["rc"] != 0):
+        if s["timed_out"] or (name not in ("tests", "contract") and s["rc"] != 0):
             rows.append((f"stage {name}", f"exit {s['rc']} after {s['seconds']:.0f} s"
                          f"{' (out of time)' if s['timed_out'] else ''}: {' | '.join(s['tail'])}",
                          "exit 0 in time", "FAIL"))  # fmt: skip

@@ -6,7 +6,8 @@
 #   3. millstream in editable mode with its extras, at the versions of scripts/constraints.txt
 #      (what make test was last green with), re-installed only when either file changes
 #   4. the lowest transformers it claims, in .venv/floor (for tests/unit/test_transformers_floor.py)
-#   5. a redis-server binary (Debian's package when none is on PATH)
+#   5. SGLang's package for the contract tier, in .venv/sglang (scripts/sglang-contract.txt)
+#   6. a redis-server binary (Debian's package when none is on PATH)
 # A second call checks each step and skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,21 @@ if [ ! -f "$FLOOR/.done-${FLOOR_PINS// /_}" ]; then
   "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$FLOOR" $FLOOR_PINS
   touch "$FLOOR/.done-${FLOOR_PINS// /_}"
 fi
+
+# SGLang's own classes judge what millstream sends an SGLang server (tests/contract/): its package
+# and the few it imports, pinned, without dependencies, in a folder of their own (never on the
+# venv's path: an importable sglang makes the launcher start SGLang servers).
+SGLANG_DIR=$VENV/sglang
+SGLANG_STAMP="$SGLANG_DIR/.done-$(sha256sum scripts/sglang-contract.txt | cut -c1-16)"
+if [ ! -f "$SGLANG_STAMP" ]; then
+  say "installing SGLang's package for the contract tier into $SGLANG_DIR (scripts/sglang-contract.txt, no dependencies)"
+  rm -rf "$SGLANG_DIR"
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$SGLANG_DIR" \
+    -r scripts/sglang-contract.txt
+  touch "$SGLANG_STAMP"
+fi
+"$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' \
+  || { say "torch is no longer 2.13.0 after the installs: $("$PY" -c 'import torch; print(torch.__version__)')"; exit 1; }
 
 if ! command -v redis-server >/dev/null; then
   say "redis-server not on PATH: installing Debian's redis-server package"

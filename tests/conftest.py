@@ -14,6 +14,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from tests.support.redis_server import RedisServer
 
+# The contract tier needs SGLang's package on the path, which the rest must not see: make test
+# runs it in a pytest of its own (tests/contract/conftest.py).
+collect_ignore = [] if os.environ.get("MILLSTREAM_CONTRACT") == "1" else ["contract"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`@pytest.mark.gpu` tests skip where torch sees no CUDA GPU (CI); `make gpu-check` runs

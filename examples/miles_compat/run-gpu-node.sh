@@ -3,7 +3,7 @@
 # trainer ranks on GPUs 0-1 (--actor-num-gpus-per-node 2, under torchrun), and the engines on
 # --rollout-num-gpus 2 more, --rollout-num-gpus-per-engine 2 each (one SGLang server, TP 2, on
 # GPUs 2-3), with SGLang's own settings in SGLANG_ARGS as --sglang-* flags (handed to
-# sglang.launch_server as --mem-fraction-static, --cuda-graph-max-bs, ...). `millstream plan
+# sglang.launch_server as --mem-fraction-static, --cuda-graph-max-bs-decode, ...). `millstream plan
 # --gpus 4 <these flags>` prints that plan on any machine (docs/gpus.md, "Placement").
 # On the node: torchrun --nproc-per-node 2 -m millstream.cli train ... (the trainer's ranks),
 # with sglang installed (two GPUs per engine need it; millstream's own engine takes one).
@@ -86,8 +86,8 @@ PLACEMENT_ARGS=(
 SGLANG_ARGS=(
    --rollout-num-gpus-per-engine 2
    --sglang-mem-fraction-static 0.7
-   --sglang-cuda-graph-max-bs 64
-   --sglang-context-length 512
+   --sglang-cuda-graph-max-bs-decode 64
+   --sglang-context-length 64
    --sglang-log-level warning
 )
 

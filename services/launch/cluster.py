@@ -55,6 +55,7 @@ from .plan import (
     engine_device_args,
     given_router_url,
     gpu_plan,
+    sglang_engine_command,
     visible_devices,
 )
 from .procs import (
@@ -440,9 +441,9 @@ class LocalCluster:
                 **plan.engine_env(i),
             )
             if sglang:
-                argv = engine_commands.sglang_command(
-                    self.cfg, str(Path(model).resolve()), HOST, port, str(self.weight_version),
-                    plan.engine_fraction(self.cfg), on_gpu=bool(plan.engines[i]),
+                argv = sglang_engine_command(
+                    self.cfg, plan, i, str(Path(model).resolve()), HOST, port,
+                    str(self.weight_version),
                 ).argv  # fmt: skip
             else:
                 argv = self._service_argv(

@@ -6,10 +6,20 @@ millstream's own engine; and where each --sglang-X flag goes.
                             [--device cpu: no GPU planned for it] [--mem-fraction-static F]
                             [--enable-memory-saver: --colocate]
                             then every --sglang-X [value] as --X [value], as Miles hands
-                            them to SGLang's ServerArgs (the prefix stripped, the value kept)
+                            them to SGLang's ServerArgs (the prefix stripped, the value kept);
+                            SGLang's own parser judges them when the server starts
     not installed         millstream engine ... with the --sglang-X it has a setting for
                             (SGLANG_TO_ENGINE); any other is refused by name before anything
                             starts, and so is a --rollout-num-gpus-per-engine above 1
+
+Either way, refused by name before anything starts: a --sglang-X naming a server flag the
+launcher sets itself (LAUNCHER_SETS: coming last, it would win, and the server would listen
+where the router is not told, or run a TP other than the GPUs the plan gave it; Miles keeps
+most of them out of its --sglang-* flags too), and a near miss of one of millstream's own --sglang-* flags
+(`--sglang-mem-fraction-statik`: millstream would hand it on, and SGLang would refuse it only
+once the server starts). The contract tier (tests/contract/test_server_args.py) parses every
+command line built here with the pinned SGLang's `prepare_server_args`, and resolves those of
+engines on the CPU with its `resolve_once`, as `sglang.launch_server` does.
 
 Either way the engine is registered with the router (`--worker-urls`), waited for on /health,
 and gets the trainer's weights through the coordinator handshake like any other (an SGLang
@@ -19,19 +29,24 @@ weight-sync.md). The GPUs an engine sees come from the placement plan (plan.py).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
 import sys
 from dataclasses import dataclass
 
 from millstream.common.config import RunConfig
 from millstream.common.config.errors import ConfigError
-from millstream.common.config.sglang import SERVER_PREFIX
+from millstream.common.config.sglang import SERVER_PREFIX, SglangConfig
 
 # SGLang server flag -> millstream engine flag with the same meaning (the value kept).
 SGLANG_TO_ENGINE = {
     "--mem-fraction-static": "--mem-fraction-static",
     "--context-length": "--context-length",
     "--log-level": "--log-level",
+    "--cuda-graph-max-bs-decode": "--cuda-graph-max-bs",
+    # SGLang's older name, as Miles' scripts write it; the pinned SGLang
+    # (scripts/sglang-contract.txt) refuses it as ambiguous (-decode, -prefill).
     "--cuda-graph-max-bs": "--cuda-graph-max-bs",
     "--disable-cuda-graph": "--disable-cuda-graph",
     "--max-running-requests": "--max-running-requests",
@@ -40,6 +55,28 @@ SGLANG_TO_ENGINE = {
     "--random-seed": "--seed",
     "--served-model-name": "--served-model-name",
 }
+
+
+# SGLang server flags the launcher sets itself (with SGLang's aliases), and what to do instead.
+LISTEN = "drop it: the launcher picks where each engine listens, and tells the router"
+LAUNCHER_SETS = {
+    "--model-path": "give --hf-checkpoint",
+    "--model": "give --hf-checkpoint",
+    "--host": LISTEN,
+    "--port": LISTEN,
+    "--tp-size": "give --rollout-num-gpus-per-engine",
+    "--tensor-parallel-size": "give --rollout-num-gpus-per-engine",
+    "--weight-version": "drop it: engines start at the trainer's policy version",
+    "--device": "give --rollout-num-gpus (0: the engines run on the CPU)",
+    "--enable-memory-saver": "give --colocate",
+}
+# millstream's own --sglang-* flags (parsed, never handed on as they are).
+OWN_FLAGS = tuple(
+    f.metadata.get("option") or "--" + f.name.replace("_", "-")
+    for f in dataclasses.fields(SglangConfig)
+    if f.name.startswith("sglang_") and not f.metadata.get("derived")
+)
+NEAR_MISS = 0.9  # difflib's ratio above which a --sglang-X is taken as a typo of one of ours
 
 
 def sglang_installed() -> bool:
@@ -59,10 +96,34 @@ def server_flags(cfg: RunConfig) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _launcher_set(name: str) -> str | None:
+    """The flag of LAUNCHER_SETS that --X `name` is, or that argparse would expand it to (an
+    unambiguous prefix, as `--tp` for `--tp-size`)."""
+    if name in LAUNCHER_SETS:
+        return name
+    expands = [flag for flag in LAUNCHER_SETS if flag.startswith(name)]
+    return expands[0] if len(expands) == 1 else None
+
+
+def check_handed_on(cfg: RunConfig) -> None:
+    """ConfigError naming a --sglang-X no engine may be given (module docstring)."""
+    for name, _ in server_flags(cfg):
+        given = SERVER_PREFIX + name[2:]
+        if (owned := _launcher_set(name)) is not None:
+            raise ConfigError(
+                f"{given}: the launcher sets SGLang's {owned} itself, and a second one would "
+                f"win: {LAUNCHER_SETS[owned]}"
+            )
+        if near := difflib.get_close_matches(given, OWN_FLAGS, n=1, cutoff=NEAR_MISS):
+            raise ConfigError(f"{given}: not a flag; did you mean {near[0]}?")
+
+
 def check(cfg: RunConfig, sglang: bool) -> None:
-    """ConfigError naming what the engines to be started cannot take: with SGLang, nothing
-    (SGLang judges its own flags); with millstream's engine, a --sglang-X it has no setting
-    for, --eval-min-new-tokens, or several GPUs per engine."""
+    """ConfigError naming what the engines to be started cannot take: a --sglang-X no engine
+    may be given (check_handed_on); with SGLang, nothing more (SGLang judges its own flags
+    when the server starts); with millstream's engine, a --sglang-X it has no setting for,
+    --eval-min-new-tokens, or several GPUs per engine."""
+    check_handed_on(cfg)
     if sglang:
         return
     unknown = [f"{SERVER_PREFIX}{name[2:]}" for name, _ in server_flags(cfg)

@@ -26,6 +26,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from millstream.common import threads
 from millstream.common.config import RunConfig
@@ -230,6 +231,19 @@ def _driver_gpus() -> int:
     except (OSError, subprocess.TimeoutExpired):
         return 0
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def sglang_engine_command(
+    cfg: RunConfig, plan: GpuPlan, k: int, model: str, host: str, port: int, weight_version: str
+) -> Any:
+    """Engine k of the plan as an SGLang server (launch/engines.py `sglang_command`): its
+    memory fraction and device from the plan."""
+    from . import engines
+
+    return engines.sglang_command(
+        cfg, model, host, port, weight_version, plan.engine_fraction(cfg),
+        on_gpu=bool(plan.engines[k]),
+    )  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -7,7 +7,10 @@ between answers. For every answer, per response token:
   response_token_ids += the token ids of meta_info.output_token_logprobs
                         (checked against output_ids when the engine sends both)
   rollout_logprobs   += their logprobs
-  weight_versions    += int(meta_info.weight_version), the version that produced the part
+  weight_versions    += the version that produced each token: SGLang's meta_info.weight_versions
+                        spans ({version, start, end} over the answer's output tokens) when the
+                        request ran across a weight update (--pause-mode in_place or retract),
+                        else int(meta_info.weight_version) for the whole part
   loss_mask          += 1 (`mask`; 0 for tokens the policy did not produce, e.g. tool output)
 
 so the four lists always have one entry per response token, and a resumed sample carries the
@@ -68,12 +71,30 @@ def next_input_ids(sample: Sample) -> list[int]:
 
 
 def weight_version_of(meta: dict[str, Any], fallback: int) -> int:
-    raw = meta.get("weight_version")
+    return _version(meta.get("weight_version"), fallback)
+
+
+def _version(raw: Any, fallback: int) -> int:
     try:
         return int(raw)
     except (TypeError, ValueError):
         log.debug("weight_version %r is not an integer; using %d", raw, fallback)
         return fallback
+
+
+def token_versions(meta: dict[str, Any], count: int, fallback: int) -> list[int]:
+    """The version of each of an answer's `count` new tokens: from SGLang's weight_versions
+    spans (sglang/srt/utils/weight_versions.py: contiguous [start, end) from 0, the last one
+    the version weight_version names) when it sends them, else weight_version for all. A
+    token no span covers takes the last span's version."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [weight_version_of(meta, fallback)] * count
+    versions: list[int] = []
+    for span in spans:
+        end = min(int(span["end"]), count)
+        versions.extend([_version(span["version"], fallback)] * max(0, end - len(versions)))
+    return versions + [_version(spans[-1]["version"], fallback)] * (count - len(versions))
 
 
 def append_answer(
@@ -99,10 +120,9 @@ def append_answer(
             f"({len(output_ids)} tokens) disagree with output_token_logprobs "
             f"({len(token_ids)} tokens)"
         )
-    version = weight_version_of(meta, fallback_version)
     sample.response_token_ids.extend(token_ids)
     sample.rollout_logprobs.extend(float(pair[0]) for pair in pairs)
-    sample.weight_versions.extend([version] * len(token_ids))
+    sample.weight_versions.extend(token_versions(meta, len(token_ids), fallback_version))
     sample.loss_mask.extend([mask] * len(token_ids))
     sample.response_text += answer.get("text") or ""
     sample.finish_reason = finish

@@ -2,13 +2,16 @@
 FAST_INTERVAL_S while none can take traffic).
 
 A check is `GET /health` within `timeout`; when the router has an expected weight version it
-is `GET /get_weight_version` instead (`{"weight_version": ...}`: alive, and which weights), so
-a worker that rejoined with old weights stays out until it reports the expected one. Outcomes
+is a GET of the worker's version instead (`{"weight_version": ...}`: alive, and which weights;
+/get_weight_version on millstream's engine, /model_info on SGLang, which has no such route:
+VERSION_PATHS, the first that answers kept per worker), so a worker that rejoined with old
+weights stays out until it reports the expected one. Outcomes
 go to the Registry, which owns the state transitions; this module only does the I/O and the
 schedule.
 
-Invariant: one round never takes longer than `timeout` (+ scheduling), whatever the workers
-do, and a failing round never stops the loop.
+Invariant: one round never takes longer than `timeout` (+ scheduling) per version path tried
+(three at most, once per worker), whatever the workers do, and a failing round never stops the
+loop.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from .registry import HEALTHY, Registry, Worker
 log = logging.getLogger("millstream.router")
 
 FAST_INTERVAL_S = 0.05
+# Where a worker says its weight version: millstream's engine, then SGLang (0.5.23: /model_info;
+# older: /get_model_info). `weight_version` in the JSON of each.
+VERSION_PATHS = ("/get_weight_version", "/model_info", "/get_model_info")
 
 
 class HealthChecker:
@@ -36,22 +42,42 @@ class HealthChecker:
         self.interval = interval
         self.timeout = timeout
         self._task: asyncio.Task | None = None
+        # The path each worker says its version on (VERSION_PATHS), once found.
+        self._version_path: dict[str, str] = {}
+
+    async def _get_version(self, worker: Worker) -> httpx.Response:
+        """GET the worker's version: millstream's engine answers /get_weight_version; SGLang
+        (0.5.23) has no such route and says `weight_version` in /model_info (older servers:
+        /get_model_info). The first path that is not a 404 is kept for the worker."""
+        known = self._version_path.get(worker.url)
+        for path in (known,) if known else VERSION_PATHS:
+            response = await self.client.get(worker.url + path, timeout=self.timeout)
+            if response.status_code != 404:
+                self._version_path[worker.url] = path
+                return response
+        return response
 
     async def check(self, worker: Worker) -> None:
         was = worker.status
-        # With a version to gate on, /get_weight_version is the probe: an answer proves the
-        # worker up and says its version, in one round trip (a weight sync waits on it).
+        # With a version to gate on, the version is the probe: an answer proves the worker
+        # up and says its version, in one round trip (a weight sync waits on it).
         gated = self.registry.expected_version is not None
-        path = "/get_weight_version" if gated else "/health"
+        path = "/health"
         probed_at = time.monotonic()
         try:
-            response = await self.client.get(worker.url + path, timeout=self.timeout)
+            if gated:
+                response = await self._get_version(worker)
+                path = self._version_path.get(worker.url, VERSION_PATHS[-1])
+            else:
+                response = await self.client.get(worker.url + path, timeout=self.timeout)
         except httpx.HTTPError as err:
             self.registry.record_failure(worker, f"health check failed: {type(err).__name__}")
         else:
             if gated and response.status_code == 404:  # up, but cannot say its version
                 self.registry.record_success(worker)
-                self.registry.record_version_unknown(worker, "no /get_weight_version (404)")
+                self.registry.record_version_unknown(
+                    worker, f"none of {', '.join(VERSION_PATHS)} answered (404)"
+                )
             elif response.status_code != 200:
                 self.registry.record_failure(worker, f"{path} returned {response.status_code}")
             else:
@@ -80,7 +106,7 @@ class HealthChecker:
             version = response.json()["weight_version"]
         except (ValueError, KeyError, TypeError) as err:
             self.registry.record_version_unknown(
-                worker, f"/get_weight_version failed: {type(err).__name__}: {err}"
+                worker, f"its weight version unreadable: {type(err).__name__}: {err}"
             )
             return
         self.registry.record_version(worker, None if version is None else str(version), probed_at)

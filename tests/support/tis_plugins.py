@@ -4,7 +4,11 @@
 (mask out) tokens whose ratio is above 5. `mismatch_is`: the shape of Miles'
 examples/infra_features/train_infer_mismatch_helper/mis.py, written small: its settings come
 from --custom-config-path (args.tis_level, args.tis_mode, args.use_rs, ...), none of which is
-a flag. `recording`: vanilla TIS that keeps what it was called with.
+a flag. `mismatch_is_with_cp`: the same weights in the shape of that file's
+`compute_mis_weights_with_cp`, the function Miles' run-qwen3-4b-mis.sh passes: its signature,
+its import of Miles' cp_utils inside the body, and its calls (gather each sample's logprobs
+over the context parallel group, weigh whole sequences, slice this rank's share back).
+`recording`: vanilla TIS that keeps what it was called with.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ def _level(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Ten
     raise ValueError(f"unknown level {level!r}")
 
 
-def mismatch_is(
-    args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **_
-) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+def _mis_weights(
+    args, train_log_probs, rollout_log_probs, loss_masks
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """Per sample: the IS weight of each token, the mask after rejection, and the metrics
+    (one tensor per sample), from whole sequences' logprobs."""
     upper = args.tis_upper_bound
     lower = args.tis_lower_bound if args.tis_lower_bound is not None else 1.0 / upper
     rs_lower = args.rs_lower_bound if args.rs_lower_bound is not None else lower
@@ -68,8 +74,59 @@ def mismatch_is(
                 keep = torch.zeros_like(keep)
         weights.append(w * mask)
         masks.append(keep)
-    metrics = {"mis_kl": torch.cat(kl), "mis_weight": torch.cat(weights)}
-    return pg_loss * torch.cat(weights), masks, metrics
+    return weights, masks, {"kl": kl, "weight": weights}
+
+
+def mismatch_is(
+    args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **_
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    weights, masks, metrics = _mis_weights(args, train_log_probs, rollout_log_probs, loss_masks)
+    flat = {f"mis_{name}": torch.cat(values) for name, values in metrics.items()}
+    return pg_loss * torch.cat(weights), masks, flat
+
+
+def mismatch_is_with_cp(
+    args,
+    *,
+    pg_loss: torch.Tensor,
+    train_log_probs: list[torch.Tensor],
+    rollout_log_probs: list[torch.Tensor],
+    loss_masks: list[torch.Tensor],
+    total_lengths: list[int],
+    response_lengths: list[int],
+    **kwargs: Any,
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    # Imported here, as mis.py does, so that the module loads where Miles' backends do not.
+    from miles.backends.training_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
+
+    qkv_format = args.qkv_format
+    max_seq_lens = kwargs.get("max_seq_lens")
+    if qkv_format == "bshd":
+        assert max_seq_lens is not None, "bshd needs max_seq_lens"
+
+    def padded_len(i: int) -> int | None:
+        return max_seq_lens[i] if max_seq_lens is not None else None
+
+    def whole(values: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [
+            all_gather_with_cp(v, total_lengths[i], response_lengths[i], qkv_format, padded_len(i))
+            for i, v in enumerate(values)
+        ]
+
+    def this_ranks(values: list[torch.Tensor]) -> torch.Tensor:
+        shares = [
+            slice_log_prob_with_cp(
+                v, total_lengths[i], response_lengths[i], qkv_format, padded_len(i)
+            )
+            for i, v in enumerate(values)
+        ]
+        return torch.cat(shares, dim=0)
+
+    weights, masks, metrics = _mis_weights(
+        args, whole(train_log_probs), whole(rollout_log_probs), loss_masks
+    )
+    flat = {f"mis_{name}": this_ranks(values) for name, values in metrics.items()}
+    return pg_loss * this_ranks(weights), masks, flat
 
 
 def recording(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):

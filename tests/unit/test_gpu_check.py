@@ -26,7 +26,7 @@ def test_the_plumbing_on_the_cpu_runs_every_gpu_test_file_and_the_bench(tmp_path
     docs.write_text(f"# B\n\n{gpu_check.DOCS_START}\nnot run yet\n{gpu_check.DOCS_END}\n")
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--device", "cpu", "--small", "--stages",
-         "tests,bench", "--out", str(out), "--docs", str(docs)],
+         "tests,contract,bench", "--out", str(out), "--docs", str(docs)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=400,
         env={**os.environ, "PY": sys.executable},
     )  # fmt: skip
@@ -37,7 +37,11 @@ def test_the_plumbing_on_the_cpu_runs_every_gpu_test_file_and_the_bench(tmp_path
     tests = {c: v for c, v in rows.items() if c.startswith("test ")}
     assert len(tests) >= 10, tests
     assert {v for _, v in tests.values()} == {"skip"}
-    assert any("test_cuda_ipc" in c or "cuda_ipc" in c for c in tests), sorted(tests)
+    assert any("test_cuda_ipc" in c for c in tests), sorted(tests)
+    # the contract tier's, with SGLang's package on the path as make test puts it
+    assert (
+        "test test_tensor_route::test_sglang_reads_the_trainers_cuda_tensors_over_cuda_ipc" in tests
+    )
     assert docs.read_text().count("not run yet") == 1  # --device cpu never writes the docs
     # bench_gpu.py's CPU smoke run: every row measured, the goals judged.
     bench = json.loads((out / "bench.json").read_text())
@@ -56,11 +60,11 @@ def test_the_plumbing_on_the_cpu_runs_every_gpu_test_file_and_the_bench(tmp_path
     assert len(bench_rows) == len(bench["rows"])
     assert {v for _, v in bench_rows} <= {"PASS", "BELOW"}
     # A peak per phase, the table with the commit, and no FAIL.
-    assert set(report["stages"]) == {"tests", "bench"}
+    assert set(report["stages"]) == {"tests", "contract", "bench"}
     assert all(s["peak_mib"] > 0 for s in report["stages"].values())
     table = (out / "table.md").read_text()
     assert table.startswith(f"Measured by `make gpu-check` at commit {report['commit']}")
-    assert "0 FAIL" in table and table.count("| peak host memory in use: ") == 2
+    assert "0 FAIL" in table and table.count("| peak host memory in use: ") == 3
 
 
 def _junit(path: Path, cases: str) -> None:
@@ -87,6 +91,10 @@ def test_test_rows_pass_fail_skip_and_none_collected(tmp_path):
     assert gpu_check.test_rows(tmp_path, {"rc": 5, "timed_out": False, "tail": []})[0][3] == "FAIL"
     (tmp_path / "gpu_tests.xml").unlink()
     assert gpu_check.test_rows(tmp_path, stage)[0][3] == "FAIL"  # no report at all
+    # the contract tier where sglang is not importable (its conftest's usage error): a skip
+    absent = {"rc": 4, "timed_out": False, "tail": ["ERROR: ... sglang is not importable: ..."]}
+    assert gpu_check.test_rows(tmp_path, absent, "contract")[0][3] == "skip"
+    assert gpu_check.test_rows(tmp_path, {**absent, "rc": 1}, "contract")[0][3] == "FAIL"
 
 
 def test_arith_rows_fail_without_85_percent_or_without_cuda_ipc():

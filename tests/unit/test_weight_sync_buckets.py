@@ -93,7 +93,7 @@ class Probe:
 def blame(probe: Probe, rank0: Exception | None, failed: dict[str, Failure]) -> dict[str, str]:
     ws = WeightSync("http://router", timeout_s=10)
     broken = GroupBroken("/update_weights_from_distributed", rank0, failed)
-    return asyncio.run(ws._blame(probe, broken, ["a", "b", "c"]))  # type: ignore[arg-type]
+    return asyncio.run(ws._group.blame(probe, broken, ["a", "b", "c"]))  # type: ignore[arg-type]
 
 
 def test_blame_dead_engines_first():
@@ -157,7 +157,7 @@ def test_rank0_stops_waiting_for_a_rendezvous_an_engine_refused():
     async def step(early_out: bool) -> float:
         start = time.monotonic()
         with pytest.raises(GroupBroken) as broken:
-            await ws._group_step(Refusing(), "/init", ["a"], lambda i, u: {}, rendezvous,
+            await ws._group.step(Refusing(), "/init", ["a"], lambda i, u: {}, rendezvous,
                                  early_out=early_out)  # type: ignore[arg-type]  # fmt: skip
         assert list(broken.value.failed) == ["a"]
         return time.monotonic() - start

@@ -14,6 +14,7 @@ from millstream.trainer.weights.transport import (
     CUDA_IPC,
     DISK,
     GROUP,
+    SGLANG,
     SHM,
     TENSOR,
     TransportError,
@@ -211,24 +212,191 @@ def test_the_engine_refuses_such_a_handle_so_the_sync_falls_back():
     assert opening_failed(err.value)
 
 
-def test_an_sglang_server_on_the_trainers_gpu_gets_files():
+def test_an_sglang_server_on_the_trainers_gpu_gets_sglangs_format_or_files():
     """A placement the launcher gave (no weight_transports: a real SGLang server) on the
-    trainer's GPU: neither NCCL (two ranks on one GPU) nor our handle; files."""
+    trainer's GPU: NCCL cannot (two ranks on one GPU) and our handle is not SGLang's, so
+    SGLang's own format over CUDA IPC where sglang imports here, else files, the start-up
+    line saying why. On another GPU: the group."""
     trainer = {"host": "h", "device": "cuda:0", "gpu_uuid": "GPU-a"}
     sglang_here = {"host": "h", "device": "cuda:0", "gpu_uuid": "GPU-a"}
     sglang_there = {"host": "h", "device": "cuda:1", "gpu_uuid": "GPU-b"}
+    missing = "sglang not importable here: ModuleNotFoundError: No module named 'sglang'"
+    route = choose("auto", trainer, sglang_here, lambda: None)
+    assert (route.transport, route.handle) == (TENSOR, SGLANG)
+    assert str(route) == (
+        "tensor in SGLang's format over CUDA IPC (an SGLang server on the trainer's GPU)"
+    )
+    route = choose("auto", trainer, sglang_here, lambda: missing)
+    assert route.transport == DISK
+    assert str(route) == f"disk (an SGLang server on the trainer's GPU; {missing})"
+    assert choose("auto", trainer, sglang_there, lambda: None).transport == GROUP
+    # Forced: tensor takes SGLang's format where it can be made, and says why where not.
+    assert choose("tensor", trainer, sglang_here, lambda: None).handle == SGLANG
+    with pytest.raises(TransportError, match="SGLang's format, and sglang not importable"):
+        choose("tensor", trainer, sglang_here, lambda: missing)
+    with pytest.raises(TransportError, match="handles work only on one machine"):
+        choose("tensor", trainer, sglang_there, lambda: None)
+    # In this test run sglang is not importable (it must not be: the launcher would start
+    # SGLang servers), so the default asks and gets disk.
     assert choose("auto", trainer, sglang_here).transport == DISK
-    assert choose("auto", trainer, sglang_there).transport == GROUP
 
 
 def test_engines_with_several_gpus_take_as_many_ranks_in_the_update_group():
     """SGLang joins each tensor-parallel rank at rank_offset + its rank: an engine with tp 2
     takes two ranks, and the next engine's offset follows them (Miles' layout)."""
-    from millstream.trainer.weights.sync import _engine_ranks, group_layout
+    from millstream.trainer.weights.group_route import engine_ranks, group_layout
 
     assert group_layout([1, 1, 1]) == ([1, 2, 3], 4)
     assert group_layout([2, 2]) == ([1, 3], 5)
     assert group_layout([4, 1, 2]) == ([1, 5, 6], 8)
-    assert _engine_ranks({"tp_size": 2, "dp_size": 2}) == 4
-    assert _engine_ranks({"tp_size": 2}) == 2
-    assert _engine_ranks({}) == 1 and _engine_ranks({"tp_size": "x"}) == 1
+    assert engine_ranks({"tp_size": 2, "dp_size": 2}) == 4
+    assert engine_ranks({"tp_size": 2}) == 2
+    assert engine_ranks({}) == 1 and engine_ranks({"tp_size": "x"}) == 1
+
+
+def test_a_bucket_keeps_its_order_unless_a_tensor_would_sit_unaligned():
+    """SGLang views each piece of a flattened bucket as its dtype: an int64 at byte 60 is
+    refused there, so such a bucket goes largest item size first (stable)."""
+    from millstream.trainer.weights.process_group import plan_buckets
+
+    fine = [
+        ("a", torch.zeros(3, dtype=torch.bfloat16)),
+        ("b", torch.zeros(2, dtype=torch.bfloat16)),
+    ]
+    assert plan_buckets(fine, 1 << 20)[0].names == ["a", "b"]
+    odd = [("w", torch.zeros(15)), ("ids", torch.zeros(7, dtype=torch.int64)),
+           ("n", torch.zeros(3, dtype=torch.bfloat16)), ("v", torch.zeros(1))]  # fmt: skip
+    (bucket,) = plan_buckets(odd, 1 << 20)
+    assert bucket.names == ["ids", "w", "v", "n"] and bucket.nbytes == 60 + 56 + 6 + 4
+
+
+URL = "http://sglang:30000"
+
+
+def fp8_checkpoint(path, **quantization) -> str:
+    """A checkpoint dir as Qwen3-*-FP8 lays one out: one FP8 Linear, one plain norm."""
+    from safetensors.torch import save_file
+
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128], **quantization}  # fmt: skip
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"quantization_config": config}))
+    save_file({"model.q_proj.weight": torch.zeros(200, 130).to(torch.float8_e4m3fn),
+               "model.q_proj.weight_scale_inv": torch.ones(2, 2),
+               "model.norm.weight": torch.ones(130)}, str(path / "model.safetensors"))  # fmt: skip
+    return str(path)
+
+
+def test_the_fp8_layout_is_read_from_the_engines_checkpoint_and_refused_by_name(tmp_path):
+    from millstream.trainer.weights.fp8_weights import Fp8Buckets, layout_of
+    from millstream.trainer.weights.process_group import plan_buckets
+
+    layout = layout_of({"model_path": fp8_checkpoint(tmp_path / "fp8")})
+    assert layout is not None and layout.quantized == {"model.q_proj.weight"}
+    assert layout.block == (128, 128)
+    (bucket,) = Fp8Buckets(plan_buckets([("model.norm.weight", torch.ones(3)),
+                                         ("model.q_proj.weight", torch.randn(201, 131))],
+                                        1 << 20), layout)  # fmt: skip
+    assert [
+        (n, t.dtype, list(t.shape)) for n, t in zip(bucket.names, bucket.tensors, strict=True)
+    ] == [
+        ("model.norm.weight", torch.float32, [3]),
+        ("model.q_proj.weight_scale_inv", torch.float32, [2, 2]),
+        ("model.q_proj.weight", torch.float8_e4m3fn, [201, 131]),
+    ]  # the scales went first: after 26331 e4m3 bytes they would sit unaligned
+    ue8m0 = fp8_checkpoint(tmp_path / "ue8m0", scale_fmt="ue8m0")
+    with pytest.raises(ValueError, match="scale_fmt 'ue8m0': the trainer writes fp32 block"):
+        layout_of({"model_path": ue8m0})
+    with pytest.raises(ValueError, match="per-tensor and per-channel FP8 checkpoints"):
+        layout_of({"model_path": fp8_checkpoint(tmp_path / "tensor", weight_block_size=None)})
+    with pytest.raises(ValueError, match=r"config\.json is not readable here"):
+        layout_of({"model_path": "/elsewhere/Qwen3-8B-FP8", "quantization": "fp8"})
+    assert layout_of({"model_path": "/elsewhere/Qwen3-8B", "quantization": None}) is None
+
+
+class FakeSGLang:
+    """An SGLang server's answers as the sync sees them: its /get_server_info, and every admin
+    call recorded."""
+
+    def __init__(self, info):
+        self._info, self.calls = info, []
+
+    async def info(self, url):
+        return self._info
+
+    async def each(self, urls, path, body):
+        self.calls += [(path, body(i, u)) for i, u in enumerate(urls)]
+        return {}
+
+
+def deliver(monkeypatch, tmp_path, info):
+    """One sync's step 2 and 3 to an SGLang server the launcher put on the trainer's GPU, with
+    SGLang's serializer stood in for (sglang is not importable here)."""
+    import asyncio
+
+    from millstream.trainer.weights import delivery, sglang_route
+    from millstream.trainer.weights.delivery import Delivery
+    from millstream.trainer.weights.engines import EngineBook
+    from millstream.trainer.weights.group_route import GroupRoute
+    from millstream.trainer.weights.process_group import plan_buckets
+    from millstream.trainer.weights.sync import SyncReport
+
+    serialized = []
+
+    def serialize(bucket, copies):
+        serialized.append([(n, t.dtype) for n, t in zip(bucket.names, bucket.tensors, strict=True)])
+        return [f"payload {len(serialized)}.{i}" for i in range(copies)], torch.zeros(1)
+
+    async def remove(_router, engines, failed, report):
+        report.removed |= {u: str(w) for u, w in failed.items()}
+        return [u for u in engines if u not in failed]
+
+    monkeypatch.setattr(sglang_route, "unavailable", lambda: None)
+    monkeypatch.setattr(sglang_route, "serialize_bucket", serialize)
+    monkeypatch.setattr(delivery, "trainer_placement", lambda _buckets: GPU0)
+    book = EngineBook("auto", {URL: {k: v for k, v in GPU0.items() if k != "weight_transports"}})
+    group = GroupRoute(master_address="127.0.0.1", group_name="g", load_format=None,
+                       timeout_s=5, remove=remove)  # fmt: skip
+    sender = Delivery(book, group, remove, backend=None, disk_dir=None, shm_dir=str(tmp_path))
+    engine, report = FakeSGLang(info), SyncReport(5)
+    named = [("model.norm.weight", torch.ones(130)), ("model.q_proj.weight", torch.randn(201, 131))]
+    buckets = plan_buckets(named, 1000)  # two buckets
+    synced = asyncio.run(sender.push(engine, None, [URL], buckets, report))  # type: ignore[arg-type]
+    return synced, engine.calls, serialized, report
+
+
+def test_an_sglang_server_on_the_trainers_gpu_gets_fp8_payloads_per_rank_in_a_session(
+    monkeypatch, tmp_path, capsys
+):
+    info = {"tp_size": 2, "dp_size": 1, "model_path": fp8_checkpoint(tmp_path / "fp8")}
+    synced, calls, serialized, _ = deliver(monkeypatch, tmp_path / "shm", info)
+    assert synced == [URL]
+    assert [p for p, _ in calls] == ["/begin_weight_update", "/update_weights_from_tensor",
+                                     "/update_weights_from_tensor", "/end_weight_update"]  # fmt: skip
+    assert calls[0][1] == {"selector": "all"} and calls[-1][1] == {}
+    assert [b for _, b in calls[1:3]] == [
+        {"serialized_named_tensors": ["payload 1.0", "payload 1.1"],  # one per TP rank
+         "load_format": "flattened_bucket", "flush_cache": False},
+        {"serialized_named_tensors": ["payload 2.0", "payload 2.1"],
+         "load_format": "flattened_bucket", "flush_cache": True, "weight_version": "5"},
+    ]  # fmt: skip
+    assert serialized == [
+        [("model.norm.weight", torch.float32)],
+        [("model.q_proj.weight_scale_inv", torch.float32),
+         ("model.q_proj.weight", torch.float8_e4m3fn)],
+    ]  # fmt: skip
+    line = capsys.readouterr().out
+    assert (
+        f"[trainer] weight transport to {URL}: tensor in SGLang's format over CUDA IPC (an "
+        "SGLang server on the trainer's GPU); FP8 checkpoint: the trainer casts 1 weight to "
+        "e4m3 in 128x128 blocks" in line
+    )
+
+
+def test_an_fp8_sglang_server_whose_weights_cannot_be_made_is_removed_with_why(
+    monkeypatch, tmp_path
+):
+    info = {"tp_size": 1, "model_path": fp8_checkpoint(tmp_path / "ue8m0", scale_fmt="ue8m0")}
+    synced, calls, _, report = deliver(monkeypatch, tmp_path / "shm", info)
+    assert synced == [] and calls == []
+    assert "scale_fmt 'ue8m0'" in report.removed[URL]

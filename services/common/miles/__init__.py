@@ -71,6 +71,7 @@ so Miles' modules below are the modules of this package, the same objects:
 | miles.rollout.filter_hub.dynamic_sampling_filters | filter_hub.py | the two filters |
 | miles.rollout.sglang_rollout | sglang_rollout.py | GenerateState, generate, generate_and_rm |
 | miles.rollout.rm_hub(.*) | rm_hub/ | async_rm, batched_async_rm and Miles' graders |
+| miles.backends.training_utils.cp_utils | cp_utils.py | all_gather_with_cp, ... (one CP rank) |
 
 Any other Miles module raises ModuleNotFoundError naming it and why (importer.py REFUSED:
 Ray, Megatron internals, launch tooling, LoRA, whole-batch rollout drivers, ...).
@@ -125,14 +126,21 @@ class PluginSignatureError(MillstreamError):
     """A plugin written for a Miles hook that cannot mean the same thing here."""
 
 
+# Miles flags millstream refuses whose Miles default is not "off" but what millstream does
+# anyway, by attribute. qkv_format: a loss or TIS function is handed each sample's response
+# unpadded, one after another (Miles' "thd"; mis.py passes args.qkv_format to cp_utils).
+FOREIGN_DEFAULTS: dict[str, Any] = {"qkv_format": "thd"}
+
+
 class Args:
     """Miles' `args`: every flag of the run by its Miles name (`args.rollout_batch_size`),
     read-only. Built from the resolved RunConfig: the fields of all its groups, plus `mode`.
     Setting or deleting an attribute raises AttributeError; an SGLang server flag handed on as
     given (`--sglang-X v`, config/sglang.py) reads its value (True for a bare flag), None when
-    not given; a Miles flag millstream refuses (config/foreign.py) reads None, as off as its Miles default; any other name that is no flag
-    here raises AttributeError naming it, so `getattr(args, name, default)` works as it does
-    on Miles'."""
+    not given; a Miles flag millstream refuses (config/foreign.py) reads None, as off as its
+    Miles default, or that default where millstream does what it says (FOREIGN_DEFAULTS); any
+    other name that is no flag here raises AttributeError naming it, so
+    `getattr(args, name, default)` works as it does on Miles'."""
 
     __slots__ = ("_values",)
 
@@ -146,6 +154,8 @@ class Args:
         except KeyError:
             if name.startswith("sglang_"):
                 return _server_arg(values.get("sglang_server_args") or (), name)
+            if name in FOREIGN_DEFAULTS:
+                return FOREIGN_DEFAULTS[name]
             if foreign.is_foreign(name):
                 # A Miles flag millstream refuses (config/foreign.py), so never given to a run
                 # that gets here: off, as Miles' default is (`if args.load_debug_rollout_data:`

@@ -7,7 +7,9 @@ The finder answers every name under `miles`, lazily, when it is imported:
 * a name in MILES_MODULES (or under `miles.rollout.rm_hub.`) is the same module object as
   ours: `sys.modules["miles.utils.types"] is millstream.common.miles.types`;
 * a package on the way to one (`miles`, `miles.utils`, `miles.rollout`, ...) is an empty
-  package; `from miles.utils import misc` works too;
+  package; `from miles.utils import misc` works too. `miles.backends` is one only on the way
+  to `training_utils.cp_utils`, which CP-aware loss and TIS functions import (cp_utils.py);
+  the rest of it stays refused;
 * any other name raises ModuleNotFoundError naming it and saying why: REFUSED's reason for
   the parts of Miles that run its Ray cluster, Megatron and launch tooling, else the list of
   what millstream stands in for.
@@ -49,6 +51,7 @@ MILES_MODULES: dict[str, str] = {
     "miles.rollout.filter_hub.dynamic_sampling_filters": f"{_OURS}.filter_hub",
     "miles.rollout.sglang_rollout": f"{_OURS}.sglang_rollout",
     "miles.rollout.rm_hub": f"{_OURS}.rm_hub",
+    "miles.backends.training_utils.cp_utils": f"{_OURS}.cp_utils",
 }
 _PREFIXES = {"miles.rollout.rm_hub.": f"{_OURS}.rm_hub."}  # submodules one to one
 
@@ -65,6 +68,10 @@ _RAY = (
 _MEGATRON = (
     "Miles' training backends' internals (Megatron, FSDP); millstream's trainer has its own "
     "backends (--train-backend)"
+)
+_BACKENDS = (
+    f"{_MEGATRON}. Of it, millstream stands in for miles.backends.training_utils.cp_utils "
+    "only (the context parallel gather and slice of a loss or TIS function)"
 )
 _LAUNCH = (
     "Miles' launch tooling (downloads, checkpoint conversion, execute_train); launch with the "
@@ -94,7 +101,7 @@ REFUSED: dict[str, str] = {
     "miles.utils.ray_utils": _RAY,
     "miles.utils.ft_utils": _RAY,
     "miles.utils.object_store": _RAY,
-    "miles.backends": _MEGATRON,
+    "miles.backends": _BACKENDS,
     "miles.utils.megatron_bridge_utils": _MEGATRON,
     "miles.utils.reloadable_process_group": _MEGATRON,
     "miles.utils.replay_base": _MEGATRON,

@@ -16,7 +16,9 @@ so a peer that never shows up yields an exception, never a hang. Blocking method
 from a worker thread, never from the event loop.
 
 What is broadcast: named tensors in buckets of at most --update-weight-buffer-size bytes, in
-the caller's order (a tensor bigger than that goes alone); a bucket's `spec` is the body of
+the caller's order (a tensor bigger than that goes alone; within a bucket, reordered only where
+a tensor would sit at a byte offset its item size does not divide: `aligned`, which SGLang
+needs); a bucket's `spec` is the body of
 /update_weights_from_distributed (names, dtypes as "float32"/"bfloat16", shapes). A bucket
 goes as one broadcast per tensor, or with load_format "flattened_bucket" (SGLang's, the
 default of --weight-sync-format) as ONE broadcast of its tensors' bytes back to back: for a
@@ -62,7 +64,8 @@ class Bucket:
 
 
 def plan_buckets(named: NamedTensors, max_bytes: int) -> list[Bucket]:
-    """Consecutive buckets of at most `max_bytes` each (a bigger tensor goes alone)."""
+    """Consecutive buckets of at most `max_bytes` each (a bigger tensor goes alone), each
+    `aligned`."""
     if max_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0 (got {max_bytes})")
     buckets: list[Bucket] = []
@@ -78,7 +81,26 @@ def plan_buckets(named: NamedTensors, max_bytes: int) -> list[Bucket]:
         bucket.names.append(name)
         bucket.tensors.append(tensor)
         bucket.nbytes += size
-    return buckets
+    return [aligned(b) for b in buckets]
+
+
+def aligned(bucket: Bucket) -> Bucket:
+    """The bucket with every tensor at a byte offset its item size divides, in its flattened
+    bytes: SGLang views each piece of a flattened bucket as its dtype and refuses (or fails on)
+    one that is not (`FlattenedTensorBucket.empty`: "Unaligned received tensor";
+    `reconstruct_tensors`: "storage_offset() must be divisible"). The caller's order is kept
+    when it already is; else the tensors go largest item size first (stable), which aligns
+    them all, since item sizes are powers of two."""
+    offset, fits = 0, True
+    for t in bucket.tensors:
+        fits = fits and offset % t.element_size() == 0
+        offset += t.numel() * t.element_size()
+    if fits:
+        return bucket
+    order = sorted(range(len(bucket.names)), key=lambda i: -bucket.tensors[i].element_size())
+    return Bucket(
+        [bucket.names[i] for i in order], [bucket.tensors[i] for i in order], bucket.nbytes
+    )
 
 
 def flatten_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -7,24 +7,31 @@ need no process group.
 
 The routes (`Route.transport`):
 
-    group    a weight-update process group (process_group.py, sync.py): one broadcast per
-             bucket to every engine in it; NCCL when the trainer and every engine in the group
-             are on GPUs, gloo when any of them is on a CPU (`group_backend`)
-    tensor   `/update_weights_from_tensor` with a handle to the bucket's bytes
-             (common/tensor_share.py): CUDA IPC when the engine is on the trainer's GPU (the
-             one way there: NCCL refuses two ranks on one GPU), shared memory when it is on
-             the same machine and either side is on a CPU
+    group    a weight-update process group (process_group.py, group_route.py): one broadcast
+             per bucket to every engine in it; NCCL when the trainer and every engine in the
+             group are on GPUs, gloo when any of them is on a CPU (`group_backend`)
+    tensor   `/update_weights_from_tensor` with a handle to the bucket's bytes: to millstream's
+             engine a JSON handle (common/tensor_share.py), CUDA IPC when the engine is on the
+             trainer's GPU (the one way there: NCCL refuses two ranks on one GPU), shared
+             memory when it is on the same machine and either side is on a CPU; to a real
+             SGLang server on the trainer's GPU, SGLang's own format over CUDA IPC
+             (sglang_route.py: a pickled FlattenedTensorBucket per TP rank), which needs sglang
+             importable in the trainer
     disk     safetensors files in a directory both sides see (--update-weight-disk-dir) and
              `/update_weights_from_disk`: slow, and works wherever a file system is shared
 
-`auto` (the default) picks per engine: the trainer's GPU -> tensor (CUDA IPC), or disk for an
-engine there that takes no shared tensors (an SGLang server `millstream train` started on the
-trainer's GPU: the launcher knows where it put it); the same machine with either side on a
-CPU -> tensor (shared memory: bench_weight_sync.py measures it against gloo); anything else,
-or an engine that does not say where it lives (a real SGLang server elsewhere) -> group. `nccl` (Miles' name for the group), `tensor` and `disk` force one, and a forced one that
-cannot work for an engine is refused with the reason (`TransportError`) instead of a hang.
-An engine whose tensor update fails to open the handle (a container with a private /dev/shm)
-is moved to the group for the rest of the run: a sync never dies on a topology it can handle.
+`auto` (the default) picks per engine: the trainer's GPU -> tensor (CUDA IPC: millstream's
+handle, or SGLang's format for an SGLang server `millstream train` started there, which takes
+no other handle: the launcher knows where it put it), or disk for such a server where sglang
+is not importable in the trainer (the start-up line says why); the same machine with either
+side on a CPU -> tensor (shared memory: bench_weight_sync.py measures it against gloo);
+anything else, or an engine that does not say where it lives (a real SGLang server elsewhere)
+-> group. An engine that lists no `weight_transports` (millstream's engine always does) is an
+SGLang server. `nccl` (Miles' name for the group), `tensor` and `disk` force one, and a forced
+one that cannot work for an engine is refused with the reason (`TransportError`) instead of a
+hang. An engine whose tensor update fails to open millstream's handle (a container with a
+private /dev/shm) is moved to the group for the rest of the run: a sync never dies on a
+topology it can handle.
 """
 
 from __future__ import annotations
@@ -34,51 +41,57 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from millstream.common import tensor_share, threads
 from millstream.common.errors import MillstreamError
 
+from . import sglang_route
+from .calls import Calls
 from .process_group import FLATTENED_BUCKET, Bucket, flatten_bytes
 
 AUTO, NCCL, TENSOR, DISK = "auto", "nccl", "tensor", "disk"
 SETTINGS = (AUTO, NCCL, TENSOR, DISK)
 GROUP = "group"
 CUDA_IPC, SHM = "cuda_ipc", "shm"
+SGLANG = "sglang"  # TENSOR to a real SGLang server: its own format over CUDA IPC
 
 
 class TransportError(MillstreamError):
     """A forced --update-weight-transport that cannot reach an engine."""
 
 
-class Calls(Protocol):
-    """What the senders need of sync.py's EngineCalls."""
-
-    async def each(
-        self, urls: list[str], path: str, body: Callable[[int, str], dict[str, Any]]
-    ) -> Mapping[str, object]: ...
-
-
 @dataclass(frozen=True)
 class Route:
     transport: str  # GROUP, TENSOR or DISK
     why: str
-    handle: str | None = None  # TENSOR: CUDA_IPC or SHM
+    handle: str | None = None  # TENSOR: CUDA_IPC, SHM or SGLANG
 
     def __str__(self) -> str:
-        how = f" over {'CUDA IPC' if self.handle == CUDA_IPC else 'shared memory'}"
-        return f"{self.transport}{how if self.handle else ''} ({self.why})"
+        how = {
+            CUDA_IPC: " over CUDA IPC",
+            SHM: " over shared memory",
+            SGLANG: " in SGLang's format over CUDA IPC",
+        }.get(self.handle or "", "")
+        return f"{self.transport}{how} ({self.why})"
 
 
 def _on_cpu(place: Mapping[str, Any]) -> bool:
     return str(place.get("device", "cpu")).startswith("cpu")
 
 
-def choose(setting: str, trainer: Mapping[str, Any], engine: Mapping[str, Any] | None) -> Route:
+def choose(
+    setting: str,
+    trainer: Mapping[str, Any],
+    engine: Mapping[str, Any] | None,
+    sglang_missing: Callable[[], str | None] = sglang_route.unavailable,
+) -> Route:
     """The route to one engine. `trainer` and `engine` are placements
-    (tensor_share.placement; an engine's from its /get_server_info, None when it says none)."""
+    (tensor_share.placement; an engine's from its /get_server_info, or the launcher's for an
+    SGLang server; None when nobody says); `sglang_missing`: why SGLang's format cannot be
+    made here (None: it can), asked only for an SGLang server on the trainer's GPU."""
     if setting not in SETTINGS:
         raise ValueError(f"--update-weight-transport {setting!r}: one of {SETTINGS}")
     if setting == DISK:
@@ -86,6 +99,7 @@ def choose(setting: str, trainer: Mapping[str, Any], engine: Mapping[str, Any] |
     takes_tensors = engine is not None and TENSOR in engine.get("weight_transports", ())
     same_gpu = engine is not None and tensor_share.same_gpu(trainer, engine)
     same_host = engine is not None and tensor_share.same_host(trainer, engine)
+    sglang_here = same_gpu and engine is not None and "weight_transports" not in engine
     if setting == NCCL:
         if same_gpu:
             raise TransportError(
@@ -94,6 +108,15 @@ def choose(setting: str, trainer: Mapping[str, Any], engine: Mapping[str, Any] |
             )
         return Route(GROUP, "--update-weight-transport nccl")
     if setting == TENSOR:
+        if sglang_here:
+            missing = sglang_missing()
+            if missing is not None:
+                raise TransportError(
+                    "--update-weight-transport tensor: the SGLang server on the trainer's GPU "
+                    f"takes tensors in SGLang's format, and {missing}; use auto or disk"
+                )
+            forced = "--update-weight-transport tensor; an SGLang server on the trainer's GPU"
+            return Route(TENSOR, forced, SGLANG)
         if not (takes_tensors and same_host):
             raise TransportError(
                 "--update-weight-transport tensor: the engine is not on this machine (or does "
@@ -107,7 +130,12 @@ def choose(setting: str, trainer: Mapping[str, Any], engine: Mapping[str, Any] |
         return Route(GROUP, "the engine does not say where it lives")
     if same_gpu and takes_tensors:
         return Route(TENSOR, "on the trainer's GPU", CUDA_IPC)
-    if same_gpu:  # an SGLang server the launcher put there: no handle it takes, no NCCL
+    if sglang_here:  # the launcher put it there: no NCCL (two ranks on one GPU), no our handle
+        missing = sglang_missing()
+        if missing is None:
+            return Route(TENSOR, "an SGLang server on the trainer's GPU", SGLANG)
+        return Route(DISK, f"an SGLang server on the trainer's GPU; {missing}")
+    if same_gpu:
         return Route(DISK, "on the trainer's GPU, taking no shared tensors (NCCL cannot)")
     if same_host and takes_tensors and (_on_cpu(trainer) or _on_cpu(engine)):
         return Route(TENSOR, "on this machine, on a CPU", SHM)
@@ -129,6 +157,7 @@ async def push_tensors(
     buckets: Sequence[Bucket],
     version: int,
     shm: tensor_share.ShmBuffer,
+    flush: bool = True,
 ) -> dict[str, object]:
     """Every bucket to every engine of `routes` (all TENSOR) as one shared handle of its
     bytes (CUDA IPC, or `shm`'s file, which every bucket reuses: the engines copied the last
@@ -160,7 +189,7 @@ async def push_tensors(
                 out: dict[str, Any] = {
                     "serialized_named_tensors": [entries[routes[url].handle]],
                     "load_format": FLATTENED_BUCKET,
-                    "flush_cache": last,
+                    "flush_cache": last and flush,
                 }
                 if last:
                     out["weight_version"] = str(version)
@@ -190,7 +219,12 @@ def _share_bucket(
 
 
 async def push_disk(
-    calls: Calls, engines: list[str], buckets: Sequence[Bucket], version: int, directory: Path
+    calls: Calls,
+    engines: list[str],
+    buckets: Sequence[Bucket],
+    version: int,
+    directory: Path,
+    flush: bool = True,
 ) -> dict[str, object]:
     """The weights as safetensors files in `directory`/v{version}/, one per bucket, then
     `/update_weights_from_disk` on every engine; older versions' files are removed."""
@@ -199,7 +233,11 @@ async def push_disk(
     failed = await calls.each(
         engines,
         "/update_weights_from_disk",
-        lambda _i, _u: {"model_path": str(target), "weight_version": str(version)},
+        lambda _i, _u: {
+            "model_path": str(target),
+            "weight_version": str(version),
+            "flush_cache": flush,
+        },
     )
     for old in directory.glob("v*"):
         if old != target and old.name[1:].isdigit() and int(old.name[1:]) < version:

@@ -1,43 +1,71 @@
-"""`python -m sglang.launch_server` of the stand-in (see __init__): records its command line
-(one JSON line per start, to $SGLANG_STANDIN_RECORD when set), refuses what real SGLang would
-need a GPU or several for, and runs millstream's engine with the SGLang arguments translated."""
+"""`python -m sglang.launch_server` of the stand-in (see __init__).
+
+1. Records its command line (one JSON line per start, to $SGLANG_STANDIN_RECORD when set).
+2. Lets SGLang judge it: the real package's `prepare_server_args` and `resolve_once`, as its
+   launch_server runs them, in a child process (`python -m tests.support.sglang_contract`
+   with .venv/sglang on the path: `sglang` must not be importable here, and importing it
+   takes seconds). A flag SGLang does not know, or a setting it refuses for this model or
+   device, stops the start with SGLang's own message and exit status, as the real server
+   would. Without .venv/sglang it stops, saying to run scripts/bootstrap.sh.
+3. Runs millstream's engine with the settings SGLang parsed, each under the engine's flag
+   for it: the launcher's own (model, address, weight version, device) spelled the same, the
+   others through the launcher's table (engines.SGLANG_TO_ENGINE), so the stand-in keeps no
+   list of SGLang's flags. A TP above 1 stops the start (it needs that many GPUs); the memory
+   saver is dropped (the engine releases its memory without it); any other setting SGLang
+   took is named on stderr and left out, since the engine has no such thing.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
-# SGLang server flags millstream's engine spells the same (the value kept), and those it drops.
-SAME = {
-    "--model-path", "--host", "--port", "--weight-version", "--mem-fraction-static",
-    "--context-length", "--log-level", "--cuda-graph-max-bs", "--max-running-requests",
-    "--max-total-tokens", "--dtype", "--device",
-}  # fmt: skip
-RENAMED = {"--random-seed": "--seed"}
-SWITCHES = {"--disable-cuda-graph"}
-DROPPED_SWITCHES = {"--enable-memory-saver"}  # the engine releases memory without it
+from millstream.launch.engines import SGLANG_TO_ENGINE
+
+REPO = Path(__file__).resolve().parents[4]
+CHILD = "tests.support.sglang_contract"
+SAME = ("--model-path", "--host", "--port", "--weight-version", "--device")
 
 
-def translate(argv: list[str]) -> list[str]:
+def parse_as_sglang(argv: list[str]) -> list[tuple[str, object]]:
+    """[flag, value] for each setting SGLang parsed from `argv` (the child's JSON line); exits
+    as SGLang does when it refuses them."""
+    sglang = REPO / ".venv" / "sglang"
+    if not (sglang / "sglang").is_dir():
+        sys.exit(
+            f"sglang stand-in: SGLang's package is not in {sglang}, and it judges the command "
+            "line: run scripts/bootstrap.sh (it installs it there)"
+        )
+    # SGLang's folder and this repository, and not the stand-in's: its `sglang` would shadow.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(sglang), str(REPO)])}
+    proc = subprocess.run(
+        [sys.executable, "-m", CHILD, *argv], env=env, stdout=subprocess.PIPE, text=True
+    )  # SGLang's messages go to stderr, the engine's log
+    if proc.returncode:
+        print("sglang stand-in: SGLang refused the command line (above)", file=sys.stderr)
+        sys.exit(proc.returncode)
+    *chatter, line = proc.stdout.splitlines()
+    sys.stderr.write("".join(text + "\n" for text in chatter))
+    return [(flag, value) for flag, value in json.loads(line)]
+
+
+def translate(settings: list[tuple[str, object]]) -> list[str]:
+    """millstream engine flags for SGLang's parsed settings (module docstring, step 3)."""
     out: list[str] = []
-    i = 0
-    while i < len(argv):
-        name = argv[i]
-        if name in ("--tp-size", "--tp"):
-            if argv[i + 1] != "1":
-                sys.exit(f"sglang stand-in: --tp-size {argv[i + 1]} needs {argv[i + 1]} GPUs")
-            i += 2
-        elif name in SWITCHES:
-            out.append(name)
-            i += 1
-        elif name in DROPPED_SWITCHES:
-            i += 1
-        elif name in SAME or name in RENAMED:
-            out += [RENAMED.get(name, name), argv[i + 1]]
-            i += 2
+    for flag, value in settings:
+        if flag == "--tp-size":
+            if value != 1:
+                sys.exit(f"sglang stand-in: --tp-size {value} needs {value} GPUs")
+        elif flag == "--enable-memory-saver":
+            continue
+        elif flag in SAME or flag in SGLANG_TO_ENGINE:
+            name = SGLANG_TO_ENGINE.get(flag, flag)
+            out += [name] if value is True else [name, str(value)]
         else:
-            sys.exit(f"sglang stand-in: {name} is not a server flag this stand-in knows")
+            print(f"sglang stand-in: the engine has no {flag} ({value}): left out", file=sys.stderr)
     return out
 
 
@@ -47,9 +75,10 @@ def main() -> None:
     if record:
         with open(record, "a") as f:
             f.write(json.dumps(argv) + "\n")
+    engine_argv = translate(parse_as_sglang(argv))
     from millstream.engine.main import main as engine_main
 
-    sys.exit(engine_main(translate(argv)))
+    sys.exit(engine_main(engine_argv))
 
 
 if __name__ == "__main__":
