@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap run test lint format protos bench chaos clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
+.PHONY: bootstrap run test test-long lint format protos bench chaos chaos-monkey clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -18,8 +18,12 @@ format: bootstrap
 
 # Then the contract tier: SGLang's own package (.venv/sglang, bootstrap) judges what we send it.
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not long" $(PYTEST_ARGS)
 	MILLSTREAM_CONTRACT=1 PYTHONPATH=$(VENV)/sglang $(PY) -m pytest tests/contract $(PYTEST_ARGS)
+
+# The long scenarios make test leaves out (@pytest.mark.long; about 9 minutes on 2 cores).
+test-long: bootstrap
+	$(PY) -m pytest -m long $(PYTEST_ARGS)
 
 run: bootstrap
 	@bash examples/run_main.sh
@@ -30,6 +34,11 @@ protos: bootstrap
 # The chaos suite at full length (about 15 minutes): kills, restarts, poison; prints its table.
 chaos: bootstrap
 	$(PY) -m tests.chaos
+
+# Random kills and stops on the arith job until it ends, three seeds, against the same runs
+# without faults (about an hour on 2 cores); prints its table (tests/chaos/monkey.py).
+chaos-monkey: bootstrap
+	$(PY) -m tests.chaos.monkey $(ARGS)
 
 # One NVIDIA GPU: every GPU path once, one table into docs/benchmarks.md (bench/gpu_check.py).
 # Not after bootstrap (its torch is the CPU build): scripts/gpu_check.sh says what it uses.

@@ -115,7 +115,11 @@ esac
 echo "[run.sh] millstream $MODE (set MODE=train or MODE=train-async; train-async is the" \
     "default: on the 2-core machine it reached 85% first, 7.2 s vs 9.7 s, README)" >&2
 
-rm -rf "$RUN_DIR"
+# A fresh run starts from an empty RUN_DIR. One told to resume (--load among the extra flags:
+# a restarted trainer, tests/chaos/monkey.py) keeps it: its checkpoints and metrics are there.
+if [[ " $* " != *" --load "* && " $* " != *" --load="* ]]; then
+   rm -rf "$RUN_DIR"
+fi
 # Not `exec`: the plots come after training. The trainer stops cleanly on SIGTERM, and in
 # compose this shell is PID 1, which `docker stop` signals: so TERM and INT go on to it.
 "$MILLSTREAM" "$MODE" \

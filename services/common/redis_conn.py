@@ -21,13 +21,19 @@ The first PING is not retried unless the caller asks to wait (`wait_s`): a strea
 which may start during a Redis restart and has nothing to do without it, and a trainer given
 --redis-url, which may start before that Redis does (`docker stack deploy` orders nothing), for
 --redis-outage-timeout. A wrong password fails at once, waiting or not.
+
+Every write is bounded by the socket timeout with `asyncio.timeout`, not redis-py's
+`asyncio.wait_for`, which on Python 3.11 loses a cancel that lands as the write ends
+(`_CancelSafeWrites`, common/aio.py): a cancelled task must not go on with its next command.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -141,6 +147,34 @@ class Outages:
         self.say(f"[{self.who}] Redis at {self.url}: reconnected after {lasted:.1f} s")
 
 
+class _CancelSafeWrites:
+    """Mixed into redis-py's connection class: a write bounded by the socket timeout through
+    `asyncio.timeout`, so a cancel that arrives as it ends is not lost (module docstring).
+    redis-py then writes without its own bound (socket_timeout None for the write only; a
+    connection serves one command at a time)."""
+
+    socket_timeout: float | None
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        timeout = self.socket_timeout
+        if not timeout or sys.version_info >= (3, 12):  # 3.12's wait_for keeps the cancel
+            return await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        self.socket_timeout = None
+        try:
+            async with asyncio.timeout(timeout):
+                await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except TimeoutError:  # ours: redis-py raises its own TimeoutError, not the builtin
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        finally:
+            self.socket_timeout = timeout
+
+
+@functools.cache
+def _cancel_safe(connection_class: type) -> type:
+    return type(connection_class.__name__, (_CancelSafeWrites, connection_class), {})
+
+
 def _print(line: str) -> None:
     print(line, flush=True)
 
@@ -209,7 +243,7 @@ async def connect(
         # A blocking pool: a burst of concurrent jobs waits for a free connection instead of
         # failing with "Too many connections" (a worker runs up to --rollout-max-concurrency
         # jobs, each of which talks to Redis).
-        return aioredis.BlockingConnectionPool.from_url(
+        made = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=timeout_s * 6,
@@ -218,6 +252,8 @@ async def connect(
             health_check_interval=30,
             **retries,
         )
+        made.connection_class = _cancel_safe(made.connection_class)
+        return made
 
     try:
         probe = aioredis.Redis.from_pool(pool(retry=Retry(ExponentialBackoff(), 0)))

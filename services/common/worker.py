@@ -50,6 +50,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from . import aio
 from .errors import Interrupted, ServiceUnavailable
 from .streams import Consumer, PoisonEntry, StreamEntry, check_envelope
 
@@ -295,7 +296,7 @@ class StreamWorker:
             except REDIS_LOST as err:  # past --redis-outage-timeout: the reader stops us
                 log.warning("%s: heartbeat failed, Redis unreachable: %s", self.name, err)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ticks_done.wait(), self._tick_s)
+                await aio.wait_for(self._ticks_done.wait(), self._tick_s)
 
     async def _beat(self) -> None:
         if self.heartbeat is None:
@@ -324,7 +325,7 @@ class StreamWorker:
         if self.heartbeat is not None:
             client, key, _ttl_s = self.heartbeat
             try:  # the key expires by itself if Redis is not there to delete it
-                await asyncio.wait_for(client.delete(key), _GOODBYE_S)
+                await aio.wait_for(client.delete(key), _GOODBYE_S)
             except (TimeoutError, *REDIS_LOST):
                 pass
         log.info(

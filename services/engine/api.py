@@ -17,7 +17,6 @@ their ids (common/telemetry.py `served_groups`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from millstream.common import telemetry
+from millstream.common import aio, telemetry
 from millstream.common.http_limits import BodyLimit
 from millstream.common.prom import CONTENT_TYPE, render
 from millstream.common.telemetry import STAGE, context_from_headers, served_groups, tracer
@@ -171,7 +170,7 @@ async def health_generate(request: Request) -> Response:
     job = job_from_generate(core, req)
     submit(core, job)
     try:
-        await asyncio.wait_for(wait_done(core, job), timeout=20)
+        await aio.wait_for(wait_done(core, job), timeout=20)
     except TimeoutError:
         core.scheduler.abort(job.seqs[0].rid)
         return error_response("health_generate: no token within 20 s", status=503)

@@ -4,7 +4,7 @@ updates (SGLang's API).
 Every control call becomes a scheduler command that runs between two decode steps (see
 scheduler.py), awaited without blocking the event loop. Blocking work — joining a process
 group, receiving a broadcast, decoding or reading safetensors — runs in a worker thread
-under `asyncio.wait_for(..., --weight-update-timeout)`, so a trainer that never shows up
+under `aio.wait_for(..., --weight-update-timeout)`, so a trainer that never shows up
 yields `{"success": false, "message": "... timed out ..."}` instead of a hung request.
 Weight endpoints answer `{"success": bool, "message": str}` with 200 or 400, as SGLang does.
 
@@ -29,6 +29,7 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from millstream.common import aio
 from millstream.common.auth import refusal
 from millstream.common.tensor_share import Mappings, open_bucket
 
@@ -76,7 +77,7 @@ def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
 async def _in_thread(core: EngineCore, what: str, fn: Callable[[], Any]) -> Any:
     timeout = core.config.weight_update_timeout
     try:
-        return await asyncio.wait_for(asyncio.to_thread(fn), timeout)
+        return await aio.wait_for(asyncio.to_thread(fn), timeout)
     except TimeoutError as err:
         raise RequestError(
             f"{what} timed out after {timeout:g} s (--weight-update-timeout); is the "

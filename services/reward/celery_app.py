@@ -31,7 +31,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from opentelemetry.trace import SpanKind
 
-from millstream.common import telemetry
+from millstream.common import aio, telemetry
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.plugin_errors import PluginFailed
@@ -114,7 +114,7 @@ class CeleryRuntime:
         """The coroutine's result, or a PluginFailed's JSON (the module docstring)."""
         # The Celery worker bounds each attempt too (by --reward-timeout per sample, as the
         # scorer does), so a hung async reward frees its worker thread.
-        bounded = asyncio.wait_for(coro, self.cfg.reward.reward_timeout * samples)
+        bounded = aio.wait_for(coro, self.cfg.reward.reward_timeout * samples)
         try:
             return asyncio.run_coroutine_threadsafe(bounded, self.loop).result()
         except PluginFailed as err:

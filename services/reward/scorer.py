@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from millstream.common import aio
 from millstream.common.config import RunConfig
 from millstream.common.miles import make_args
 from millstream.common.plugin_errors import PluginFailed, find
@@ -194,7 +195,7 @@ class GroupScorer:
         tries = self.retries + 1
         for n in range(1, tries + 1):
             try:
-                return await asyncio.wait_for(attempt(), timeout_s)
+                return await aio.wait_for(attempt(), timeout_s)
             except PluginFailed:
                 self.stats["reward_plugin_errors"] += 1
                 raise  # a bug: another try repeats it

@@ -49,6 +49,7 @@ import httpx
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind
 
+from millstream.common import aio
 from millstream.common.errors import Interrupted, MillstreamError
 from millstream.common.http_pool import make_client
 from millstream.common.telemetry import (
@@ -221,7 +222,7 @@ class RouterClient:
                     delay,
                 )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), delay)
+                    await aio.wait_for(self._stopping.wait(), delay)
         if self._stopping.is_set():
             raise Interrupted(f"generate {rid}: {last_error}; not retried: stopping")
         raise GenerationFailed(

@@ -34,6 +34,8 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from millstream.common import aio
+
 from .registry import Registry, Worker
 
 log = logging.getLogger("millstream.router")
@@ -124,7 +126,7 @@ class Discovery:
     async def _look_up(self, target: Target) -> None:
         host, port = target
         try:
-            addresses = await asyncio.wait_for(self.resolve(host, port), self.timeout)
+            addresses = await aio.wait_for(self.resolve(host, port), self.timeout)
         except (OSError, TimeoutError) as err:
             why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             if self._failing.get(target) != why:

@@ -27,6 +27,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from millstream.common import aio
+
 PENDING, HEALTHY, UNHEALTHY = "pending", "healthy", "unhealthy"
 
 
@@ -108,7 +110,7 @@ class Registry:
     async def wait_for_change(self, timeout: float) -> None:
         """Return when a worker may have become eligible, or after `timeout` seconds."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._change.wait(), timeout)
+            await aio.wait_for(self._change.wait(), timeout)
 
     def _changed(self) -> None:
         self._change.set()

@@ -39,7 +39,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext
 
-from millstream.common import streams, telemetry
+from millstream.common import aio, streams, telemetry
 from millstream.common.keys import GROUP_TRAINER, STREAM_GENERATED, STREAM_PROMPTS, RunKeys
 from millstream.common.streams import Consumer, StreamEntry
 from millstream.common.types import PromptGroup, SampleGroup, ScoredGroup, Verdict
@@ -252,7 +252,7 @@ class Buffer:
     async def _wait(self) -> None:
         """Wait for an arrival, waking every second to notice a crashed reader."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._arrived.wait(), timeout=1.0)
+            await aio.wait_for(self._arrived.wait(), timeout=1.0)
 
     async def wait_eval(self, group_ids: list[str]) -> list[ScoredGroup]:
         """Wait until every eval group arrived; returns them in the given order."""

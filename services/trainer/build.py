@@ -3,7 +3,6 @@ checkpoint (else the actor starts from --hf-checkpoint / --ref-load)."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from millstream.common import threads
+from millstream.common import aio, threads
 from millstream.common.config import RunConfig
 from millstream.common.config.rollout import is_default_source
 from millstream.common.errors import MillstreamError
@@ -309,14 +308,9 @@ async def build_trainer(
         start = getattr(backend, "backend", backend).start_checkpoint
         if start is not None and state is None:
             print(f"[trainer] the actor starts from the torch_dist checkpoint {start}", flush=True)
-            await timed_sync.sync(backend.named_weights, version)  # engines have --hf-checkpoint's
-        if state is not None:
-            # Engines serve the resumed weights.
-            await timed_sync.sync(backend.named_weights, version)
-            n = await admission.readmit(version)
-            print(
-                f"[trainer] resumed at iteration {iteration} (version {version}); re-admitted {n} groups in flight"
-            )
+            trainer.sync_at_start = True  # engines have --hf-checkpoint's
+        if state is not None:  # engines serve the resumed weights, then the groups go again
+            trainer.sync_at_start = trainer.readmit_at_start = True
     except BaseException:
         await close_all(closers)
         raise
@@ -332,7 +326,7 @@ async def close_all(closers: list[Closer], timeout_s: float = CLOSE_TIMEOUT_S) -
     for close in reversed(closers):
         name = getattr(close, "__qualname__", close)
         try:
-            await asyncio.wait_for(close(), timeout_s)
+            await aio.wait_for(close(), timeout_s)
         except TimeoutError:
             log.error("closing %s took more than %.0f s: left behind", name, timeout_s)
         except Exception as err:

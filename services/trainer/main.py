@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from millstream.common import debug, heap, threads
+from millstream.common import aio, debug, heap, threads
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.redis_conn import connect, redact
@@ -136,16 +136,29 @@ def _run_trainer(cfg: RunConfig) -> int:
     signal.signal(signal.SIGTERM, stop.interrupt)
     provider = setup_tracing("trainer", cfg.run_dir)
     try:
-        code = asyncio.run(_until_signal(train_with_cluster(cfg, stop, end), stop))
+        # Bounded at the end (common/aio.py): tasks that outlive their cancel are left behind.
+        code, left = aio.run(_until_signal(train_with_cluster(cfg, stop, end), stop), who="trainer")
     except BaseException as err:
         end.write(*ended_by(err, stop.signal))
         raise
     finally:
         shutdown_tracing(provider)
     end.write(*ended_by(None, stop.signal if code is None else None))
+    if left:  # whatever they hold (a thread of theirs, a socket) must not keep the process
+        print(f"[trainer] exiting with task(s) {left} left behind (logged above)", flush=True)
+        _exit_now(130 if code is None else code)
     if code is None:
         raise KeyboardInterrupt  # stopped by a signal: the CLI says "interrupted", exits 130
     return code
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process at once, our own files written: no interpreter finalization (it joins
+    threads that may be stuck with the tasks left behind)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _until_signal(run: Coroutine[Any, Any, int], stop: _Stop) -> int | None:
@@ -223,10 +236,7 @@ def _exit_without_finalizing(code: int) -> NoReturn:
     for child in multiprocessing.active_children():
         child.terminate()
         child.join(5)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _exit_now(code)
 
 
 def train(argv: Sequence[str]) -> int:
@@ -320,9 +330,9 @@ async def train_loop(
             stop.graceful = None
         # Whatever ended first (the run, a service's death, SIGTERM or Ctrl-C cancelling
         # this task), the other stops before what they use is closed.
-        for task in (run, watch):
-            task.cancel()
-        await asyncio.gather(run, watch, return_exceptions=True)
+        # The run's own stop waits for its background tasks (up to STOP_GRACE_S) first.
+        left = await aio.stop_tasks((run, watch), 3 * aio.STOP_GRACE_S, who="trainer")
+        trainer.left_behind += left
         await close_all(closers)
         if end is not None:
             end.take()

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from millstream.common import heap, telemetry, threads
+from millstream.common import aio, heap, telemetry, threads
 from millstream.common.config import RunConfig
 
 from .admission import Admission
@@ -38,6 +38,17 @@ from .weights.keeper import EngineKeeper
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+def _behind(held: str | None, version: int) -> bool:
+    """Whether an engine that reports weight version `held` needs this trainer's `version`
+    at its start. At version 0 only an engine that holds a later numbered version (another
+    run's weights) does: a fresh engine says 0, its launcher's label or SGLang's "default"."""
+    if held == str(version):
+        return False
+    if version == 0:
+        return held is not None and held.isdigit() and int(held) > 0
+    return True
 
 
 def _tracer() -> trace.Tracer:
@@ -94,6 +105,12 @@ class Trainer:
         )
         # Held while the weights move (train, sync): the keeper's catch-up syncs go between.
         self._weights_lock = asyncio.Lock()
+        self.left_behind: list[str] = []  # background tasks that outlived their cancel
+        # Set by the build: every engine gets this trainer's weights before the first rollout
+        # (a resume, a torch_dist start), then the groups in flight at the checkpoint go out
+        # again (a resume).
+        self.sync_at_start = False
+        self.readmit_at_start = False
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -125,10 +142,9 @@ class Trainer:
             while self.iteration < self.num_rollout:
                 await self.step()
         finally:
-            for task in (self._pump, janitor, keeper):
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+            # Bounded: a background task that does not end at its cancel is named and left
+            # behind (common/aio.py), so a run whose last iteration is done always ends.
+            self.left_behind += await aio.stop_tasks((self._pump, janitor, keeper), who="trainer")
         await self.drain()
 
     async def drain(self, timeout_s: float = 120.0) -> None:
@@ -239,31 +255,36 @@ class Trainer:
 
     # -- pieces --------------------------------------------------------------------------------
 
-    async def _first_engines(self, progress_every_s: float = 15.0) -> None:
-        """Before the first rollout the router needs an engine. Engines that ask to join
-        (engine --coordinator, as in compose) are added by a sync of the current weights;
-        with none listed and none asking, wait and say so."""
+    async def _first_engines(self) -> None:
+        """Before the first rollout, the engines hold this trainer's weights. With none listed
+        (a trainer that starts, or resumes, before its engines: a restart, a redeploy) it
+        waits for one up to --stall-timeout, as a running trainer does (keeper.py), and says
+        so. The current weights go to the engines that ask to join, to every engine when they
+        must (`sync_at_start`: a resume, a torch_dist start) and to every engine that holds
+        another version than this trainer's (one left by an earlier run: a re-run would
+        sample from its weights)."""
         coordinator = self.p.coordinator
-        if coordinator is None:
-            return
-        start = last = time.monotonic()
-        while not await self.p.weight_sync.routed_engines(patient=True):
-            joins = coordinator.take_pending_joins()
-            if joins:
-                await self.p.weight_sync.sync(
-                    self.p.backend.named_weights, self.version, join=joins
-                )
-                return
-            if time.monotonic() - last >= progress_every_s:
-                last = time.monotonic()
-                print(
-                    f"[trainer] waiting {last - start:.0f}s for an engine: the router lists "
-                    "none and no engine asked to join; start one with --coordinator "
-                    "(this trainer's address is in the [trainer] coordinator line) or "
-                    "register it with the router",
-                    flush=True,
-                )
-            await asyncio.sleep(0.2)
+        ws = self.p.weight_sync
+        listed = await ws.routed_engines(patient=True)
+        held = await ws.versions(listed) if listed else {}
+        behind = {u: v for u, v in held.items() if _behind(v, self.version)}
+        if behind and not self.sync_at_start:
+            print(
+                f"[trainer] engine(s) hold weights of another version than this trainer's "
+                f"{self.version} ({behind}): syncing them before any rollout",
+                flush=True,
+            )
+        if not listed or behind or self.sync_at_start:
+            await self.keeper.sync(self.p.backend.named_weights, self.version)
+        elif coordinator is not None and (pending := coordinator.take_pending_joins()):
+            await ws.sync(self.p.backend.named_weights, self.version, join=pending)
+        if self.readmit_at_start:
+            n = await self.p.admission.readmit(self.version)
+            print(
+                f"[trainer] resumed at iteration {self.iteration} (version {self.version}); "
+                f"re-admitted {n} groups in flight",
+                flush=True,
+            )
 
     async def _watched(
         self,

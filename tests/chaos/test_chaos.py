@@ -27,12 +27,14 @@ def test_worker_kills_a_redis_restart_and_poison_in_one_run(tiny_model_dir: Path
         _ok(row)
 
 
+@pytest.mark.long  # the engine's return: tests/integration/test_engines_come_back.py
 def test_engine_killed_mid_generation(tiny_model_dir: Path, tmp_path: Path):
     # ~20 s of run: the restarted engine boots in 5-10 s on a busy 2-core machine and must be
     # synced in before the run ends (130 iterations, ~10 s, lost that race once in CI).
     _ok(scenarios.engine_killed(tmp_path, tiny_model_dir, iterations=260, kills=1, first_at=8))
 
 
+@pytest.mark.long  # a killed trainer's resume: tests/e2e/test_run_end.py
 def test_trainer_killed_mid_iteration_resumes(tiny_model_dir: Path, tmp_path: Path):
     _ok(scenarios.trainer_killed(tmp_path, tiny_model_dir, iterations=12, save_interval=4))
 

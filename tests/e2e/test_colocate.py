@@ -22,7 +22,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "arith" / "run.sh"
 ROLLOUTS = 8
 
 
-@pytest.mark.parametrize("mode", ["train", "train-async"])
+# sync mode's turns: tests/integration/test_colocate_engine.py and the unit tests
+@pytest.mark.parametrize("mode", [pytest.param("train", marks=pytest.mark.long), "train-async"])
 def test_the_arith_job_learns_colocated(tmp_path, mode):
     run_dir = tmp_path / "run"
     env = {

@@ -34,6 +34,7 @@ def engine(model: Path, workdir: Path, coordinator: str) -> ServiceProcess:
     return ServiceProcess("engine", [*args, "--coordinator", coordinator], workdir)
 
 
+@pytest.mark.long  # joins through the Coordinator: every chaos test's deployment
 def test_engines_join_through_the_coordinator_before_and_during_a_run(
     tiny_model_dir: Path, redis_url: str, tmp_path: Path
 ):

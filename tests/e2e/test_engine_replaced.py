@@ -65,6 +65,7 @@ def _check_counts(run_dir: Path) -> None:
     assert counts["trained"] == 2 * ITERATIONS and counts["in_flight_lost"] == 0
 
 
+@pytest.mark.long  # the sync's wait and the newcomer: tests/integration/test_engines_come_back.py
 def test_the_only_engine_killed_mid_run_is_replaced_and_the_run_goes_on(
     tiny_model_dir: Path, redis_url: str, tmp_path: Path
 ):

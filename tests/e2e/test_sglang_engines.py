@@ -73,6 +73,7 @@ def test_the_arith_job_trains_on_engines_started_as_sglang_servers(tmp_path):
     assert "[trainer] eval at iter 3 (version 3):" in out
 
 
+@pytest.mark.long  # SGLang's parser on every flag: tests/contract/test_server_args.py
 def test_a_flag_sglang_refuses_stops_the_run_with_sglang_s_message(tmp_path):
     """A typo of one of SGLang's flags: millstream cannot know SGLang's flags, so it hands it
     on, and the server's start fails with argparse's message, which the launcher shows."""

@@ -348,7 +348,9 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").exists() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.long)]
+)
 def test_stopping_the_trainer_stops_every_child_quietly(sig, tiny_model_dir, prompts, tmp_path):
     """SIGTERM stops the run like Ctrl-C, service by service; SIGKILL leaves each child its
     death signal. Either way every child is gone within seconds, and no log shows a

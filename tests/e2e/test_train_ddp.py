@@ -39,7 +39,14 @@ def _tagged(tag: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron-tp2", "megatron-pp2"])
+# megatron's splits on one rank pair each: tests/unit/test_data_parallel.py (make test)
+_LONG = pytest.mark.long
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["fsdp", pytest.param("megatron-tp2", marks=_LONG), pytest.param("megatron-pp2", marks=_LONG)],
+)
 def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_path):  # noqa: F811
     """fsdp: the actor sharded, its gathered weights synced to the engine and saved by rank 0
     with each rank's optimizer shard beside them; megatron-tp2: megatron-core's GPTModel split

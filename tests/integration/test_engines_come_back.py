@@ -260,3 +260,39 @@ def test_between_syncs_the_keeper_sees_the_engine_gone_and_catches_a_new_one_up(
         for proc in (first, second):
             if proc is not None:
                 proc.stop()
+
+
+def test_an_engine_stopped_through_a_sync_is_removed_and_taken_back_once_it_answers(
+    routers, tiny_model_dir: Path, tmp_path: Path, run, capsys
+):
+    """The only engine SIGSTOPped as a sync starts (issue 42's chaos run: nothing ever
+    re-admitted it): the sync removes it, waits with none left, and takes it back once it
+    answers /health again (SIGCONT 4 s later), synced to the new version before the router
+    routes to it."""
+    import signal
+
+    router = routers(free_port(), "--health-check-interval", "0.5")
+    engine = EngineProcess(tiny_model_dir, tmp_path, *ENGINE_FLAGS)
+    ws = WeightSync(router.url, admin_token=TOKEN, timeout_s=2, stall_timeout_s=60)
+    keeper = EngineKeeper(ws, stall_timeout_s=60, poll_s=0.2)
+    try:
+        run(keeper.sync(hf_model(tiny_model_dir, seed=8).named_parameters(), 1, join=[engine.url]))
+        capsys.readouterr()
+        engine.proc.send_signal(signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(lambda: (time.sleep(4), engine.proc.send_signal(signal.SIGCONT)))
+            start = time.monotonic()
+            report = run(keeper.sync(hf_model(tiny_model_dir, seed=9).named_parameters(), 2))
+            took = time.monotonic() - start
+        assert report.engines == [engine.url] and list(report.removed) == [engine.url]
+        assert versions(engine.url) == ["2"] and served_version(router.url) == "2"
+        assert router_state(router.url) == ([engine.url], "2", [engine.url])
+        out = capsys.readouterr().out
+        print(f"engine stopped through a sync: back at version 2 after {took:.1f} s")
+        assert 4 < took < 30, out
+        assert out.count("[trainer] no engine left: waiting up to 60 s for one") == 1, out
+        assert f"engine(s) ['{engine.url}'] joined and hold version 2" in out, out
+    finally:
+        engine.proc.send_signal(signal.SIGCONT)
+        run(ws.close())
+        engine.stop()

@@ -101,6 +101,7 @@ class FakeSync:
         self.synced: list[tuple[int, list[str]]] = []
         self.held: dict[str, str] = {}  # engine url -> the version it holds
         self.readmits = 0
+        self.back: list[str] = []  # removed engines that answer again (`revivable`)
 
     async def sync(self, _weights: Any, version: int, *, join=(), **_: Any) -> SyncReport:
         self.engines += [u for u in join if u not in self.engines]
@@ -126,6 +127,10 @@ class FakeSync:
     async def readmit(self) -> list[str]:
         self.readmits += 1
         return []
+
+    async def revivable(self) -> list[str]:
+        back, self.back = self.back, []
+        return back
 
 
 def test_with_no_engine_the_sync_waits_pauses_admission_and_syncs_the_newcomer():
@@ -192,3 +197,115 @@ def test_between_syncs_an_engine_at_the_version_the_router_lags_on_is_left_alone
 
     asyncio.run(scenario())
     assert ws.synced == [] and keeper.ready.is_set()
+
+
+def test_a_removed_engine_that_answers_again_joins_the_next_sync_and_ends_a_wait():
+    ws, lines = FakeSync(), []
+    keeper = EngineKeeper(ws, stall_timeout_s=30, poll_s=0.02, say=lines.append)
+
+    async def scenario() -> None:
+        async def back_later() -> None:
+            await asyncio.sleep(0.3)
+            ws.back = ["http://stopped:1"]  # SIGCONT: it answers /health again
+
+        report, _ = await asyncio.gather(keeper.sync([], 4), back_later())
+        assert report.engines == ["http://stopped:1"] and keeper.ready.is_set()
+        ws.back = ["http://other:1"]
+        report = await keeper.sync([], 5)  # no wait: it simply joins
+        assert report.engines == ["http://stopped:1", "http://other:1"]
+
+    asyncio.run(scenario())
+    assert ws.synced == [(4, ["http://stopped:1"]), (5, ["http://stopped:1", "http://other:1"])]
+    assert lines[-1].startswith("engine(s) ['http://stopped:1'] joined and hold version 4")
+
+
+# -- the trainer's start (Trainer._first_engines) --------------------------------------------
+
+
+class StartParts:
+    """What Trainer._first_engines touches: the FakeSync, a coordinator with pending joins,
+    an admission that re-admits, a backend with weights."""
+
+    def __init__(self, ws: FakeSync, joins: list[str]) -> None:
+        self.weight_sync, self.joins, self.readmitted = ws, joins, []
+        self.coordinator = self
+        self.admission = self
+        self.backend = self
+        self.address = "10.0.0.1:50051"
+
+    def take_pending_joins(self) -> list[str]:
+        taken, self.joins[:] = list(self.joins), []
+        return taken
+
+    def named_weights(self) -> list:
+        return []
+
+    async def readmit(self, version: int) -> int:
+        self.readmitted.append(version)
+        return 3
+
+
+def start_trainer(ws: FakeSync, joins: list[str], version: int, stall_s: float = 30):
+    from millstream.common.config import parse_run_config
+    from millstream.trainer.trainer import Trainer
+
+    argv = ["--hf-checkpoint", "m", "--prompt-data", "p", "--rollout-batch-size", "2"]
+    argv += ["--stall-timeout", str(stall_s)]
+    cfg = parse_run_config(argv, mode="async", prog="test")
+    trainer = Trainer.__new__(Trainer)  # only what the start needs
+    trainer.cfg, trainer.p, trainer.version, trainer.iteration = (
+        cfg,
+        StartParts(ws, joins),
+        version,
+        9,
+    )
+    trainer.sync_at_start = trainer.readmit_at_start = False
+    trainer.keeper = EngineKeeper(
+        ws, trainer.p.take_pending_joins, stall_timeout_s=stall_s, poll_s=0.02,
+        coordinator_address=trainer.p.address, say=lambda line: None,
+    )  # fmt: skip
+    return trainer
+
+
+def test_a_resumed_trainer_with_no_engine_listed_waits_for_one_then_readmits(capsys):
+    ws, joins = FakeSync(), []
+    trainer = start_trainer(ws, joins, version=9)
+    trainer.sync_at_start = trainer.readmit_at_start = True
+
+    async def scenario() -> None:
+        async def join_later() -> None:
+            await asyncio.sleep(0.3)
+            joins.append("http://new:1")
+
+        await asyncio.gather(trainer._first_engines(), join_later())
+
+    asyncio.run(scenario())  # before issue 42: NoEngineLeft at once
+    assert ws.synced == [(9, ["http://new:1"])] and trainer.p.readmitted == [9]
+    assert (
+        "resumed at iteration 9 (version 9); re-admitted 3 groups in flight"
+        in capsys.readouterr().out
+    )
+
+
+def test_a_resumed_trainer_with_no_engine_for_the_stall_timeout_stops_with_the_old_error():
+    trainer = start_trainer(FakeSync(), [], version=9, stall_s=0.3)
+    trainer.sync_at_start = True
+    with pytest.raises(NoEngineLeft, match="waited 0 s"):
+        asyncio.run(trainer._first_engines())
+
+
+@pytest.mark.parametrize(
+    ("held", "version", "synced"),
+    [("7", 0, True), ("0", 0, False), ("default", 0, False), ("v0", 0, False),
+     ("7", 7, False), ("6", 7, True), ("default", 7, True)],
+)  # fmt: skip
+def test_a_trainer_starts_by_syncing_the_engines_that_hold_another_version(
+    held, version, synced, capsys
+):
+    ws = FakeSync()
+    ws.engines, ws.held = ["http://old:1"], {"http://old:1": held}
+    trainer = start_trainer(ws, [], version=version)
+    asyncio.run(trainer._first_engines())
+    assert ws.synced == ([(version, ["http://old:1"])] if synced else [])
+    said = "hold weights of another version than this trainer's" in capsys.readouterr().out
+    assert said == synced

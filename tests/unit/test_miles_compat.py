@@ -137,7 +137,17 @@ def test_each_script_passes_preflight_or_exits_2_naming_the_flag(
         assert err.startswith(f"millstream {command}: error: {refused} "), err
 
 
-@pytest.mark.parametrize("name", RUNNABLE + list(GPU_NODE))
+# The estimators these scripts choose train in tests/e2e/test_estimators.py (make test).
+LONG_SCRIPTS = ("run-dapo.sh", "run-gspo.sh", "run-ppo.sh", "run-opd.sh")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.long) if n in LONG_SCRIPTS else n
+        for n in RUNNABLE + list(GPU_NODE)
+    ],
+)
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_runnable_scripts_train_one_iteration_on_cpu(tmp_path, name):

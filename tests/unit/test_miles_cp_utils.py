@@ -84,6 +84,7 @@ def test_the_torch_backend_trains_with_it(tiny_model_dir, tmp_path):
     assert all(torch.equal(weights[k], w) for k, w in want_weights.items())
 
 
+@pytest.mark.long  # megatron's CP ranks: tests/unit/test_data_parallel.py (tp2-cp2, pp2-cp2)
 def test_megatron_context_parallel_ranks_give_the_one_rank_step(tiny_model_dir, tmp_path):
     """Miles' own script runs this function with --context-parallel-size 2. Here the two CP
     ranks gather the sequence before the loss, so the function sees whole responses on each

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from millstream.common import telemetry
+from millstream.common import aio, telemetry
 from millstream.common.auth import bearer_headers
 
 
@@ -74,7 +74,7 @@ class EngineCalls:
     async def post(self, url: str, path: str, body: dict[str, Any]) -> None:
         headers = telemetry.inject_headers(dict(self.headers))
         try:
-            resp = await asyncio.wait_for(
+            resp = await aio.wait_for(
                 self.http.post(url + path, json=body, headers=headers), self.timeout_s
             )
         except TimeoutError:
@@ -102,17 +102,18 @@ class EngineCalls:
         results = await asyncio.gather(*(one(i, u) for i, u in enumerate(urls)))
         return {u: r for u, r in zip(urls, results, strict=True) if r is not None}
 
-    async def alive(self, urls: list[str]) -> set[str]:
-        """The engines among `urls` that answer GET /health within a few seconds."""
+    async def alive(self, urls: list[str], probe_s: float = 5.0) -> set[str]:
+        """The engines among `urls` that answer GET /health within `probe_s` (at most the
+        sync timeout)."""
 
         async def check(url: str) -> bool:
             try:
-                resp = await asyncio.wait_for(self.http.get(url + "/health"), probe_s)
+                resp = await aio.wait_for(self.http.get(url + "/health"), probe_s)
             except (TimeoutError, httpx.HTTPError):
                 return False
             return resp.status_code == 200
 
-        probe_s = min(5.0, self.timeout_s)
+        probe_s = min(probe_s, self.timeout_s)
         answers = await asyncio.gather(*(check(u) for u in urls))
         return {u for u, ok in zip(urls, answers, strict=True) if ok}
 
@@ -121,7 +122,7 @@ class EngineCalls:
         JSON object): where it lives, its ranks, its checkpoint."""
         try:
             probe_s = min(5.0, self.timeout_s)  # as `alive`: a hung engine waits no longer
-            resp = await asyncio.wait_for(self.http.get(url + "/get_server_info"), probe_s)
+            resp = await aio.wait_for(self.http.get(url + "/get_server_info"), probe_s)
             info = resp.json() if resp.status_code == 200 else None
         except (TimeoutError, httpx.HTTPError, ValueError):
             return None

@@ -15,9 +15,13 @@ waits on) and the wait for one. It works in two places:
     engine that answers with the current version gets none: the router's view of it lags (a
     busy engine late to its health checks), and a sync would pause it for nothing.
 
+Each sync also takes back the engines an earlier sync removed that answer /health again
+(WeightSync.revivable: a stopped or slow engine that outlived its failure), so none is lost
+for good.
+
 The wait: admission paused (`ready` cleared) and one line that says so and how to add an
-engine; then every `poll_s` the Coordinator's pending joins and the engines the router lists
-that answer /health (one registered with the router). The first found is synced to the
+engine; then every `poll_s` the Coordinator's pending joins, the removed engines that answer
+again and the engines the router lists that answer /health (one registered with the router). The first found is synced to the
 current version, admission resumes, and one line says after how long. Nothing found within
 --stall-timeout of the loss: NoEngineLeft, the sync's own message plus the wait.
 
@@ -76,7 +80,7 @@ class EngineKeeper:
         for the sync that runs again."""
         if not callable(weights):
             weights = list(weights)
-        join = [*join, *self.joins()]
+        join = [*join, *self.joins(), *await self.ws.revivable()]
         removed: dict[str, str] = {}  # by the attempts that found none left
         while True:
             try:
@@ -108,7 +112,7 @@ class EngineKeeper:
         if self._dry < 2:  # one more look: the router's view of a busy engine may lag
             return None
         self._dry = 0
-        join = list(self.joins())
+        join = [*self.joins(), *await self.ws.revivable()]
         if not join:
             held = await self.ws.versions(await self.ws.routed_engines(patient=True))
             if str(version) in held.values():
@@ -134,7 +138,7 @@ class EngineKeeper:
         else:  # the last one found failed its sync: do not hammer it
             await asyncio.sleep(self.poll_s)
         while True:
-            join = list(self.joins())
+            join = [*self.joins(), *await self.ws.revivable()]
             await self.ws.readmit()
             if join or await self.ws.alive(await self.ws.routed_engines(patient=True)):
                 return join

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from millstream.common import telemetry
+from millstream.common import aio, telemetry
 from millstream.common.auth import bearer_headers
 from millstream.common.errors import ServiceUnavailable
 
@@ -99,7 +99,7 @@ class RouterAdmin:
     async def _attempt(self, method: str, path: str, **kwargs: Any) -> Any:
         headers = telemetry.inject_headers(dict(self.headers))
         try:
-            resp = await asyncio.wait_for(
+            resp = await aio.wait_for(
                 self.http.request(method, self.url + path, headers=headers, **kwargs),
                 self.timeout_s,
             )

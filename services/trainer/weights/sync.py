@@ -29,7 +29,9 @@ Invariants:
   * nothing waits forever: every HTTP call is bounded by --weight-sync-timeout in total
     (calls.py), and so is every collective of the group (gloo/NCCL timeout);
   * an engine that fails or times out in any step is removed from routing (`/remove_worker`)
-    and named in the report with the reason, and the sync goes on with the rest; a broken
+    and named in the report with the reason, and the sync goes on with the rest; it is not
+    lost for good: once it answers /health again it joins the next sync (`revivable`), which
+    brings it to the current version before the router routes to it; a broken
     update group is rebuilt with the engines still standing and the buckets sent again
     (group_route.py: who is blamed);
   * no engine left: NoEngineLeft (the trainer waits for one: keeper.py); a group that
@@ -54,7 +56,7 @@ from typing import Any
 import httpx
 from opentelemetry import trace
 
-from millstream.common import telemetry, tensor_share
+from millstream.common import aio, telemetry, tensor_share
 from millstream.common.errors import MillstreamError
 from millstream.common.http_pool import make_client
 
@@ -78,6 +80,9 @@ __all__ = [
 
 # Where an engine says its weight version: millstream's engine, then SGLang (router/health.py).
 VERSION_PATHS = ("/get_weight_version", "/model_info", "/get_model_info")
+REVIVE_FIRST_S = 2.0  # a removed engine's first look; doubled after each miss...
+REVIVE_MAX_S = 60.0  # ...up to this
+REVIVE_PROBE_S = 1.0  # a look's /health timeout (a stopped engine answers nothing)
 log = logging.getLogger("millstream.trainer")
 
 
@@ -157,6 +162,9 @@ class WeightSync:
         # restart), and the router restarts already answered by `readmit`.
         self._serving: list[str] = []
         self._restarts_seen = 0
+        # Engines removed after a failure they may outlive (stopped, slow, a dropped
+        # connection): url -> (when to look again, the wait after a miss); `revivable`.
+        self._removed: dict[str, tuple[float, float]] = {}
 
     @property
     def members(self) -> list[str]:
@@ -212,6 +220,8 @@ class WeightSync:
             engines = await self._push(calls, router, engines, buckets, report)
             await self._serve(calls, router, engines, report, pause)
             self._serving = list(engines)
+            for url in engines:
+                self._removed.pop(url, None)  # back, at this version
             await self.readmit()  # the router restarted after the listing: tell it again
             report.engines = engines
             report.add_time("total", time.monotonic() - start)
@@ -257,7 +267,7 @@ class WeightSync:
         async def read(url: str) -> str | None:
             try:
                 for path in VERSION_PATHS:
-                    resp = await asyncio.wait_for(http.get(url + path), probe_s)
+                    resp = await aio.wait_for(http.get(url + path), probe_s)
                     if resp.status_code != 404:
                         break
                 version = resp.json().get("weight_version") if resp.status_code == 200 else None
@@ -267,6 +277,33 @@ class WeightSync:
 
         found = await asyncio.gather(*(read(u) for u in urls))
         return dict(zip(urls, found, strict=True))
+
+    async def revivable(self) -> list[str]:
+        """The engines this trainer removed from routing that answer /health again and that
+        the router does not list: for the next sync to join (keeper.py), which brings each to
+        the current version before the router routes to it. Each is looked at REVIVE_FIRST_S
+        after its removal, then after every miss (no answer, or its return failed) twice as
+        long, up to REVIVE_MAX_S; one the router lists again (it registered itself, gated on
+        the version) is no longer ours to bring back."""
+        now = time.monotonic()
+        due = [u for u, (at, _) in self._removed.items() if at <= now]
+        if not due:
+            return []
+        try:
+            listed = set(await self.routed_engines())
+        except MillstreamError:  # the router is away: look again next time
+            return []
+        for url in [u for u in due if u in listed]:
+            del self._removed[url]
+        due = [u for u in due if u not in listed]
+        answering = await self._clients()[0].alive(due, probe_s=REVIVE_PROBE_S)
+        for url in due:
+            wait = self._removed[url][1]
+            self._removed[url] = (now + wait, min(2 * wait, REVIVE_MAX_S))
+        back = [u for u in due if u in answering]
+        if back:
+            log.warning("engine(s) %s answer /health again: they join the next sync", back)
+        return back
 
     async def readmit(self) -> list[str]:
         """When the router restarted since the last look (its id changed: router_admin.py), it
@@ -435,6 +472,8 @@ class WeightSync:
             )
             await router.remove(url)
             report.removed[url] = str(why)
+            wait = self._removed.get(url, (0.0, REVIVE_FIRST_S))[1]
+            self._removed[url] = (time.monotonic() + wait, wait)  # `revivable` looks then
             self._book.forget(url)  # a new engine may come back at this URL
             if url in self._serving:
                 self._serving.remove(url)
