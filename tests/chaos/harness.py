@@ -63,6 +63,7 @@ class Row:
     result: RunResult | None = None
     problems: list[str] = field(default_factory=list)
     longest_stall_s: float | None = None  # the longest time without a new iteration
+    stall_bound_s: float | None = None  # a broken promise past this (restarts.bounded)
 
     @property
     def ok(self) -> bool:

@@ -285,7 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.chaos.monkey", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated (default 1,2,3)")
-    parser.add_argument("--iterations", type=int, default=600, help="the run's --num-rollout")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=400,
+        help="the run's --num-rollout (400: ~10 min with faults)",
+    )
     parser.add_argument("--every-s", type=float, default=10.0, help="seconds between faults")
     parser.add_argument("--no-clean", action="store_true", help="skip the fault-free runs")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs' files here")

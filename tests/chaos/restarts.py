@@ -50,6 +50,15 @@ class Stalls:
         return self.longest
 
 
+def bounded(row: Row, stalls: Stalls, bound_s: float) -> None:
+    """The run's longest stall into `row`, a broken promise when it passed `bound_s` (the
+    fault's own length plus what coming back may take on 2 cores)."""
+    row.longest_stall_s = stalls.stop()
+    row.stall_bound_s = bound_s
+    if row.longest_stall_s > bound_s:
+        row.problems.append(f"a stall of {row.longest_stall_s:.1f} s > {bound_s:g} s")
+
+
 def restart_router(d: Deployment, down_s: float) -> None:
     """SIGKILL the router, `down_s` of absence, a new one on the same port (it knows no
     engine and no weight version: the trainer puts both back)."""
@@ -74,7 +83,7 @@ def router_restarted(workdir: Path, model: Path, *, iterations: int, restarts: i
             restart_router(d, down_s=2.0)
             row.injected += 1
         check_run(row, d.finish(trainer))
-        row.longest_stall_s = stalls.stop()
+        bounded(row, stalls, 20.0)
         _all_alive(d, row)
         row.outcome = "the trainer waited; engines re-added at the current version"
         return row
@@ -99,7 +108,7 @@ def last_engine_replaced(workdir: Path, model: Path, *, iterations: int, gap_s: 
         d.engines[0].wait_ready("/health")
         result = d.finish(trainer)
         check_run(row, result)
-        row.longest_stall_s = stalls.stop()
+        bounded(row, stalls, gap_s + 30.0)
         if result.log.count("no engine left") != 1:
             row.problems.append("the trainer did not say once that it waits for an engine")
         _all_alive(d, row)
@@ -122,7 +131,7 @@ def redis_down(workdir: Path, model: Path, *, iterations: int, down_s: float) ->
         row.injected += 1
         result = d.finish(trainer)
         check_run(row, result)
-        row.longest_stall_s = stalls.stop()
+        bounded(row, stalls, down_s + 30.0)
         if "reconnected" not in result.log:
             row.problems.append("the trainer never said it reconnected")
         _all_alive(d, row)
@@ -149,9 +158,11 @@ def trainer_terminated(workdir: Path, model: Path, *, iterations: int) -> Row:
         saved = (workdir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip()
         if "SIGTERM" not in str(summary.get("ended")):
             row.problems.append(f"the summary after SIGTERM says {summary.get('ended')!r}")
+        if code != 130:
+            row.problems.append(f"the trainer exited {code} at SIGTERM, not 130")
         resumed = d.start_trainer(iterations, *flags)
         check_run(row, d.finish(resumed))
-        row.longest_stall_s = stalls.stop()  # the stop and the new trainer's start included
+        bounded(row, stalls, 60.0)  # the stop and the new trainer's start included
         _all_alive(d, row)
         row.outcome = f"exit {code}, checkpoint at iteration {saved}, resumed and finished"
         return row

@@ -49,3 +49,12 @@ def test_a_50_mb_request_is_refused_and_the_router_serves_on(tiny_model_dir: Pat
 
 def test_an_admin_call_through_the_router_needs_its_token(tiny_model_dir: Path, tmp_path: Path):
     _ok(restarts.unauthenticated_admin(tmp_path, tiny_model_dir))
+
+
+@pytest.mark.long  # SIGTERM's checkpoint and summary: tests/e2e/test_run_end.py
+def test_the_trainer_terminated_exits_130_within_its_stall_bound_and_resumes(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    row = restarts.trainer_terminated(tmp_path, tiny_model_dir, iterations=12)
+    _ok(row)
+    assert row.stall_bound_s is not None and row.longest_stall_s is not None

@@ -263,3 +263,13 @@ def test_every_compose_command_the_docs_print_exists_here():
     for path in texts:
         command = r"^\s*(#\s*)?docker compose (-|up|down|logs|ps|build|run|exec|config)"
         assert not re.search(command, path.read_text(), re.M), path
+
+
+@pytest.mark.parametrize("profile", list(VIEWERS))
+def test_the_viewers_listen_on_localhost_unless_asked_otherwise(profile):
+    """Phoenix, Jaeger and Prometheus have no login: published on 127.0.0.1 (issue 42: an ops
+    user found them on every interface); PUBLISH_ADDRESS=0.0.0.0 asks for every interface."""
+    for env, want in (({}, "127.0.0.1"), ({"PUBLISH_ADDRESS": "0.0.0.0"}, "0.0.0.0")):
+        services = services_of(f"cpu,{profile}", **env)
+        published = [p for s in services.values() for p in s.get("ports", [])]
+        assert published and {p["host_ip"] for p in published} == {want}, published
