@@ -331,8 +331,7 @@ async def train_loop(
         # Whatever ended first (the run, a service's death, SIGTERM or Ctrl-C cancelling
         # this task), the other stops before what they use is closed.
         # The run's own stop waits for its background tasks (up to STOP_GRACE_S) first.
-        left = await aio.stop_tasks((run, watch), 3 * aio.STOP_GRACE_S, who="trainer")
-        trainer.left_behind += left
+        await aio.stop_tasks((run, watch), 3 * aio.STOP_GRACE_S, who="trainer")
         await close_all(closers)
         if end is not None:
             end.take()

@@ -105,7 +105,6 @@ class Trainer:
         )
         # Held while the weights move (train, sync): the keeper's catch-up syncs go between.
         self._weights_lock = asyncio.Lock()
-        self.left_behind: list[str] = []  # background tasks that outlived their cancel
         # Set by the build: every engine gets this trainer's weights before the first rollout
         # (a resume, a torch_dist start), then the groups in flight at the checkpoint go out
         # again (a resume).
@@ -144,7 +143,7 @@ class Trainer:
         finally:
             # Bounded: a background task that does not end at its cancel is named and left
             # behind (common/aio.py), so a run whose last iteration is done always ends.
-            self.left_behind += await aio.stop_tasks((self._pump, janitor, keeper), who="trainer")
+            await aio.stop_tasks((self._pump, janitor, keeper), who="trainer")
         await self.drain()
 
     async def drain(self, timeout_s: float = 120.0) -> None:

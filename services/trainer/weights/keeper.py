@@ -21,8 +21,8 @@ for good.
 
 The wait: admission paused (`ready` cleared) and one line that says so and how to add an
 engine; then every `poll_s` the Coordinator's pending joins, the removed engines that answer
-again and the engines the router lists that answer /health (one registered with the router). The first found is synced to the
-current version, admission resumes, and one line says after how long. Nothing found within
+again and the engines the router lists that answer /health (one registered with the router).
+The first found is synced to the current version, admission resumes, and one line says after how long. Nothing found within
 --stall-timeout of the loss: NoEngineLeft, the sync's own message plus the wait.
 
 Why the trainer, and not the router or the engines, brings engines back: it already owns
