@@ -4,9 +4,9 @@
 Miles' router API: `POST {router}/add_worker?url=http://host:port` once the engine listens,
 `POST {router}/remove_worker?url=...` on shutdown, with `Authorization: Bearer TOKEN` when
 an admin token is set (JoinEngine carries the same token in its gRPC metadata).
-Registration retries with backoff (a router started alongside may not listen yet) and
-raises ServiceUnavailable with the router's last answer if it never succeeds; withdrawal is
-tried a few times and only logged, since the engine is exiting.
+Registration retries with backoff (common/retry.py: a router started alongside may not listen
+yet) and raises ServiceUnavailable with the router's last answer if it never succeeds;
+withdrawal is tried a few times and only logged, since the engine is exiting.
 
 A router that restarts forgets the engines it had. The engine does not announce itself
 again: the trainer adds back the engines it synced, gated on the current version first
@@ -16,15 +16,14 @@ trainer gets its engines back from --worker-urls.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
 import httpx
 
 from millstream.common.auth import bearer_headers
 from millstream.common.errors import ServiceUnavailable
 from millstream.common.http_pool import make_client
+from millstream.common.retry import Backoff, retrying
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +41,11 @@ async def _post(router_url: str, path: str, worker_url: str, admin_token: str | 
         )
 
 
+def _refused(err: BaseException) -> bool:
+    """A token the router refuses is refused again: not worth a retry (as JoinEngine's)."""
+    return isinstance(err, httpx.HTTPStatusError) and err.response.status_code in (401, 403)
+
+
 async def register(
     router_url: str,
     worker_url: str,
@@ -49,35 +53,26 @@ async def register(
     attempts: int = 5,
     delay_s: float = 0.5,
 ) -> None:
-    last: Exception | None = None
-    for attempt in range(1, attempts + 1):
-        try:
-            await _post(router_url, "add_worker", worker_url, admin_token)
-            log.info("registered %s with router %s", worker_url, router_url)
-            return
-        except httpx.HTTPError as err:
-            refused = isinstance(err, httpx.HTTPStatusError) and err.response.status_code in (
-                401,
-                403,
-            )
-            if refused:  # a token the router refuses is refused again: as JoinEngine's
-                raise ServiceUnavailable(
-                    f"--register-with {router_url}: the router refused this engine's admin "
-                    f"token ({err}): give the engine the router's --admin-token"
-                ) from None
-            last = err
-            log.warning(
-                "registering with router %s failed (attempt %d/%d): %s",
-                router_url,
-                attempt,
-                attempts,
-                err,
-            )
-            await asyncio.sleep(delay_s * attempt)
-    raise ServiceUnavailable(
-        f"--register-with {router_url}: add_worker failed {attempts} times ({last}); "
-        "check the router is up and the admin token matches"
-    )
+    try:
+        async for attempt in retrying(
+            Backoff(attempts=attempts, first_s=delay_s, max_s=5.0),
+            f"registering with router {router_url}",
+            retry_on=lambda err: isinstance(err, httpx.HTTPError) and not _refused(err),
+            logger=log,
+        ):
+            with attempt:
+                await _post(router_url, "add_worker", worker_url, admin_token)
+    except httpx.HTTPError as err:
+        if _refused(err):
+            raise ServiceUnavailable(
+                f"--register-with {router_url}: the router refused this engine's admin "
+                f"token ({err}): give the engine the router's --admin-token"
+            ) from None
+        raise ServiceUnavailable(
+            f"--register-with {router_url}: add_worker failed {attempts} times ({err}); "
+            "check the router is up and the admin token matches"
+        ) from None
+    log.info("registered %s with router %s", worker_url, router_url)
 
 
 async def join(
@@ -95,61 +90,53 @@ async def join(
     from millstream.common import telemetry
     from millstream.common.pb import services_pb2, services_pb2_grpc
 
-    deadline = time.monotonic() + timeout_s
-    delay, attempt = 0.5, 0
     auth = [("authorization", f"Bearer {admin_token}")] if admin_token else []
+    refusals = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED)
     async with grpc.aio.insecure_channel(coordinator) as channel:
         stub = services_pb2_grpc.CoordinatorStub(channel)
-        while True:
-            attempt += 1
-            try:
-                answer = await stub.JoinEngine(
-                    services_pb2.JoinEngineRequest(engine_url=worker_url),
-                    timeout=5.0,
-                    metadata=[*telemetry.grpc_metadata(), *auth],
-                )
-            except grpc.aio.AioRpcError as err:
-                if err.code() in (
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    grpc.StatusCode.UNAUTHENTICATED,
-                ):
-                    raise ServiceUnavailable(
-                        f"--coordinator {coordinator}: {err.code().name}: {err.details()}"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise ServiceUnavailable(
-                        f"--coordinator {coordinator}: no trainer answered JoinEngine within "
-                        f"{timeout_s:.0f} s ({err.code().name}: {err.details()}); is the "
-                        "trainer running with that --coordinator-port?"
-                    ) from None
-                if attempt == 1 or attempt % 10 == 0:
-                    log.warning(
-                        "JoinEngine at %s: %s; retrying (the trainer may still be starting)",
-                        coordinator,
-                        err.code().name,
+        try:
+            async for attempt in retrying(
+                Backoff(within_s=timeout_s, first_s=0.5, max_s=5.0),
+                f"JoinEngine at {coordinator} (the trainer may still be starting)",
+                retry_on=lambda err: (
+                    isinstance(err, grpc.aio.AioRpcError) and err.code() not in refusals
+                ),
+                logger=log,
+                every=10,
+            ):
+                with attempt:
+                    answer = await stub.JoinEngine(
+                        services_pb2.JoinEngineRequest(engine_url=worker_url),
+                        timeout=5.0,
+                        metadata=[*telemetry.grpc_metadata(), *auth],
                     )
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 5.0)
-                continue
-            log.info("joined via coordinator %s: %s", coordinator, answer.message)
-            return int(answer.version)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in refusals:
+                raise ServiceUnavailable(
+                    f"--coordinator {coordinator}: {err.code().name}: {err.details()}"
+                ) from None
+            raise ServiceUnavailable(
+                f"--coordinator {coordinator}: no trainer answered JoinEngine within "
+                f"{timeout_s:.0f} s ({err.code().name}: {err.details()}); is the "
+                "trainer running with that --coordinator-port?"
+            ) from None
+    log.info("joined via coordinator %s: %s", coordinator, answer.message)
+    return int(answer.version)
 
 
 async def unregister(
     router_url: str, worker_url: str, admin_token: str | None, attempts: int = 3
 ) -> None:
-    for attempt in range(1, attempts + 1):
-        try:
-            await _post(router_url, "remove_worker", worker_url, admin_token)
-            log.info("removed %s from router %s", worker_url, router_url)
-            return
-        except httpx.HTTPError as err:
-            log.warning(
-                "removing %s from router %s failed (attempt %d/%d): %s",
-                worker_url,
-                router_url,
-                attempt,
-                attempts,
-                err,
-            )
-            await asyncio.sleep(0.2 * attempt)
+    try:
+        async for attempt in retrying(
+            Backoff(attempts=attempts, first_s=0.2, max_s=1.0),
+            f"removing {worker_url} from router {router_url}",
+            retry_on=httpx.HTTPError,
+            logger=log,
+        ):
+            with attempt:
+                await _post(router_url, "remove_worker", worker_url, admin_token)
+    except httpx.HTTPError as err:  # the engine is exiting: said, not raised
+        log.warning("removing %s from router %s failed: %s", worker_url, router_url, err)
+        return
+    log.info("removed %s from router %s", worker_url, router_url)

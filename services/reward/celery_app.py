@@ -10,12 +10,16 @@ takes one JSON string: `{"run_id", "prompt", "sample": base64 protobuf Sample}` 
 `score_sample`, `{"run_id", "samples": [...]}` for `score_group`; it returns the float
 reward(s), or, when the --custom-rm-path function failed (a PluginFailed), `{"plugin_error":
 {...}}`, which the reward worker raises again as that PluginFailed, traceback included: the
-group fails at once, as with inline scoring (common/plugin_errors.py). A Celery worker is started with only --redis-url and --run-id and builds the same
-`Rewarder` from the run config in Redis, so the rewards are the same as inline scoring. A
-task for another run id is refused.
+group fails at once, as with inline scoring (common/plugin_errors.py). A Celery worker is
+started with only --redis-url and --run-id and builds the same `Rewarder` from the run config
+in Redis, so the rewards are the same as inline scoring. A task for another run id is refused.
 
 The reward worker sends tasks and waits for results (`CeleryExecutor`); timeouts and retries
-stay in its scorer. `make_celery_app` builds an app without touching the broker, so importing
+of a reward stay in its scorer. A Redis outage is not a failed reward: as every other Redis
+client of millstream (common/redis_conn.py), the executor rides it out for up to
+--redis-outage-timeout, sending the task again once Redis answers (common/retry.py; a reward
+is safe to compute twice), and the scorer's bound on an attempt grows by that much
+(`outage_s`); Celery's own wait for the result stays bounded by --reward-timeout. `make_celery_app` builds an app without touching the broker, so importing
 this module or building the app has no side effects.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import threading
 from collections.abc import Coroutine, Sequence
@@ -35,7 +40,8 @@ from millstream.common import aio, telemetry
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.common.plugin_errors import PluginFailed
-from millstream.common.redis_conn import password_for
+from millstream.common.redis_conn import OUTAGE_TIMEOUT_S, password_for
+from millstream.common.retry import Backoff, retrying
 from millstream.common.types import Sample
 
 from .rewarder import Rewarder, ThreadRunner
@@ -172,6 +178,16 @@ def _task_span(task: str, payload: dict[str, Any], samples: int) -> Any:
     )
 
 
+def _outage(err: BaseException) -> bool:
+    """Redis unreachable, as kombu (publishing) or redis-py (the result backend) says it."""
+    from kombu.exceptions import OperationalError
+    from redis.exceptions import ConnectionError as RedisDown
+    from redis.exceptions import TimeoutError as RedisSlow
+
+    # Not any OSError: a reward function's own error comes back through result.get too.
+    return isinstance(err, OperationalError | RedisDown | RedisSlow)
+
+
 class CeleryExecutor:
     """The reward worker's side: one task per attempt, its result awaited without blocking."""
 
@@ -179,12 +195,21 @@ class CeleryExecutor:
     # collected (and its pubsub subscription dropped) instead of leaking.
     _GRACE_S = 1.0
 
-    def __init__(self, app: Any, run_id: str, timeout_s: float, max_waiting: int = 256):
+    def __init__(
+        self,
+        app: Any,
+        run_id: str,
+        timeout_s: float,
+        max_waiting: int = 256,
+        outage_s: float = OUTAGE_TIMEOUT_S,
+    ):
         self.app = app
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.queue = queue_name(run_id)
         self.threads = ThreadRunner(max_waiting)
+        self.outage_s = outage_s  # read by the scorer: an attempt may wait this long for Redis
+        self._outage = Backoff(within_s=outage_s, first_s=0.1, max_s=2.0)
 
     async def sample_reward(self, sample: Sample, prompt: str) -> float:
         payload = {"run_id": self.run_id, "prompt": prompt, "sample": encode_sample(sample)}
@@ -201,14 +226,25 @@ class CeleryExecutor:
 
     async def _call(self, task: str, payload: dict[str, Any], timeout_s: float) -> Any:
         telemetry.inject_fields(payload)  # the task's span continues the caller's trace
-        return await self.threads.run(self._send_and_wait, task, json.dumps(payload), timeout_s)
+        body = json.dumps(payload)
+        async for attempt in retrying(
+            self._outage, f"Celery task {task}: Redis unreachable", retry_on=_outage
+        ):
+            with attempt:
+                return await self.threads.run(self._send_and_wait, task, body, timeout_s)
+        raise AssertionError("unreachable: retrying raises the last error")
 
     def _send_and_wait(self, task: str, payload_json: str, timeout_s: float) -> Any:
+        from celery.exceptions import TimeoutError as CeleryTimeout
+
         result = self.app.send_task(task, args=[payload_json], queue=self.queue)
         try:
             value = result.get(timeout=timeout_s + self._GRACE_S, interval=0.05)
+        except CeleryTimeout:
+            raise TimeoutError(f"no Celery worker answered {task} within {timeout_s:g} s") from None
         finally:
-            result.forget()
+            with contextlib.suppress(Exception):  # tidying only: the answer (or error) matters
+                result.forget()
         failed = PluginFailed.from_json(value)
         if failed is not None:
             raise failed

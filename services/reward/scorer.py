@@ -10,7 +10,7 @@ Owns the verdict of a group. The invariant: an infrastructure failure is never a
   attempt is bounded by `--reward-timeout` (per sample; a group reward gets it per sample of
   the group). An attempt that times out or fails on the infrastructure (a verifier that
   cannot be reached, a built-in rule's error) is retried `--reward-retries` times with a
-  short exponential backoff; when the last attempt fails too, the other samples' work is
+  short exponential backoff (`reward_backoff`, common/retry.py); when the last attempt fails too, the other samples' work is
   cancelled and the WHOLE group is FAILED with a reason naming the sample and the error.
   No sample of a failed group carries a made-up reward.
 * A plugin that raises or answers wrongly (the --custom-rm-path reward, a filter below) is
@@ -42,6 +42,7 @@ from millstream.common import aio
 from millstream.common.config import RunConfig
 from millstream.common.miles import make_args
 from millstream.common.plugin_errors import PluginFailed, find
+from millstream.common.retry import Backoff, retrying
 from millstream.common.types import Sample, SampleGroup, SampleStatus, ScoredGroup, Verdict
 
 from .filters import (
@@ -54,13 +55,16 @@ from .filters import (
 
 log = logging.getLogger("millstream.reward")
 
-_BACKOFF_S = 0.1
 _VERDICT_NAMES = {
     Verdict.VERDICT_KEPT: "kept",
     Verdict.VERDICT_FILTERED: "filtered",
     Verdict.VERDICT_FAILED: "failed",
 }
-_BACKOFF_MAX_S = 2.0
+
+
+def reward_backoff(retries: int) -> Backoff:
+    """--reward-retries more attempts after the first, 0.1 s doubling to 2 s between them."""
+    return Backoff(attempts=retries + 1, first_s=0.1, max_s=2.0)
 
 
 class Executor(Protocol):
@@ -193,26 +197,42 @@ class GroupScorer:
         self, gid: str, what: str, attempt: Callable[[], Awaitable[Any]], timeout_s: float
     ) -> Any:
         tries = self.retries + 1
-        for n in range(1, tries + 1):
-            try:
-                return await aio.wait_for(attempt(), timeout_s)
-            except PluginFailed:
-                self.stats["reward_plugin_errors"] += 1
-                raise  # a bug: another try repeats it
-            except TimeoutError:
-                self.stats["reward_timeouts"] += 1
-                error = f"timed out after {timeout_s:g} s (--reward-timeout)"
-            except Exception as err:
-                self.stats["reward_errors"] += 1
-                error = f"raised {type(err).__name__}: {err}"
-            if n < tries:
-                self.stats["reward_retries"] += 1
-                log.info(
-                    "group %s %s: reward %s; retry %d of %d", gid, what, error, n, self.retries
-                )
-                await asyncio.sleep(min(_BACKOFF_S * 2 ** (n - 1), _BACKOFF_MAX_S))
+        try:
+            async for retry in retrying(
+                reward_backoff(self.retries),
+                f"group {gid} {what}: reward",
+                retry_on=lambda err: not isinstance(err, PluginFailed),
+                logger=log,
+                level=logging.INFO,
+            ):
+                with retry:
+                    if retry.retry_state.attempt_number > 1:
+                        self.stats["reward_retries"] += 1
+                    return await self._attempt(attempt, timeout_s)
+        except PluginFailed:
+            raise  # a bug: another try repeats it
+        except TimeoutError:
+            error = f"timed out after {timeout_s:g} s (--reward-timeout)"
+        except Exception as err:
+            error = f"raised {type(err).__name__}: {err}"
         attempts = "1 attempt" if tries == 1 else f"{tries} attempts"
         raise RewardFailure(f"{what}: reward {error} ({attempts}, --reward-retries {self.retries})")
+
+    async def _attempt(self, attempt: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
+        """One attempt, bounded and counted in `stats` when it fails."""
+        try:
+            # An executor that rides out Redis outages (celery) may take that much longer.
+            outage_s = getattr(self.executor, "outage_s", 0.0)
+            return await aio.wait_for(attempt(), timeout_s + outage_s)
+        except PluginFailed:
+            self.stats["reward_plugin_errors"] += 1
+            raise
+        except TimeoutError:
+            self.stats["reward_timeouts"] += 1
+            raise
+        except Exception:
+            self.stats["reward_errors"] += 1
+            raise
 
 
 def _first_reward_failure(errors: BaseExceptionGroup) -> RewardFailure | None:

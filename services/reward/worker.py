@@ -46,7 +46,9 @@ def build_executor(cfg: RunConfig, redis_url: str, password: str | None) -> Exec
         )
     if cfg.reward.reward_executor == "celery":
         app = make_celery_app(redis_url, cfg.run_id, password)
-        return CeleryExecutor(app, cfg.run_id, cfg.reward.reward_timeout)
+        return CeleryExecutor(
+            app, cfg.run_id, cfg.reward.reward_timeout, outage_s=cfg.service.redis_outage_timeout
+        )
     return Rewarder(cfg)
 
 

@@ -9,7 +9,7 @@ Owns two things every generation request passes through:
   first come first served: a resumed partial sample (priority 0, 1, ... in the buffer
   filter's order) goes before a fresh one (`FRESH`). A slot is free during retry backoff.
 * Retries: a router that is down (connect error, broken connection, timeout) or answers 5xx or
-  429 is retried `retry.attempts` times in all, with exponential backoff and jitter; then
+  429 is retried `retry.attempts` times in all (`GENERATE_RETRY`, common/retry.py); then
   `GenerationFailed` names the last error. A 4xx other than 429 (the request itself is bad,
   e.g. a prompt longer than the context) fails at once: retrying cannot help. Each attempt
   has its own `rid` (SGLang refuses a rid that is still running somewhere).
@@ -36,22 +36,19 @@ only the first's (common/telemetry.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
-import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind
 
-from millstream.common import aio
 from millstream.common.errors import Interrupted, MillstreamError
 from millstream.common.http_pool import make_client
+from millstream.common.retry import Backoff, retrying
 from millstream.common.telemetry import (
     GROUP_IDS,
     GROUPS_HEADER,
@@ -81,19 +78,9 @@ class GenerationFailed(MillstreamError):
         self.retryable = retryable
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    # 8 attempts wait 23-46 s in all: longer than a router restart or the moment between an
-    # engine's new version and the router serving it (503 "no eligible worker").
-    attempts: int = 8
-    backoff_s: float = 0.5
-    max_backoff_s: float = 15.0
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt number `attempt` (1-based), with jitter."""
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(
-            0.5, 1.0
-        )
+GENERATE_RETRY = Backoff(attempts=8, first_s=0.5, max_s=15.0)
+"""8 attempts wait 23-46 s in all: longer than a router restart or the moment between an
+engine's new version and the router serving it (503 "no eligible worker")."""
 
 
 class Slots:
@@ -154,14 +141,14 @@ class RouterClient:
         url: str,
         *,
         max_concurrency: int,
-        retry: RetryPolicy | None = None,
+        retry: Backoff = GENERATE_RETRY,
         timeout_s: float = 900.0,
         transport: httpx.AsyncBaseTransport | None = None,
         coalesce_window_s: float | None = COALESCE_WINDOW_S,
         max_batch: int = MAX_BATCH,
     ):
         self.url = url.rstrip("/")
-        self.retry = retry or RetryPolicy()
+        self.retry = retry
         self.slots = Slots(max_concurrency)
         self.coalesce_window_s = coalesce_window_s
         self.max_batch = max_batch
@@ -199,36 +186,34 @@ class RouterClient:
             "sampling_params": sampling_params,
             "return_logprob": True,
         }
-        last_error = ""
-        for attempt in range(1, self.retry.attempts + 1):
-            if attempt > 1 and self._stopping.is_set():
-                raise Interrupted(f"generate {rid}: {last_error}; not retried: stopping")
-            await self.slots.acquire(priority)
-            try:
-                answer, last_error = await self._post_once({**body, "rid": f"{rid}-a{attempt}"})
-            finally:
-                self.slots.release()
-            if answer is not None:
-                self._notice(answer)
-                return answer
-            if attempt < self.retry.attempts and not self._stopping.is_set():
-                delay = self.retry.delay(attempt)
-                log.warning(
-                    "generate %s: %s; retry %d/%d in %.1f s",
-                    rid,
-                    last_error,
-                    attempt,
-                    self.retry.attempts - 1,
-                    delay,
-                )
-                with contextlib.suppress(TimeoutError):
-                    await aio.wait_for(self._stopping.wait(), delay)
-        if self._stopping.is_set():
-            raise Interrupted(f"generate {rid}: {last_error}; not retried: stopping")
-        raise GenerationFailed(
-            f"router {self.url}/generate failed {self.retry.attempts} times; last error: "
-            f"{last_error}"
-        )
+        try:
+            async for attempt in retrying(
+                self.retry,
+                f"generate {rid}",
+                retry_on=lambda err: isinstance(err, GenerationFailed) and err.retryable,
+                stop=self._stopping,
+            ):
+                with attempt:
+                    n = attempt.retry_state.attempt_number
+                    if n > 1 and self._stopping.is_set():
+                        raise Interrupted(f"generate {rid}: not retried: stopping")
+                    await self.slots.acquire(priority)
+                    try:
+                        answer, error = await self._post_once({**body, "rid": f"{rid}-a{n}"})
+                    finally:
+                        self.slots.release()
+                    if answer is None:
+                        raise GenerationFailed(error)
+        except GenerationFailed as err:
+            if not err.retryable:
+                raise
+            if self._stopping.is_set():
+                raise Interrupted(f"generate {rid}: {err}; not retried: stopping") from None
+            raise GenerationFailed(
+                f"router {self.url}/generate failed {self.retry.attempts} times; last error: {err}"
+            ) from None
+        self._notice(answer)
+        return answer
 
     async def _post_once(self, body: dict[str, Any]) -> tuple[Any, str]:
         """(answer, "") or (None, why it may be retried); GenerationFailed when it must not.

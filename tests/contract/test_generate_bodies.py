@@ -29,8 +29,9 @@ import pytest
 from millstream.common.config import parse_run_config
 from millstream.common.miles import Sample as MilesSample
 from millstream.common.miles import install_miles_modules, make_args
+from millstream.common.retry import Backoff
 from millstream.common.types import PromptGroup
-from millstream.rollout.client import RetryPolicy, RouterClient
+from millstream.rollout.client import RouterClient
 from millstream.rollout.group import DefaultRollout
 from millstream.rollout.partial import PartialBuffer
 from tests.contract.sglang_server import unknown_fields, validation_problems
@@ -105,7 +106,7 @@ class SGLangJudge:
 
 def with_client(judge: SGLangJudge, go: Callable[[RouterClient], Awaitable[Any]], **kw) -> Any:
     async def main() -> Any:
-        client = RouterClient("http://router", max_concurrency=8, retry=RetryPolicy(attempts=1),
+        client = RouterClient("http://router", max_concurrency=8, retry=Backoff(attempts=1),
                               transport=judge.transport(), **kw)  # fmt: skip
         try:
             return await go(client)

@@ -28,8 +28,9 @@ import pytest
 
 from millstream.common.miles import Sample as MilesSample
 from millstream.common.miles import install_miles_modules, make_args
+from millstream.common.retry import Backoff
 from millstream.common.types import Sample, SampleStatus
-from millstream.rollout.client import RetryPolicy, RouterClient
+from millstream.rollout.client import RouterClient
 from millstream.rollout.generate import append_answer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -140,7 +141,7 @@ def test_router_client_splits_a_batched_parallel_answer_prompt_by_prompt():
 
     async def main() -> list[Any]:
         client = RouterClient(
-            "http://router", max_concurrency=4, retry=RetryPolicy(attempts=1),
+            "http://router", max_concurrency=4, retry=Backoff(attempts=1),
             transport=httpx.MockTransport(engine),
         )  # fmt: skip
         try:

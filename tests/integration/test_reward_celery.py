@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
+import time
 import uuid
 
 import pytest
@@ -17,6 +19,7 @@ from millstream.common.types import PromptGroup, Sample, SampleGroup, Verdict
 from millstream.reward.rewarder import Rewarder
 from millstream.reward.scorer import GroupScorer
 from millstream.reward.worker import build_executor
+from tests.support.redis_server import RedisServer
 from tests.support.reward_proc import RewardProcs, collect_scored, publish_config, publish_groups
 
 pytestmark = pytest.mark.integration
@@ -144,3 +147,43 @@ def test_no_celery_worker_means_failed_groups_not_zero_rewards(redis_url):
     out = asyncio.run(go())
     assert out.verdict == Verdict.VERDICT_FAILED
     assert "timed out after 0.5 s" in out.reason
+
+
+@pytest.mark.timeout(120)
+def test_a_redis_outage_is_waited_out_not_a_failed_reward(tmp_path):
+    """Redis down 8 s, longer than --reward-timeout, while a group is scored through Celery
+    with --reward-retries 0: the group is scored once Redis is back (before: "timed out after
+    5 s", FAILED: the outage counted against the reward's own bound)."""
+    server = RedisServer(tmp_path, appendonly=True)
+    run_id = f"cel{uuid.uuid4().hex[:8]}"
+    cfg = make_cfg(run_id, "--reward-timeout", "5")
+    asyncio.run(publish_config(server.url, cfg))
+    procs = RewardProcs(server.url, run_id, tmp_path)
+    groups = make_groups()
+    try:
+        procs.celery("celery", "--pool", "threads", "--concurrency", "3", "--log-level", "info")
+        procs.wait_for_log("celery", "ready.")
+
+        async def go():
+            executor = build_executor(cfg, server.url, None)
+            try:
+                scorer = GroupScorer(cfg, executor)
+                before = await scorer.score(groups[0])
+                server.proc.terminate()
+                server.proc.wait(timeout=10)
+                threading.Timer(8.0, server.start).start()
+                started = time.monotonic()
+                during = await scorer.score(groups[1])
+                return before, during, time.monotonic() - started
+            finally:
+                await executor.aclose()
+
+        before, during, waited = asyncio.run(go())
+    finally:
+        procs.stop_all()
+        server.stop()
+    assert before.verdict != Verdict.VERDICT_FAILED, before.reason
+    assert during.verdict != Verdict.VERDICT_FAILED, during.reason
+    assert waited >= 7.5  # the outage was met, not missed
+    want = score_inline(cfg, groups[1:2])["c1"]
+    assert [s.reward for s in during.group.samples] == [s.reward for s in want.group.samples]

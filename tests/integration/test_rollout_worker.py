@@ -16,10 +16,11 @@ from millstream.common.config import parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.keys import GROUP_ROLLOUT, RunKeys
 from millstream.common.redis_conn import connect
+from millstream.common.retry import Backoff
 from millstream.common.streams import publish
 from millstream.common.trace_cli import read_spans
 from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
-from millstream.rollout.client import RetryPolicy, RouterClient
+from millstream.rollout.client import RouterClient
 from millstream.rollout.worker import RolloutWorker
 from tests.support.engine_proc import EngineProcess
 from tests.support.prom import metrics_url, scrape_until
@@ -75,7 +76,7 @@ def in_process_failures(redis_url: str, router_url: str) -> tuple[list[SampleGro
     async def main() -> tuple[list[SampleGroup], bool]:
         redis = await connect(redis_url)
         client = RouterClient(
-            router_url, max_concurrency=4, retry=RetryPolicy(attempts=3, backoff_s=0.05)
+            router_url, max_concurrency=4, retry=Backoff(attempts=3, first_s=0.05)
         )
         worker = RolloutWorker(run_config(run_id, router_url), redis, client, "it")
         task = asyncio.create_task(worker.run())

@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from millstream.common import miles, telemetry
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
+from millstream.common.retry import Backoff
 from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
-from millstream.rollout.client import FRESH, RetryPolicy, RouterClient
+from millstream.rollout.client import FRESH, RouterClient
 from millstream.rollout.generate import append_answer, new_sample
 from millstream.rollout.partial import PartialBuffer
 from millstream.rollout.worker import RolloutWorker
@@ -103,7 +104,7 @@ def run_worker(engine: FakeEngine, groups: list[PromptGroup], *flags: str, attem
         client = RouterClient(
             "http://router",
             max_concurrency=cfg.rollout.rollout_max_concurrency,
-            retry=RetryPolicy(attempts=attempts, backoff_s=0.001),
+            retry=Backoff(attempts=attempts, first_s=0.001),
             transport=engine.transport(),
             coalesce_window_s=None,  # one HTTP request per call: the flows are what is tested
         )
@@ -412,7 +413,7 @@ def coalescing_calls(engine: BatchingEngine, prompts: list[list[int]], n: int):
     async def main():
         client = RouterClient(
             "http://router", max_concurrency=64,
-            retry=RetryPolicy(attempts=2, backoff_s=0.001), transport=engine.transport(),
+            retry=Backoff(attempts=2, first_s=0.001), transport=engine.transport(),
         )  # fmt: skip
         try:
             params = {"max_new_tokens": 4, "n": n}
