@@ -2,8 +2,9 @@
 (`compose.sh run --rm --no-deps -T router python3 - < scripts/compose_check.py`): reads the run's
 summary on the runs volume, asks the router and engines for their weight versions, counts the
 trained groups whose trace is whole in the run's span files (`millstream trace`'s reading,
-`trace_cli.not_whole`), asks Phoenix (service traces) for the trace of a group whose files hold every stage and Prometheus
-which jobs it scrapes. Prints one JSON object.
+`trace_cli.not_whole`) and in Phoenix (service traces: every span the files hold for the
+group's trace, by span id, read page by page), picks the group trace Phoenix holds whole that
+spans the most stages, and asks Prometheus which jobs it scrapes. Prints one JSON object.
 
 Phoenix keeps span attributes but not the resource's service.name, so a span's service is the
 one its `millstream.stage` belongs to (docs/observability.md: one trace per group)."""
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 import urllib.parse
 import urllib.request
 
@@ -41,33 +44,73 @@ def spans(**query: str | list[str]) -> list[dict]:
     return get(f"{PHOENIX}?{urllib.parse.urlencode(query, doseq=True)}")["data"]
 
 
-def group_trace_in_viewer(run: str) -> tuple[str, list[str], int]:
-    """(trace id, its services, its span count) in Phoenix of a trained group's trace whose
-    spans in the run's files (copies for viewers included) hold every stage: what a user who
-    opens one group's trace in the viewer sees."""
+def file_spans(run: str) -> dict[str, list[dict]]:
+    """trace id -> the spans the run's files hold for it (every service's files)."""
     import glob
 
-    stages_of: dict[str, set[str]] = {}
+    traces: dict[str, list[dict]] = {}
     for path in glob.glob(f"{run}/traces/*.jsonl") + glob.glob(f"{run}/../services/traces/*.jsonl"):
         with open(path, encoding="utf-8") as lines:
             for line in lines:
                 try:
                     span = json.loads(line)
-                    stage = span["attributes"].get("millstream.stage")
-                except (ValueError, KeyError):
+                except ValueError:
                     continue
-                if stage:
-                    stages_of.setdefault(span["trace_id"], set()).add(stage)
-    wanted = {"admit", "rollout", "router", "engine", "reward", "train_step", "weight_sync"}
-    candidates = [t for t, stages in stages_of.items() if wanted <= stages][:5]
-    best: tuple[str, list[str], int] = ("", [], 0)
-    for trace_id in candidates:
-        found = spans(trace_id=trace_id, limit="1000")
-        stages = {s["attributes"].get("millstream.stage") for s in found}
-        services = sorted({STAGE_SERVICE[st] for st in stages if st in STAGE_SERVICE})
-        if (len(services), len(found)) > (len(best[1]), best[2]):
-            best = (trace_id, services, len(found))
-    return best
+                traces.setdefault(span["trace_id"], []).append(span)
+    return traces
+
+
+def viewer_span_ids() -> dict[str, set[str]]:
+    """trace id -> the span ids Phoenix holds, every span of the project, page by page."""
+    held: dict[str, set[str]] = {}
+    cursor = ""
+    while True:
+        page = get(
+            f"{PHOENIX}?{urllib.parse.urlencode({'limit': 1000, 'cursor': cursor} if cursor else {'limit': 1000})}"
+        )
+        for span in page["data"]:
+            held.setdefault(span["context"]["trace_id"], set()).add(span["context"]["span_id"])
+        cursor = page.get("next_cursor") or ""
+        if not cursor:
+            return held
+
+
+def groups_in_viewer(run: str) -> dict:
+    """How many trained groups' traces Phoenix holds whole, and the one to look at: of those,
+    the trace with the most services (then spans). Phoenix writes spans into SQLite at some
+    70 a second on the 2-core machine, a few times slower than a run makes them: read again
+    every 20 s while it catches up, up to PHOENIX_WAIT_S (default 600) seconds."""
+    traces = file_spans(run)
+    trained = {
+        t: spans for t, spans in traces.items()
+        if any(s["attributes"].get("millstream.stage") == "train_step" for s in spans)
+    }  # fmt: skip
+    started = time.monotonic()
+    deadline = started + float(os.environ.get("PHOENIX_WAIT_S", "600"))
+    while True:
+        held = viewer_span_ids()
+        whole = [
+            t for t, spans in trained.items() if {s["span_id"] for s in spans} <= held.get(t, set())
+        ]
+        waited = time.monotonic() - started
+        if len(whole) >= 0.99 * len(trained) or time.monotonic() > deadline:
+            break
+        print(f"Phoenix holds {len(whole)} of {len(trained)} group traces whole after {waited:.0f} s; waiting", file=sys.stderr, flush=True)  # fmt: skip
+        time.sleep(20)
+
+    def services(trace_id: str) -> list[str]:
+        stages = {s["attributes"].get("millstream.stage") for s in trained[trace_id]}
+        return sorted({STAGE_SERVICE[st] for st in stages if st in STAGE_SERVICE})
+
+    best = max(whole, key=lambda t: (len(services(t)), len(trained[t])), default="")
+    roots = [s["name"] for s in trained.get(best, []) if not s["parent_span_id"]]
+    return {
+        "viewer_whole": len(whole), "viewer_groups": len(trained),
+        "viewer_missing": len(trained) - sum(1 for t in trained if t in held),
+        "viewer_wait_s": round(waited),
+        "trace_id": best, "trace_services": services(best) if best else [],
+        "trace_spans": len(trained.get(best, [])), "trace_root": roots[0] if roots else "",
+    }  # fmt: skip
 
 
 def whole_traces(run: str) -> tuple[int, int, dict[str, int]]:
@@ -96,7 +139,7 @@ def main() -> None:
     curve = [acc for _, _, acc in summary["eval_curve"]]
     engines = get("http://router:30000/list_workers")["urls"]
     versions = [get(u + "/get_weight_version")["weight_version"] for u in engines]
-    trace_id, services, n_spans = group_trace_in_viewer(run)
+    viewer = groups_in_viewer(run)
     whole, trained, lacking = whole_traces(run)
     targets = get(PROMETHEUS)["data"]["activeTargets"]
     jobs_up = sorted({t["labels"]["job"] for t in targets if t["health"] == "up"})
@@ -104,7 +147,7 @@ def main() -> None:
         "admitted": c["admitted"], "terminal": terminal,
         "eval_first": next(iter(curve[0].values())), "eval_last": list(curve[-1].values())[-1],
         "engines": len(engines), "versions": versions,
-        "trace_id": trace_id, "trace_services": services, "trace_spans": n_spans,
+        **viewer,
         "whole_traces": whole, "trained_groups": trained, "stages_lacking": lacking,
         "prometheus_jobs_up": jobs_up,
     }))  # fmt: skip

@@ -8,10 +8,15 @@
 #      --scale rollout=2 --scale reward=2, a short run (NUM_ROLLOUT, default 30); mid-run:
 #      --scale rollout=3 and a second engine, later --scale rollout=1;
 #   4. waits for the trainer, checks its summary (admitted == terminal states, eval rose, every
-#      engine serves the final version), one group's trace in Phoenix spanning four services,
-#      Prometheus scraping every service; prints a table; screenshots that trace in Phoenix's
-#      UI with headless Chromium (SCREENSHOT, default docs/img/trace_compose.png);
-#   5. always `down -v`.
+#      engine serves the final version), >= 99% of the trained groups' traces whole in Phoenix
+#      (every span id the run's files hold), one of those spanning five services, Prometheus
+#      scraping every service; prints a table; opens that trace in Phoenix's UI with headless
+#      Chromium: the page must show its root span (not Phoenix's "Not found" page) and is
+#      screenshotted to SCREENSHOT (default /tmp/millstream-compose-test/trace_compose.png:
+#      never a tracked file; docs/img/trace_compose.png is refreshed only when asked by name);
+#   5. always `down -v` (KEEP=1: left up, to look around; the line at the end says how to remove).
+# Its own project name (millstream-smoke-<pid>) and free host ports for the UIs, so it runs
+# beside a `make compose-up` and beside another compose-test.
 # Not part of `make test`: it needs a Docker daemon and minutes of building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,12 +39,18 @@ fi
 bash deploy/compose/prepare.sh
 
 export NUM_ROLLOUT="${NUM_ROLLOUT:-30}" MODE="${MODE:-train}"
-export COMPOSE_PROJECT_NAME=millstream-smoke COMPOSE_PROFILES=cpu,observability
-TRACES_UI_PORT="${TRACES_UI_PORT:-6006}"
-SCREENSHOT="${SCREENSHOT:-$ROOT/docs/img/trace_compose.png}"
-export TRACES_UI_PORT
+export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-millstream-smoke-$$}" COMPOSE_PROFILES=cpu,observability
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+TRACES_UI_PORT="${TRACES_UI_PORT:-$(free_port)}"
+PROMETHEUS_PORT="${PROMETHEUS_PORT:-$(free_port)}"
+SCREENSHOT="${SCREENSHOT:-/tmp/millstream-compose-test/trace_compose.png}"
+export TRACES_UI_PORT PROMETHEUS_PORT
+say "project $COMPOSE_PROJECT_NAME; Phoenix on 127.0.0.1:$TRACES_UI_PORT, Prometheus on 127.0.0.1:$PROMETHEUS_PORT"
 DC=(bash deploy/compose/compose.sh)
-cleanup() { say "docker compose down -v"; "${DC[@]}" down -v --remove-orphans >/dev/null 2>&1 || true; }
+cleanup() {
+  if [ -n "${KEEP:-}" ]; then say "KEEP set: left up; remove with COMPOSE_PROJECT_NAME=$COMPOSE_PROJECT_NAME deploy/compose/compose.sh down -v"; return; fi
+  say "docker compose down -v"; "${DC[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+}
 trap cleanup EXIT
 
 START=$(date +%s)
@@ -71,20 +82,29 @@ TRACE_ID=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["trace_id
 say "screenshot of group trace $TRACE_ID in Phoenix -> $SCREENSHOT"
 mkdir -p "$(dirname "$SCREENSHOT")"
 rm -f "$SCREENSHOT"
-chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1600,900 \
-  --virtual-time-budget=30000 --screenshot="$SCREENSHOT" \
-  "http://localhost:$TRACES_UI_PORT/redirects/traces/$TRACE_ID" >/tmp/millstream-chromium.log 2>&1 || true
-python3 - "$CHECK" "$CODE" "$((BUILT - START))" "$((DONE - BUILT))" "$NUM_ROLLOUT" "$SCREENSHOT" <<'PY'
-import json, os, sys
-r, code, build_s, run_s, n, shot = json.loads(sys.argv[1]), sys.argv[2].strip(), *sys.argv[3:]
+URL="http://localhost:$TRACES_UI_PORT/redirects/traces/$TRACE_ID"
+CHROME=(chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1600,900
+  --disable-background-networking --disable-component-update --no-first-run
+  --virtual-time-budget=30000)
+"${CHROME[@]}" --screenshot="$SCREENSHOT" "$URL" >/tmp/millstream-chromium.log 2>&1 || true
+DOM=/tmp/millstream-compose-test/trace_page.html
+"${CHROME[@]}" --dump-dom "$URL" > "$DOM" 2>>/tmp/millstream-chromium.log || true
+python3 - "$CHECK" "$CODE" "$((BUILT - START))" "$((DONE - BUILT))" "$NUM_ROLLOUT" "$SCREENSHOT" "$DOM" <<'PY'
+import json, os, re, sys
+r, code, build_s, run_s, n, shot, dom = json.loads(sys.argv[1]), sys.argv[2].strip(), *sys.argv[3:]
 shot_kb = os.path.getsize(shot) // 1024 if os.path.exists(shot) else 0
+page = open(dom, encoding="utf-8", errors="replace").read() if os.path.exists(dom) else ""
+text = re.sub(r"<[^>]+>", " ", page)
+page_ok = bool(r["trace_root"]) and r["trace_root"] in text and not re.search(r"\bnot found\b", text, re.I)
 rows = [
     ("trainer exit code", code, code == "0"),
     ("admitted == terminal states", f"{r['admitted']} == {r['terminal']}", r["admitted"] == r["terminal"]),
     ("eval accuracy rose", f"{r['eval_first']:.3f} -> {r['eval_last']:.3f}", r["eval_last"] > r["eval_first"]),
     ("engines at the final version", f"{r['engines']}: {r['versions']}", r["engines"] >= 2 and set(r["versions"]) == {n}),
     ("trained groups whose trace is whole (millstream trace)", f"{r['whole_traces']} of {r['trained_groups']} {r['stages_lacking'] or ''}", r["trained_groups"] > 0 and r["whole_traces"] >= 0.95 * r["trained_groups"]),
+    ("trained groups whose trace is whole in Phoenix (>= 99%)", f"{r['viewer_whole']} of {r['viewer_groups']} ({r['viewer_missing']} with no span; Phoenix caught up {r['viewer_wait_s']} s after the run)", r["viewer_groups"] > 0 and r["viewer_whole"] >= 0.99 * r["viewer_groups"]),
     ("one group's trace in Phoenix spans 5 services", f"{len(r['trace_services'])}: {', '.join(r['trace_services'])} ({r['trace_spans']} spans)", len(r["trace_services"]) >= 5),
+    ("Phoenix's page of that trace shows its root span", f"{r['trace_root']!r} {'shown' if page_ok else 'not shown (an error page?)'}", page_ok),
     ("Prometheus scrapes router, engine, rollout, reward", ", ".join(r["prometheus_jobs_up"]), {"router", "engine", "rollout", "reward"} <= set(r["prometheus_jobs_up"])),
     ("screenshot of that trace (headless Chromium)", f"{os.path.relpath(shot)}, {shot_kb} KB", shot_kb > 20),
 ]

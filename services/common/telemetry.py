@@ -8,7 +8,11 @@ Where spans go, decided once per process from the environment by `setup_tracing`
      them;
   3. else nothing: the no-op tracer, zero cost (also whenever OTEL_SDK_DISABLED=true).
 With both an endpoint and a run dir, spans go to both: `millstream trace` then reads a compose
-run as it reads a local one, while the viewer shows it too.
+run as it reads a local one, while the viewer shows it too. A collector that does not listen
+yet (compose starts the services before the viewer is up) or is busy (Phoenix answers
+UNAVAILABLE "at capacity") loses no span: a batch it refuses is sent again for up to
+MILLSTREAM_OTLP_PATIENCE_S (default 120 s; `PatientExporter`) while the queue (SPAN_QUEUE)
+holds the spans made meanwhile; at shutdown one more try, then what is left is counted and said.
 
 Context crosses process boundaries as W3C trace context (`traceparent`/`tracestate`) in three
 carriers: stream entry fields, HTTP headers and gRPC metadata. Nothing here runs at import.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import socket
@@ -52,6 +57,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 TRACE_FIELDS = ("traceparent", "tracestate")
@@ -128,6 +135,84 @@ def _if_resolves(endpoint: str) -> str | None:
     return endpoint
 
 
+OTLP_PATIENCE_S = 120.0
+"""How long a batch the collector refuses is sent again (env MILLSTREAM_OTLP_PATIENCE_S)."""
+
+
+class PatientExporter(SpanExporter):
+    """`inner` (the OTLP exporter, whose own retries last its 10 s timeout), a refused batch
+    sent again with backoff (common/retry.py) for up to `patience_s`; see module docstring.
+    Blocking is the point: the batch processor's thread waits, its queue fills meanwhile.
+    `dropped` counts the spans given up on; `closing()` (shutdown_tracing) makes the current
+    and every later batch's next try its last, so a process whose collector is gone exits."""
+
+    def __init__(self, inner: SpanExporter, endpoint: str, patience_s: float | None = None):
+        self.inner = inner
+        self.endpoint = endpoint
+        if patience_s is None:
+            patience_s = float(os.environ.get("MILLSTREAM_OTLP_PATIENCE_S", OTLP_PATIENCE_S))
+        self.patience_s = patience_s
+        self.dropped = 0
+        self._closing = threading.Event()
+        self._down_since: float | None = None
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        from tenacity import Retrying, retry_if_result
+
+        from .retry import Backoff
+
+        if self._closing.is_set() and self._down_since is not None:
+            return self._drop(spans)  # shutting down, the collector refusing: no more tries
+        backoff = Backoff(within_s=self.patience_s, first_s=0.5, max_s=5.0)
+        tries = Retrying(
+            stop=backoff.stop() | (lambda state: self._closing.is_set()),
+            wait=lambda state: backoff.delay(state.attempt_number),
+            retry=retry_if_result(lambda result: result is not SpanExportResult.SUCCESS),
+            sleep=self._closing.wait,  # returns at once when closing: one more try
+            retry_error_callback=lambda state: state.outcome.result(),
+            before_sleep=lambda state: self._refused(),
+        )
+        result = tries(self.inner.export, spans)
+        if result is SpanExportResult.SUCCESS:
+            if self._down_since is not None:
+                log.warning(
+                    "spans to %s: taken again after %.1f s",
+                    self.endpoint, time.monotonic() - self._down_since,
+                )  # fmt: skip
+                self._down_since = None
+            return result
+        return self._drop(spans)
+
+    def _drop(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+        self.dropped += len(spans)
+        log.warning(
+            "spans to %s: %d dropped, the collector refusing them since %.0f s (%d in all)",
+            self.endpoint, len(spans), time.monotonic() - self._down_since, self.dropped,
+        )  # fmt: skip
+        return SpanExportResult.FAILURE
+
+    def _refused(self) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning(
+                "spans to %s: the collector does not take them (not up yet, or busy); "
+                "sending again for up to %.0f s while new spans wait in the queue",
+                self.endpoint, self.patience_s,
+            )  # fmt: skip
+
+    def closing(self) -> None:
+        self._closing.set()
+
+    def shutdown(self) -> None:
+        self._closing.set()
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
 def make_provider(service_name: str, run_dir: str | Path | None = None) -> TracerProvider | None:
     """A provider exporting as the environment says (see module docstring), or None.
     OpenTelemetry's own `OTEL_SDK_DISABLED=true` turns tracing off everywhere."""
@@ -142,7 +227,7 @@ def make_provider(service_name: str, run_dir: str | Path | None = None) -> Trace
     if endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        exporters.append(OTLPSpanExporter(endpoint=endpoint))
+        exporters.append(PatientExporter(OTLPSpanExporter(endpoint=endpoint), endpoint))
     if run_dir is not None:
         path = Path(run_dir) / "traces" / f"{service_name}-{replica}.jsonl"
         exporters.append(JsonlSpanExporter(path))
@@ -208,9 +293,15 @@ def setup_tracing(service_name: str, run_dir: str | Path | None = None) -> Trace
 
 
 def shutdown_tracing(provider: TracerProvider | None) -> None:
-    """Flush and close the exporter; call from `main`'s finally."""
-    if provider is not None:
-        provider.shutdown()
+    """Flush and close the exporters; call from `main`'s finally. A collector that refuses
+    gets one more try per batch left (`PatientExporter.closing`), not its whole patience."""
+    if provider is None:
+        return
+    for processor in provider._active_span_processor._span_processors:
+        exporter = getattr(processor, "span_exporter", None)
+        if isinstance(exporter, PatientExporter):
+            exporter.closing()
+    provider.shutdown()
 
 
 # Paths that health checks, scrapers and the router's probes poll: a span each would bury

@@ -72,6 +72,7 @@ class Admission:
     in_flight: dict[str, tuple[int, int]] = field(
         default_factory=dict
     )  # group id -> (epoch, index)
+    run_instance: str = ""  # stamped on every group (PromptGroup.run_instance, build.py)
 
     def room(self, version: int) -> int:
         budget = (version + self.max_staleness + 1) * self.rollout_batch_size + self.slack
@@ -133,6 +134,7 @@ class Admission:
             metadata_json=json.dumps(row.metadata),
             n_samples=self.n_samples,
             admitted_version=version,
+            run_instance=self.run_instance,
             admitted_unix=time.time(),
         )
 

@@ -77,6 +77,7 @@ class Buffer:
         on_terminal: Callable[[str, str], None],
         expected: Callable[[str], bool],
         max_consecutive_failed_groups: int = 0,
+        run_instance: str = "",
     ):
         self.consumer = Consumer(
             redis, keys.scored, GROUP_TRAINER, consumer_name,
@@ -97,6 +98,8 @@ class Buffer:
             auto_ack=True, check_entries=False,
         )  # fmt: skip
         self.expected = expected
+        self.run_instance = run_instance
+        self.earlier_run = 0  # groups of an earlier run with this run id, dropped
         self.plugins = PluginFailures(max_consecutive_failed_groups)
         self.duplicates = 0
         self.dead_letters = 0  # groups of this run that ended failed from the dead stream
@@ -141,6 +144,8 @@ class Buffer:
     async def _handle(self, entry: StreamEntry) -> None:
         scored = streams.decode(entry, ScoredGroup)
         gid = scored.group.prompt.group_id
+        if self._earlier_run(scored.group.prompt):
+            return
         async with self._arrived:
             if scored.group.prompt.is_eval:
                 if gid in self._eval:
@@ -173,6 +178,8 @@ class Buffer:
         reason = _field(entry, b"reason") or "dead-lettered (no reason given)"
         source = _field(entry, b"source_stream")
         prompt = _dead_prompt(entry, source)
+        if prompt is not None and self._earlier_run(prompt):
+            return
         async with self._arrived:
             if prompt is None or not prompt.group_id:
                 self.dead_foreign += 1
@@ -195,6 +202,20 @@ class Buffer:
                 )
                 self._terminal(prompt.group_id, "failed")
             self._arrived.notify_all()
+
+    def _earlier_run(self, prompt: PromptGroup) -> bool:
+        """A group another start of this run id admitted (`run_instance`): dropped, said once.
+        Its id may be one this run admitted too (ids count from e0-i0 in every run)."""
+        if not self.run_instance or prompt.run_instance == self.run_instance:
+            return False
+        if self.earlier_run == 0:
+            log.warning(
+                "group %s was admitted by an earlier run with this run id (instance %r, this "
+                "run's %r): dropped, as every such group still in the streams",
+                prompt.group_id, prompt.run_instance, self.run_instance,
+            )  # fmt: skip
+        self.earlier_run += 1
+        return True
 
     def _terminal(self, gid: str, state: str) -> None:
         self._waiting.discard(gid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,6 +220,18 @@ async def build_trainer(
     source, eval_sources, total, backend = p.source, p.eval_sources, p.total, p.backend
     resume_from, state = p.resume_from, p.state
 
+    # Which start of this run id admits the groups: kept through resumes, new at a fresh
+    # start, so the groups an earlier run left in the streams are told apart (buffer.py).
+    run_instance = (state or {}).get("run_instance") or uuid.uuid4().hex[:12]
+    print(
+        f"[trainer] run {cfg.run_id}, instance {run_instance}: "
+        + (
+            "resumed"
+            if state
+            else "a fresh start (groups of earlier runs with this id are dropped)"
+        ),
+        flush=True,
+    )
     r = cfg.rollout
     slack = (r.over_sampling_batch_size - r.rollout_batch_size) if r.over_sampling_batch_size else 0
     admission = Admission(
@@ -229,6 +242,7 @@ async def build_trainer(
         r.n_samples_per_prompt,
         cfg.max_staleness,
         slack,
+        run_instance=run_instance,
     )
     holder: dict[str, Trainer] = {}
     buffer = Buffer(
@@ -237,6 +251,7 @@ async def build_trainer(
         on_terminal=lambda gid, st: holder["t"].on_terminal(gid, st),
         expected=admission.in_flight.__contains__,
         max_consecutive_failed_groups=cfg.service.max_consecutive_failed_groups,
+        run_instance=run_instance,
     )  # fmt: skip
     lend_idle_cores(cfg, budget, backend, admission, buffer)
     iteration = version = 0

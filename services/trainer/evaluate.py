@@ -86,6 +86,7 @@ class Evaluator:
                     is_eval=True,
                     eval_name=name,
                     admitted_unix=time.time(),
+                    run_instance=self.buffer.run_instance,
                 )
                 for gid, row in zip(ids, source.rows, strict=True)
             ]

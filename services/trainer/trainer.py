@@ -386,6 +386,7 @@ class Trainer:
             "data": a.source.state_dict(self.iteration - 1),  # Miles' rollout id: 0-based
             "counts": vars(a.counts),
             "in_flight": {gid: list(pos) for gid, pos in a.in_flight.items()},
+            "run_instance": a.run_instance,
         }
         path = checkpoint.save(
             self.cfg.ckpt.save,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,7 @@ def test_a_killed_trainer_resumes_marked_and_a_sigterm_checkpoints_first(
         if first.poll() is None:
             first.kill()
         first.stdout.close()  # type: ignore[union-attr]
+    (instance,) = re.findall(r"instance (\w+): a fresh start", "".join(lines))
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     killed_steps = [row["step"] for row in history.read(run_dir / "metrics.jsonl").rows]
     assert saved >= 2 and saved % 2 == 0 and killed_steps[:3] == [1, 2, 3]
@@ -106,8 +108,11 @@ def test_a_killed_trainer_resumes_marked_and_a_sigterm_checkpoints_first(
     assert code == 130 and "interrupted" in out, out[-4000:]
     assert "[trainer] SIGTERM: stopping after the iteration under way" in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
+    # The groups the killed trainer admitted are this run's too: the same instance.
+    assert f"instance {instance}: resumed" in out
     summary = _summary(run_dir)
     assert (summary["ended"], summary["exit_code"]) == ("signal SIGTERM", 130)
+    assert summary["counts"]["earlier_run_dropped"] == 0
     # The last finished iteration is checkpointed, and it is the last one logged.
     last = summary["iteration"]
     h = history.read(run_dir / "metrics.jsonl")

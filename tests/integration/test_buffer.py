@@ -262,3 +262,54 @@ def test_a_batch_wait_ends_with_the_error_of_a_feeder_that_died(redis_url):
             await redis.aclose()
 
     asyncio.run(go())
+
+
+def test_groups_an_earlier_run_with_this_run_id_left_in_the_streams_are_dropped(redis_url):
+    """A fresh start of run id X (compose `up` again, a Swarm redeploy without --load) admits
+    e0-i0, e0-i1, ... as the earlier run did; that run's groups still in `scored` and `dead`
+    must not pass for this run's (they were sampled from other weights). Before run_instance:
+    the buffer took the earlier run's e0-i0 as its own."""
+    keys = RunKeys("earlier")
+    ended: list[tuple[str, str]] = []
+
+    def stamped(gid: str, instance: str, **kw) -> ScoredGroup:
+        group = scored(gid, **kw)
+        group.group.prompt.run_instance = instance
+        return group
+
+    async def go():
+        redis = await connect(redis_url)
+        buffer = Buffer(
+            redis, keys, "trainer-test", claim_idle_ms=60_000, max_deliveries=3, block_ms=200,
+            on_terminal=lambda gid, state: ended.append((gid, state)),
+            expected=lambda gid: gid not in {g for g, _ in ended}, run_instance="new",
+        )  # fmt: skip
+        old_dead = PromptGroup(group_id="e0-i2", run_instance="old")
+        await redis.xadd(
+            keys.dead,
+            {"data": old_dead.SerializeToString(), "source_stream": keys.prompts, "reason": "x"},
+        )
+        await streams.publish_many(
+            redis, keys.scored,
+            [stamped("e0-i0", "old"), stamped("e0-i1", "old", verdict=Verdict.VERDICT_FAILED),
+             stamped("eval-a-r0-i0", "old", is_eval=True),
+             stamped("e0-i0", "new"), stamped("e0-i1", "new"), stamped("eval-a-r0-i0", "new", is_eval=True)],
+        )  # fmt: skip
+        await buffer.start()
+        try:
+            batch = await asyncio.wait_for(buffer.take(2, version=3, max_lag=2), timeout=20)
+            (evaluated,) = await asyncio.wait_for(buffer.wait_eval(["eval-a-r0-i0"]), timeout=20)
+            for _ in range(100):  # the dead stream has a reader of its own
+                if buffer.earlier_run == 4:
+                    break
+                await asyncio.sleep(0.1)
+            return batch, evaluated, buffer.earlier_run
+        finally:
+            await buffer.stop()
+            await redis.aclose()
+
+    batch, evaluated, earlier = asyncio.run(go())
+    assert [g.group.prompt.run_instance for g in batch] == ["new", "new"]
+    assert evaluated.group.prompt.run_instance == "new"
+    assert earlier == 4  # e0-i0, e0-i1 (failed), the eval group and the dead letter e0-i2
+    assert sorted(ended) == [("e0-i0", "trained"), ("e0-i1", "trained")]

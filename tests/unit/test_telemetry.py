@@ -134,7 +134,8 @@ def test_otlp_when_the_endpoint_is_set(monkeypatch):
     provider = telemetry.make_provider("svc", None)
     assert provider is not None
     processor = provider._active_span_processor._span_processors[0]
-    assert type(processor.span_exporter).__name__ == "OTLPSpanExporter"
+    assert type(processor.span_exporter).__name__ == "PatientExporter"
+    assert type(processor.span_exporter.inner).__name__ == "OTLPSpanExporter"
     provider.shutdown()
 
 
@@ -151,7 +152,7 @@ def test_otlp_to_the_compose_collector_only_when_its_name_resolves(tmp_path, mon
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.setenv(telemetry.OTLP_IF_RESOLVES, "http://localhost:4317")
     provider = telemetry.make_provider("svc", tmp_path)
-    assert exporters(provider) == ["OTLPSpanExporter", "JsonlSpanExporter"]
+    assert exporters(provider) == ["PatientExporter", "JsonlSpanExporter"]
     provider.shutdown()
     monkeypatch.setenv(telemetry.OTLP_IF_RESOLVES, "http://no-such-host.invalid:4317")
     provider = telemetry.make_provider("svc", tmp_path)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmillstream/v1/messages.proto\x12\rmillstream.v1\"\xc3\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\ndata_index\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12\r\n\x05label\x18\x06 \x01(\t\x12\x15\n\rmetadata_json\x18\x07 \x01(\t\x12\x11\n\tn_samples\x18\x08 \x01(\r\x12\x18\n\x10\x61\x64mitted_version\x18\t \x01(\x03\x12\x0f\n\x07is_eval\x18\n \x01(\x08\x12\x11\n\teval_name\x18\x0b \x01(\t\x12.\n\x0fpartial_samples\x18\x0c \x03(\x0b\x32\x15.millstream.v1.Sample\x12\x15\n\radmitted_unix\x18\r \x01(\x01\x12\x12\n\nlabel_json\x18\x0e \x01(\t\"\xe2\x02\n\x06Sample\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x04 \x03(\x05\x12\x15\n\rresponse_text\x18\x05 \x01(\t\x12\r\n\x05label\x18\x06 \x01(\t\x12\x11\n\tloss_mask\x18\x07 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x08 \x03(\x02\x12\x17\n\x0fweight_versions\x18\t \x03(\x03\x12+\n\x06status\x18\n \x01(\x0e\x32\x1b.millstream.v1.SampleStatus\x12\x0e\n\x06reward\x18\x0b \x01(\x01\x12\x15\n\rmetadata_json\x18\x0c \x01(\t\x12\x16\n\x0e\x66\x61ilure_reason\x18\r \x01(\t\x12\x15\n\rfinish_reason\x18\x0e \x01(\t\x12\x12\n\nlabel_json\x18\x0f \x01(\t\"l\n\x0bPluginError\x12\x0c\n\x04\x66lag\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x11\n\ttraceback\x18\x05 \x01(\t\x12\x0f\n\x07service\x18\x06 \x01(\t\"\x95\x02\n\x0bSampleGroup\x12*\n\x06prompt\x18\x01 \x01(\x0b\x32\x1a.millstream.v1.PromptGroup\x12&\n\x07samples\x18\x02 \x03(\x0b\x32\x15.millstream.v1.Sample\x12\x16\n\x0e\x66\x61ilure_reason\x18\x03 \x01(\t\x12\x38\n\x07timings\x18\x04 \x03(\x0b\x32\'.millstream.v1.SampleGroup.TimingsEntry\x12\x30\n\x0cplugin_error\x18\x05 \x01(\x0b\x32\x1a.millstream.v1.PluginError\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa3\x01\n\x0bScoredGroup\x12)\n\x05group\x18\x01 \x01(\x0b\x32\x1a.millstream.v1.SampleGroup\x12\'\n\x07verdict\x18\x02 \x01(\x0e\x32\x16.millstream.v1.Verdict\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x30\n\x0cplugin_error\x18\x04 \x01(\x0b\x32\x1a.millstream.v1.PluginError*\x9c\x01\n\x0cSampleStatus\x12\x1d\n\x19SAMPLE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLE_STATUS_COMPLETED\x10\x01\x12\x1b\n\x17SAMPLE_STATUS_TRUNCATED\x10\x02\x12\x19\n\x15SAMPLE_STATUS_ABORTED\x10\x03\x12\x18\n\x14SAMPLE_STATUS_FAILED\x10\x04*^\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x10\n\x0cVERDICT_KEPT\x10\x01\x12\x14\n\x10VERDICT_FILTERED\x10\x02\x12\x12\n\x0eVERDICT_FAILED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmillstream/v1/messages.proto\x12\rmillstream.v1\"\xd9\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\ndata_index\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12\r\n\x05label\x18\x06 \x01(\t\x12\x15\n\rmetadata_json\x18\x07 \x01(\t\x12\x11\n\tn_samples\x18\x08 \x01(\r\x12\x18\n\x10\x61\x64mitted_version\x18\t \x01(\x03\x12\x0f\n\x07is_eval\x18\n \x01(\x08\x12\x11\n\teval_name\x18\x0b \x01(\t\x12.\n\x0fpartial_samples\x18\x0c \x03(\x0b\x32\x15.millstream.v1.Sample\x12\x15\n\radmitted_unix\x18\r \x01(\x01\x12\x12\n\nlabel_json\x18\x0e \x01(\t\x12\x14\n\x0crun_instance\x18\x0f \x01(\t\"\xe2\x02\n\x06Sample\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x04 \x03(\x05\x12\x15\n\rresponse_text\x18\x05 \x01(\t\x12\r\n\x05label\x18\x06 \x01(\t\x12\x11\n\tloss_mask\x18\x07 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x08 \x03(\x02\x12\x17\n\x0fweight_versions\x18\t \x03(\x03\x12+\n\x06status\x18\n \x01(\x0e\x32\x1b.millstream.v1.SampleStatus\x12\x0e\n\x06reward\x18\x0b \x01(\x01\x12\x15\n\rmetadata_json\x18\x0c \x01(\t\x12\x16\n\x0e\x66\x61ilure_reason\x18\r \x01(\t\x12\x15\n\rfinish_reason\x18\x0e \x01(\t\x12\x12\n\nlabel_json\x18\x0f \x01(\t\"l\n\x0bPluginError\x12\x0c\n\x04\x66lag\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x11\n\ttraceback\x18\x05 \x01(\t\x12\x0f\n\x07service\x18\x06 \x01(\t\"\x95\x02\n\x0bSampleGroup\x12*\n\x06prompt\x18\x01 \x01(\x0b\x32\x1a.millstream.v1.PromptGroup\x12&\n\x07samples\x18\x02 \x03(\x0b\x32\x15.millstream.v1.Sample\x12\x16\n\x0e\x66\x61ilure_reason\x18\x03 \x01(\t\x12\x38\n\x07timings\x18\x04 \x03(\x0b\x32\'.millstream.v1.SampleGroup.TimingsEntry\x12\x30\n\x0cplugin_error\x18\x05 \x01(\x0b\x32\x1a.millstream.v1.PluginError\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa3\x01\n\x0bScoredGroup\x12)\n\x05group\x18\x01 \x01(\x0b\x32\x1a.millstream.v1.SampleGroup\x12\'\n\x07verdict\x18\x02 \x01(\x0e\x32\x16.millstream.v1.Verdict\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x30\n\x0cplugin_error\x18\x04 \x01(\x0b\x32\x1a.millstream.v1.PluginError*\x9c\x01\n\x0cSampleStatus\x12\x1d\n\x19SAMPLE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLE_STATUS_COMPLETED\x10\x01\x12\x1b\n\x17SAMPLE_STATUS_TRUNCATED\x10\x02\x12\x19\n\x15SAMPLE_STATUS_ABORTED\x10\x03\x12\x18\n\x14SAMPLE_STATUS_FAILED\x10\x04*^\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x10\n\x0cVERDICT_KEPT\x10\x01\x12\x14\n\x10VERDICT_FILTERED\x10\x02\x12\x12\n\x0eVERDICT_FAILED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLEGROUP_TIMINGSENTRY']._loaded_options = None
   _globals['_SAMPLEGROUP_TIMINGSENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLESTATUS']._serialized_start=1287
-  _globals['_SAMPLESTATUS']._serialized_end=1443
-  _globals['_VERDICT']._serialized_start=1445
-  _globals['_VERDICT']._serialized_end=1539
+  _globals['_SAMPLESTATUS']._serialized_start=1309
+  _globals['_SAMPLESTATUS']._serialized_end=1465
+  _globals['_VERDICT']._serialized_start=1467
+  _globals['_VERDICT']._serialized_end=1561
   _globals['_PROMPTGROUP']._serialized_start=48
-  _globals['_PROMPTGROUP']._serialized_end=371
-  _globals['_SAMPLE']._serialized_start=374
-  _globals['_SAMPLE']._serialized_end=728
-  _globals['_PLUGINERROR']._serialized_start=730
-  _globals['_PLUGINERROR']._serialized_end=838
-  _globals['_SAMPLEGROUP']._serialized_start=841
-  _globals['_SAMPLEGROUP']._serialized_end=1118
-  _globals['_SAMPLEGROUP_TIMINGSENTRY']._serialized_start=1072
-  _globals['_SAMPLEGROUP_TIMINGSENTRY']._serialized_end=1118
-  _globals['_SCOREDGROUP']._serialized_start=1121
-  _globals['_SCOREDGROUP']._serialized_end=1284
+  _globals['_PROMPTGROUP']._serialized_end=393
+  _globals['_SAMPLE']._serialized_start=396
+  _globals['_SAMPLE']._serialized_end=750
+  _globals['_PLUGINERROR']._serialized_start=752
+  _globals['_PLUGINERROR']._serialized_end=860
+  _globals['_SAMPLEGROUP']._serialized_start=863
+  _globals['_SAMPLEGROUP']._serialized_end=1140
+  _globals['_SAMPLEGROUP_TIMINGSENTRY']._serialized_start=1094
+  _globals['_SAMPLEGROUP_TIMINGSENTRY']._serialized_end=1140
+  _globals['_SCOREDGROUP']._serialized_start=1143
+  _globals['_SCOREDGROUP']._serialized_end=1306
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,7 @@ VERDICT_FILTERED: Verdict
 VERDICT_FAILED: Verdict
 
 class PromptGroup(_message.Message):
-    __slots__ = ("group_id", "data_index", "epoch", "prompt_token_ids", "prompt_text", "label", "metadata_json", "n_samples", "admitted_version", "is_eval", "eval_name", "partial_samples", "admitted_unix", "label_json")
+    __slots__ = ("group_id", "data_index", "epoch", "prompt_token_ids", "prompt_text", "label", "metadata_json", "n_samples", "admitted_version", "is_eval", "eval_name", "partial_samples", "admitted_unix", "label_json", "run_instance")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class PromptGroup(_message.Message):
     PARTIAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     LABEL_JSON_FIELD_NUMBER: _ClassVar[int]
+    RUN_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     data_index: int
     epoch: int
@@ -62,7 +63,8 @@ class PromptGroup(_message.Message):
     partial_samples: _containers.RepeatedCompositeFieldContainer[Sample]
     admitted_unix: float
     label_json: str
-    def __init__(self, group_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., metadata_json: _Optional[str] = ..., n_samples: _Optional[int] = ..., admitted_version: _Optional[int] = ..., is_eval: _Optional[bool] = ..., eval_name: _Optional[str] = ..., partial_samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., admitted_unix: _Optional[float] = ..., label_json: _Optional[str] = ...) -> None: ...
+    run_instance: str
+    def __init__(self, group_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., metadata_json: _Optional[str] = ..., n_samples: _Optional[int] = ..., admitted_version: _Optional[int] = ..., is_eval: _Optional[bool] = ..., eval_name: _Optional[str] = ..., partial_samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., admitted_unix: _Optional[float] = ..., label_json: _Optional[str] = ..., run_instance: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("group_id", "index", "prompt_token_ids", "response_token_ids", "response_text", "label", "loss_mask", "rollout_logprobs", "weight_versions", "status", "reward", "metadata_json", "failure_reason", "finish_reason", "label_json")

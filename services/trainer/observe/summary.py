@@ -102,6 +102,7 @@ def _trainer_state(t: Any) -> dict[str, Any]:
     counts = {"admitted": a.counts.admitted, **{k: getattr(a.counts, k) for k in TERMINAL}}
     counts["in_flight"] = counts["in_flight_lost"] = len(a.in_flight)
     counts["duplicates_ignored"] = t.p.buffer.duplicates
+    counts["earlier_run_dropped"] = t.p.buffer.earlier_run
     counts["dead_letters"] = t.p.buffer.dead_letters
     return {
         "iteration": t.iteration,
