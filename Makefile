@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap run test test-long lint format protos bench chaos chaos-monkey clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
+.PHONY: bootstrap run test test-long lint format protos bench chaos chaos-monkey chaos-monkey-compose clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -39,6 +39,10 @@ chaos: bootstrap
 # without faults (about an hour on 2 cores); prints its table (tests/chaos/monkey.py).
 chaos-monkey: bootstrap
 	$(PY) -m tests.chaos.monkey $(ARGS)
+
+# The same monkey under docker compose: crashes and `docker pause` of containers (a Docker daemon).
+chaos-monkey-compose: bootstrap
+	$(PY) -m tests.chaos.compose_monkey $(ARGS)
 
 # One NVIDIA GPU: every GPU path once, one table into docs/benchmarks.md (bench/gpu_check.py).
 # Not after bootstrap (its torch is the CPU build): scripts/gpu_check.sh says what it uses.

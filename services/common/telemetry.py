@@ -12,7 +12,8 @@ run as it reads a local one, while the viewer shows it too. A collector that doe
 yet (compose starts the services before the viewer is up) or is busy (Phoenix answers
 UNAVAILABLE "at capacity") loses no span: a batch it refuses is sent again for up to
 MILLSTREAM_OTLP_PATIENCE_S (default 120 s; `PatientExporter`) while the queue (SPAN_QUEUE)
-holds the spans made meanwhile; at shutdown one more try, then what is left is counted and said.
+holds the spans made meanwhile; at shutdown the batches left get MILLSTREAM_OTLP_SHUTDOWN_S
+(15 s) in all, then what is left is counted and said.
 
 Context crosses process boundaries as W3C trace context (`traceparent`/`tracestate`) in three
 carriers: stream entry fields, HTTP headers and gRPC metadata. Nothing here runs at import.
@@ -38,12 +39,10 @@ Redis' clock in ms) to the moment a consumer takes it, so a waterfall shows wher
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -53,10 +52,12 @@ from urllib.parse import quote, unquote, urlsplit
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from .span_export import JsonlSpanExporter, PatientExporter
 
 log = logging.getLogger(__name__)
 
@@ -76,49 +77,6 @@ STAGES = (
 )  # fmt: skip
 
 
-class JsonlSpanExporter(SpanExporter):
-    """Appends finished spans to one JSONL file, one object per span."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._file = self.path.open("a", encoding="utf-8")
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = [json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans]
-        with self._lock:
-            if self._file.closed:
-                return SpanExportResult.FAILURE
-            self._file.writelines(lines)
-            self._file.flush()
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._file.close()
-
-
-def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
-    ctx = span.get_span_context()
-    return {
-        "name": span.name,
-        "service": span.resource.attributes.get("service.name"),
-        "trace_id": f"{ctx.trace_id:032x}",
-        "span_id": f"{ctx.span_id:016x}",
-        "parent_span_id": f"{span.parent.span_id:016x}" if span.parent else None,
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "status": span.status.status_code.name,
-        "attributes": dict(span.attributes or {}),
-        "links": [
-            {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}"}
-            for link in span.links
-        ],
-        "events": [{"name": e.name, "ts_ns": e.timestamp} for e in span.events],
-    }
-
-
 # An OTLP endpoint used only when its host name resolves: compose sets it to `otlp`, the
 # trace viewer's name, which exists (and resolves) only when a viewer's profile is on.
 OTLP_IF_RESOLVES = "MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES"
@@ -133,84 +91,6 @@ def _if_resolves(endpoint: str) -> str | None:
     except OSError:
         return None
     return endpoint
-
-
-OTLP_PATIENCE_S = 120.0
-"""How long a batch the collector refuses is sent again (env MILLSTREAM_OTLP_PATIENCE_S)."""
-
-
-class PatientExporter(SpanExporter):
-    """`inner` (the OTLP exporter, whose own retries last its 10 s timeout), a refused batch
-    sent again with backoff (common/retry.py) for up to `patience_s`; see module docstring.
-    Blocking is the point: the batch processor's thread waits, its queue fills meanwhile.
-    `dropped` counts the spans given up on; `closing()` (shutdown_tracing) makes the current
-    and every later batch's next try its last, so a process whose collector is gone exits."""
-
-    def __init__(self, inner: SpanExporter, endpoint: str, patience_s: float | None = None):
-        self.inner = inner
-        self.endpoint = endpoint
-        if patience_s is None:
-            patience_s = float(os.environ.get("MILLSTREAM_OTLP_PATIENCE_S", OTLP_PATIENCE_S))
-        self.patience_s = patience_s
-        self.dropped = 0
-        self._closing = threading.Event()
-        self._down_since: float | None = None
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        from tenacity import Retrying, retry_if_result
-
-        from .retry import Backoff
-
-        if self._closing.is_set() and self._down_since is not None:
-            return self._drop(spans)  # shutting down, the collector refusing: no more tries
-        backoff = Backoff(within_s=self.patience_s, first_s=0.5, max_s=5.0)
-        tries = Retrying(
-            stop=backoff.stop() | (lambda state: self._closing.is_set()),
-            wait=lambda state: backoff.delay(state.attempt_number),
-            retry=retry_if_result(lambda result: result is not SpanExportResult.SUCCESS),
-            sleep=self._closing.wait,  # returns at once when closing: one more try
-            retry_error_callback=lambda state: state.outcome.result(),
-            before_sleep=lambda state: self._refused(),
-        )
-        result = tries(self.inner.export, spans)
-        if result is SpanExportResult.SUCCESS:
-            if self._down_since is not None:
-                log.warning(
-                    "spans to %s: taken again after %.1f s",
-                    self.endpoint, time.monotonic() - self._down_since,
-                )  # fmt: skip
-                self._down_since = None
-            return result
-        return self._drop(spans)
-
-    def _drop(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-        self.dropped += len(spans)
-        log.warning(
-            "spans to %s: %d dropped, the collector refusing them since %.0f s (%d in all)",
-            self.endpoint, len(spans), time.monotonic() - self._down_since, self.dropped,
-        )  # fmt: skip
-        return SpanExportResult.FAILURE
-
-    def _refused(self) -> None:
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            log.warning(
-                "spans to %s: the collector does not take them (not up yet, or busy); "
-                "sending again for up to %.0f s while new spans wait in the queue",
-                self.endpoint, self.patience_s,
-            )  # fmt: skip
-
-    def closing(self) -> None:
-        self._closing.set()
-
-    def shutdown(self) -> None:
-        self._closing.set()
-        self.inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
 
 
 def make_provider(service_name: str, run_dir: str | Path | None = None) -> TracerProvider | None:
@@ -294,7 +174,8 @@ def setup_tracing(service_name: str, run_dir: str | Path | None = None) -> Trace
 
 def shutdown_tracing(provider: TracerProvider | None) -> None:
     """Flush and close the exporters; call from `main`'s finally. A collector that refuses
-    gets one more try per batch left (`PatientExporter.closing`), not its whole patience."""
+    gets the batches left for MILLSTREAM_OTLP_SHUTDOWN_S (`PatientExporter.closing`), not
+    each its whole patience."""
     if provider is None:
         return
     for processor in provider._active_span_processor._span_processors:

@@ -104,8 +104,10 @@ def test_a_busy_collector_gets_every_span_once_it_takes_them(monkeypatch):
 
 @pytest.mark.timeout(30)
 def test_shutdown_with_no_collector_ends_promptly_and_counts_the_loss(monkeypatch):
-    """Patience is for a running service: at shutdown a refusing collector gets one more try
-    per batch, then the spans are counted as dropped, so the process exits."""
+    """Patience is for a running service: at shutdown the batches left get
+    MILLSTREAM_OTLP_SHUTDOWN_S in all, then the spans are counted as dropped: the process
+    exits."""
+    monkeypatch.setenv("MILLSTREAM_OTLP_SHUTDOWN_S", "3")
     provider, _ = make_spans(monkeypatch, free_port())
     time.sleep(1.5)  # the first batch has been refused once: an outage is under way
     started = time.monotonic()
