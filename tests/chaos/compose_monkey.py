@@ -1,6 +1,6 @@
 """`make chaos-monkey-compose`: the chaos monkey (tests/chaos/monkey.py) under docker compose.
 
-    python -m tests.chaos.compose_monkey                 # seed 1, 90 iterations, a clean twin
+    python -m tests.chaos.compose_monkey                 # seed 1, 400 iterations, a clean twin
     python -m tests.chaos.compose_monkey --seeds 2 --iterations 60 --no-clean
 
 The arith job as `make compose-up` runs it (deploy/compose/compose.yml, profile cpu, two rollout
@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.chaos.compose_monkey", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--seeds", default="1", help="comma-separated (default 1)")
-    parser.add_argument("--iterations", type=int, default=90, help="NUM_ROLLOUT (default 90)")
+    parser.add_argument(
+        "--iterations", type=int, default=400, help="NUM_ROLLOUT (400: ~10 min with faults)"
+    )
     parser.add_argument("--every-s", type=float, default=10.0, help="seconds between faults")
     parser.add_argument("--no-clean", action="store_true", help="skip the fault-free runs")
     args = parser.parse_args(argv)
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((run, clean))
         for line in problems(run, clean):
             print(f"[monkey] seed {seed}: {line}", flush=True)
-    print(table(rows))
+    print(table(rows, faults="container faults (crash/pause)"))
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()

@@ -252,8 +252,10 @@ def problems(run: MonkeyRun, clean: MonkeyRun | None) -> list[str]:
     return found
 
 
-def table(rows: list[tuple[MonkeyRun, MonkeyRun | None]]) -> str:
-    head = ["seed", "faults (kill/stop)", "trainer starts", "admitted", "terminal", "lost",
+def table(
+    rows: list[tuple[MonkeyRun, MonkeyRun | None]], faults: str = "faults (kill/stop)"
+) -> str:
+    head = ["seed", faults, "trainer starts", "admitted", "terminal", "lost",
             "trained twice", "longest stall", "eval (no faults)", "minutes", "ok"]  # fmt: skip
     body = []
     for run, clean in rows:
