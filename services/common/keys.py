@@ -47,6 +47,12 @@ class RunKeys:
         return self._key("version")
 
     @property
+    def engines(self) -> str:
+        """The engines this run's trainers synced, a set of URLs: a trainer that starts looks
+        at them again (a restarted router and trainer both forgot them)."""
+        return self._key("engines")
+
+    @property
     def coordinator(self) -> str:
         """host:port of the trainer's Coordinator gRPC service (for engines to JoinEngine)."""
         return self._key("coordinator")

@@ -40,6 +40,7 @@ from .teacher import TeacherClient
 from .trainer import Parts, Trainer
 from .weights.colocate import Colocation
 from .weights.coordinator import Coordinator, host_address
+from .weights.keeper import EngineBook
 from .weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -308,6 +309,7 @@ async def build_trainer(
             watch,
             janitor,
             colocation(cfg, backend, sync),
+            EngineBook(redis, keys.engines),
         )
         trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
         metrics.watch(trainer)

@@ -70,6 +70,7 @@ class Parts:
     watch: Watch | None = None  # progress and stall detection of long waits
     janitor: Callable[[], Awaitable[None]] | None = None  # trims streams while the run goes
     colocation: Any | None = None  # --colocate: turns on one GPU (weights/colocate.py)
+    engine_book: Any | None = None  # the run's engines in Redis (weights/keeper.py EngineBook)
 
 
 class Trainer:
@@ -102,6 +103,7 @@ class Trainer:
             coordinator.take_pending_joins if coordinator is not None else tuple,
             stall_timeout_s=cfg.service.stall_timeout,
             coordinator_address=getattr(coordinator, "address", None),
+            book=parts.engine_book,
         )
         # Held while the weights move (train, sync): the keeper's catch-up syncs go between.
         self._weights_lock = asyncio.Lock()
@@ -264,6 +266,7 @@ class Trainer:
         sample from its weights)."""
         coordinator = self.p.coordinator
         ws = self.p.weight_sync
+        await self.keeper.recall()  # engines of earlier starts: taken back if they answer
         listed = await ws.routed_engines(patient=True)
         held = await ws.versions(listed) if listed else {}
         behind = {u: v for u, v in held.items() if _behind(v, self.version)}

@@ -296,3 +296,42 @@ def test_an_engine_stopped_through_a_sync_is_removed_and_taken_back_once_it_answ
         engine.proc.send_signal(signal.SIGCONT)
         run(ws.close())
         engine.stop()
+
+
+def test_a_restarted_trainer_takes_back_the_engines_a_restarted_router_forgot(
+    engines: list[EngineProcess], routers, tiny_model_dir: Path, redis_url: str, run
+):
+    """Trainer and router both restarted (issue 42's monkey, seed 1: the trainer killed at 510
+    s, the router at 540 s): the router lists no engine, the new trainer never met it, and the
+    engine joined once at its start. The run's engines are in Redis (EngineBook): the new
+    trainer recalls them and its first sync takes the engine back at its version. Before: no
+    engine for --stall-timeout, then `no engine left to sync`, the trainer exiting 1 again and
+    again."""
+    from millstream.common.keys import RunKeys
+    from millstream.common.redis_conn import connect
+    from millstream.trainer.weights.keeper import EngineBook
+
+    key = RunKeys(f"recall-{free_port()}").engines
+    url = engines[0].url
+    port = free_port()
+    router = routers(port)
+    redis = run(connect(redis_url))
+    first = WeightSync(router.url, admin_token=TOKEN, timeout_s=20, stall_timeout_s=60)
+    try:
+        keeper = EngineKeeper(first, stall_timeout_s=5, poll_s=0.2, book=EngineBook(redis, key))
+        run(keeper.sync(hf_model(tiny_model_dir, seed=3).named_parameters(), 1, join=[url]))
+    finally:
+        run(first.close())
+    router.kill()  # and the trainer "restarts": a new WeightSync and keeper, no memory of it
+    router = routers(port)
+    assert router_state(router.url)[0] == []
+    second = WeightSync(router.url, admin_token=TOKEN, timeout_s=20, stall_timeout_s=60)
+    try:
+        keeper = EngineKeeper(second, stall_timeout_s=5, poll_s=0.2, book=EngineBook(redis, key))
+        assert run(keeper.recall()) == [url]
+        report = run(keeper.sync(hf_model(tiny_model_dir, seed=4).named_parameters(), 2))
+        assert report.engines == [url]
+        assert versions(url) == ["2"] and router_state(router.url) == ([url], "2", [url])
+    finally:
+        run(second.close())
+        run(redis.aclose())

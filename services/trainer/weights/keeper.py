@@ -27,18 +27,51 @@ The first found is synced to the current version, admission resumes, and one lin
 
 Why the trainer, and not the router or the engines, brings engines back: it already owns
 membership (every engine in routing was synced by it) and the version, so an engine it adds
-back is gated and synced by the same handshake; see docs/weight-sync.md.
+back is gated and synced by the same handshake; see docs/weight-sync.md. A trainer that
+restarts has forgotten them, and a router that restarted too lists none: every engine synced is
+also recorded in Redis (`EngineBook`, the run's `engines` set), which a starting trainer reads
+(`recall`) and looks at as it looks at engines it removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..observe.watch import Stalled
 from .sync import NoEngineLeft, SyncReport
+
+log = logging.getLogger(__name__)
+
+
+class EngineBook:
+    """The engines this run's trainers synced, in Redis (`RunKeys.engines`), so a trainer that
+    starts after a restart knows them even when the router restarted too and lists none: the
+    engine joined through the Coordinator once, at its own start, and asks again only when it
+    restarts. A bookkeeping write that fails is logged, never a failed sync."""
+
+    def __init__(self, redis: Any, key: str):
+        self.redis, self.key = redis, key
+        self._noted: set[str] = set()
+
+    async def known(self) -> list[str]:
+        return sorted(
+            u.decode() if isinstance(u, bytes) else u for u in await self.redis.smembers(self.key)
+        )
+
+    async def note(self, urls: Sequence[str]) -> None:
+        new = [u for u in urls if u not in self._noted]
+        if not new:
+            return
+        try:
+            await self.redis.sadd(self.key, *new)
+        except Exception as err:  # the sync happened: only the record of it is missing
+            log.warning("could not record engines %s in %s: %s", new, self.key, err)
+            return
+        self._noted.update(new)
 
 
 class NoEngineInTime(NoEngineLeft, Stalled):
@@ -59,8 +92,10 @@ class EngineKeeper:
         coordinator_address: str | None = None,
         poll_s: float = 1.0,
         say: Callable[[str], None] = _say,
+        book: EngineBook | None = None,
     ):
         self.ws = sync
+        self.book = book
         self.joins = joins
         self.stall_timeout_s = stall_timeout_s
         self.coordinator_address = coordinator_address
@@ -91,7 +126,18 @@ class EngineKeeper:
                 continue
             report.removed = {**removed, **report.removed}
             self._back(report, version)
+            if self.book is not None:
+                await self.book.note(report.engines)
             return report
+
+    async def recall(self) -> list[str]:
+        """A starting trainer: the engines earlier starts of this run synced, for the next
+        sync to take back if they answer (WeightSync.remember). Returns them."""
+        if self.book is None:
+            return []
+        known = await self.book.known()
+        self.ws.remember(known)
+        return known
 
     async def run(self, weights: Any, version: Callable[[], int], lock: asyncio.Lock) -> None:
         """Look every `poll_s`, between the loop's syncs, until cancelled (module docstring)."""

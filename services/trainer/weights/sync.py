@@ -278,6 +278,13 @@ class WeightSync:
         found = await asyncio.gather(*(read(u) for u in urls))
         return dict(zip(urls, found, strict=True))
 
+    def remember(self, urls: Sequence[str]) -> None:
+        """Engines an earlier start of this run synced (keeper.EngineBook): looked at now by
+        `revivable`, as engines this trainer removed are, so one that answers /health joins the
+        next sync even when the router forgot it too (both restarted)."""
+        for url in urls:
+            self._removed.setdefault(url, (0.0, REVIVE_FIRST_S))
+
     async def revivable(self) -> list[str]:
         """The engines this trainer removed from routing that answer /health again and that
         the router does not list: for the next sync to join (keeper.py), which brings each to
