@@ -150,7 +150,7 @@ def test_ended_by_names_the_way_out_and_its_exit_code(err, signal_name, expected
 
 def _trainer(in_flight: dict[str, tuple[int, int]], **counts: int) -> SimpleNamespace:
     admission = SimpleNamespace(counts=TerminalCounts(**counts), in_flight=in_flight)
-    buffer = SimpleNamespace(duplicates=1, dead_letters=0)
+    buffer = SimpleNamespace(duplicates=1, earlier_run=0, dead_letters=0)
     return SimpleNamespace(
         p=SimpleNamespace(admission=admission, buffer=buffer), iteration=7, num_rollout=100,
         eval_history=[(0, 1.26, {"arith": 0.25})], completions_per_s=321.0,
