@@ -1,20 +1,23 @@
-"""Engine throughput vs naive one-request-at-a-time HF generate(), side by side in one run.
+"""Engine throughput vs naive one-request-at-a-time HF generate(), and vs the engine of an
+earlier commit, side by side in one run.
 
-    .venv/bin/python bench/bench_engine.py [--new-tokens 64] [--hidden 256] [--layers 4]
+    .venv/bin/python bench/bench_engine.py [--baseline d9c9f3c] [--new-tokens 64]
 
-Builds a random Qwen2 model (hidden 256, 4 layers, the tests' byte-level tokenizer) in a
-temp dir, measures HF `model.generate()` one request at a time (greedy, exactly
---new-tokens tokens each), then starts `millstream engine` on the same directory and sends
-the same kind of request over HTTP from 1, 8 and 32 concurrent clients (ignore_eos, greedy).
-Prints output tokens/s and the ratio to the naive baseline. Both sides run on the same
-machine, one after the other, so the ratio is what to read; absolute numbers depend on
-the machine and its load.
+Builds a random Qwen2 model (hidden 256, 4 layers, 8k context, the tests' byte-level
+tokenizer) in a temp dir, measures HF `model.generate()` one request at a time (greedy,
+exactly --new-tokens tokens each), then starts `millstream engine` on the same directory and
+sends the same kind of request over HTTP from 1, 16 and 64 concurrent clients (ignore_eos,
+greedy). With --baseline REF, the engine of commit REF (a git worktree, same venv) runs the
+same rows first. Prints output tokens/s and the ratios to the naive baseline and to REF.
+Everything runs on this machine one after the other, so the ratios are what to read.
 
-Second table, a GRPO rollout's shape: a burst of 16 requests with n = 8 (temperature 1,
+Long-context row: one 4096-token prompt beside 63 short ones, all at once (64 clients):
+before the token pool (issue 43), a GPU engine's static cache gave each of 64 slots an
+equal share and refused it; REF's static cache is tried too and its answer printed.
+
+Burst table, a GRPO rollout's shape: 16 requests with n = 8 (temperature 1,
 --burst-new-tokens each) sent at once over HTTP, against one batched HF `generate()` of the
-same 128 rows in process: the engine must batch across requests (one padded prefill per
-step, each prompt prefilled once for its 8 copies, one decode over all rows) to keep up.
-Both sides use --threads compute threads.
+same 128 rows in process. Both sides use --threads compute threads.
 """
 
 from __future__ import annotations
@@ -141,13 +144,76 @@ async def client_warmup(http, url: str) -> None:
     (await http.post(f"{url}/generate", json=body)).raise_for_status()
 
 
+def baseline_tree(ref: str, tmp: Path) -> Path:
+    """A git worktree of `ref` whose `millstream` package shadows this tree's (PYTHONPATH)."""
+    import subprocess
+
+    tree = tmp / f"baseline-{ref}"
+    subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-q", str(tree), ref],
+        check=True,
+    )
+    (tree / "millstream").symlink_to(tree / "services")
+    return tree
+
+
+def remove_tree(tree: Path) -> None:
+    import subprocess
+
+    subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(tree)], check=False
+    )
+
+
+async def long_beside_short(url: str, long_tokens: int, short: int, new_tokens: int) -> tuple:
+    """One long prompt and `short` short ones at once: (tokens, seconds, error or None)."""
+    import httpx
+
+    body = {"sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
+                                "ignore_eos": True}}  # fmt: skip
+    batch = prompts(1, long_tokens, seed=7) + prompts(short, 32, seed=8)
+    limits = httpx.Limits(max_connections=short + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await client_warmup(http, url)
+        start = time.perf_counter()
+        responses = await asyncio.gather(
+            *(http.post(f"{url}/generate", json={"input_ids": p, **body}) for p in batch)
+        )
+        seconds = time.perf_counter() - start
+    if responses[0].status_code != 200:
+        return 0, seconds, f"HTTP {responses[0].status_code}: {responses[0].text[:120]}"
+    return sum(r.json()["meta_info"]["completion_tokens"] for r in responses), seconds, None
+
+
+def engine_rows(engine, args) -> tuple[list[tuple], float]:
+    rows = []
+    for concurrency in args.concurrency:
+        count = max(8, 2 * concurrency)
+        batch = prompts(count, args.prompt_tokens, seed=concurrency)
+        n_tokens, seconds = asyncio.run(engine_run(engine.url, batch, args.new_tokens, concurrency))
+        rows.append(("", concurrency, count, n_tokens, seconds))
+    n_tokens, seconds, error = asyncio.run(
+        long_beside_short(engine.url, args.long_prompt, 63, args.long_new_tokens)
+    )
+    assert error is None, error
+    rows.append((", 4k + 63 short", 64, 64, n_tokens, seconds))
+    burst_s = asyncio.run(
+        engine_burst(engine.url, prompts(16, 8, seed=99), 8, args.burst_new_tokens)
+    )
+    return rows, burst_s
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--baseline", help="git ref of the engine to compare with (a worktree)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--naive-requests", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--long-prompt", type=int, default=4096)
+    parser.add_argument("--long-new-tokens", type=int, default=32)
     parser.add_argument("--burst-new-tokens", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -159,62 +225,75 @@ def main() -> int:
     from tests.support.engine_proc import EngineProcess
     from tests.support.tiny_model import build_tiny_model
 
-    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+    flags = ["--max-running-requests", "128", "--num-threads", str(args.threads)]
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp_name:
+        tmp = Path(tmp_name)
         model_dir = build_tiny_model(
-            Path(tmp) / "model",
-            hidden_size=args.hidden,
-            num_layers=args.layers,
-            num_heads=4,
-            num_kv_heads=2,
-        )
+            tmp / "model", hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
+            num_kv_heads=2, context_length=8192,
+        )  # fmt: skip
         print(
             f"model: Qwen2 hidden {args.hidden}, {args.layers} layers; "
             f"{args.prompt_tokens} prompt + {args.new_tokens} output tokens per request"
         )
         naive = prompts(args.naive_requests, args.prompt_tokens, seed=1)
         n_tokens, seconds = naive_generate(model_dir, naive, args.new_tokens)
-        rows = [("HF generate(), one at a time", 1, len(naive), n_tokens, seconds)]
-        burst = prompts(16, 8, seed=99)
-        hf_burst_s = hf_burst(model_dir, burst, 8, args.burst_new_tokens)
-        engine = EngineProcess(
-            model_dir,
-            Path(tmp),
-            "--max-running-requests",
-            "128",
-            "--num-threads",
-            str(args.threads),
-        )
+        naive_rate = n_tokens / seconds
+        hf_burst_s = hf_burst(model_dir, prompts(16, 8, seed=99), 8, args.burst_new_tokens)
+        engines: list[tuple[str, dict[str, str]]] = []
+        tree = None
+        if args.baseline:
+            tree = baseline_tree(args.baseline, tmp)
+            engines.append((f"engine at {args.baseline}", {"PYTHONPATH": str(tree)}))
+        engines.append(("engine, this tree", {}))
+        results: dict[str, tuple[list[tuple], float]] = {}
+        static_answer = None
         try:
-            for concurrency in (1, 8, 32):
-                count = max(8, 2 * concurrency)
-                batch = prompts(count, args.prompt_tokens, seed=concurrency)
-                n_tokens, seconds = asyncio.run(
-                    engine_run(engine.url, batch, args.new_tokens, concurrency)
-                )
-                rows.append(("millstream engine (HTTP)", concurrency, count, n_tokens, seconds))
-            engine_burst_s = asyncio.run(engine_burst(engine.url, burst, 8, args.burst_new_tokens))
+            for label, env in engines:
+                engine = EngineProcess(model_dir, tmp, *flags, env=env)
+                try:
+                    results[label] = engine_rows(engine, args)
+                finally:
+                    engine.stop()
+            if tree is not None:  # the GPU's default cache then, on this CPU
+                static = [*flags[:1], "64", *flags[2:], "--kv-cache", "static",
+                          "--max-total-tokens", str(64 * 1024)]  # fmt: skip
+                engine = EngineProcess(model_dir, tmp, *static, env={"PYTHONPATH": str(tree)})
+                try:
+                    static_answer = asyncio.run(
+                        long_beside_short(engine.url, args.long_prompt, 63, args.long_new_tokens)
+                    )[2]
+                finally:
+                    engine.stop()
         finally:
-            engine.stop()
+            if tree is not None:
+                remove_tree(tree)
 
-    base = rows[0][3] / rows[0][4]
-    header = f"{'system':<30} {'conc':>5} {'reqs':>5} {'tokens':>7} {'secs':>7} {'tok/s':>8} {'ratio':>6}"
+    base_label = engines[0][0] if args.baseline else None
+    header = (f"{'system':<34} {'conc':>5} {'reqs':>5} {'tokens':>7} {'secs':>7} {'tok/s':>8} "
+              f"{'x HF':>6} {'x ' + (args.baseline or '-'):>10}")  # fmt: skip
     print(header)
     print("-" * len(header))
-    for name, conc, reqs, n_tokens, seconds in rows:
-        rate = n_tokens / seconds
-        print(
-            f"{name:<30} {conc:>5} {reqs:>5} {n_tokens:>7} {seconds:>7.2f} {rate:>8.1f} {rate / base:>5.2f}x"
-        )
-    rows_burst = 16 * 8
-    print(f"\nburst: 16 requests x n=8 = {rows_burst} rows, {args.burst_new_tokens} new tokens")
-    print(f"{'system':<44} {'median s':>9} {'rows/s':>8} {'ratio':>6}")
-    for name, seconds in (
-        ("HF generate(), 128 rows in one batch", hf_burst_s),
-        ("millstream engine, 16 HTTP requests with n=8", engine_burst_s),
-    ):
-        print(
-            f"{name:<44} {seconds:>9.4f} {rows_burst / seconds:>8.0f} {hf_burst_s / seconds:>5.2f}x"
-        )
+    print(f"{'HF generate(), one at a time':<34} {1:>5} {len(naive):>5} {n_tokens:>7} "
+          f"{seconds:>7.2f} {naive_rate:>8.1f} {1:>5.2f}x")  # fmt: skip
+    for label, (rows, _) in results.items():
+        for i, (suffix, conc, reqs, tokens, secs) in enumerate(rows):
+            rate = tokens / secs
+            versus = ""
+            if base_label:
+                base_rows = results[base_label][0]
+                versus = f"{rate / (base_rows[i][3] / base_rows[i][4]):>9.2f}x"
+            print(f"{label + suffix:<34} {conc:>5} {reqs:>5} {tokens:>7} "
+                  f"{secs:>7.2f} {rate:>8.1f} {rate / naive_rate:>5.2f}x {versus}")  # fmt: skip
+    if static_answer is not None:
+        print(f"engine at {args.baseline} with --kv-cache static (64 x 1024): {static_answer}")
+    print(f"\nburst: 16 requests x n=8 = 128 rows, {args.burst_new_tokens} new tokens")
+    print(f"{'system':<44} {'median s':>9} {'rows/s':>8} {'x HF':>6}")
+    print(f"{'HF generate(), 128 rows in one batch':<44} {hf_burst_s:>9.4f} "
+          f"{128 / hf_burst_s:>8.0f} {1:>5.2f}x")  # fmt: skip
+    for label, (_, burst_s) in results.items():
+        print(f"{label + ', 16 x n=8':<44} {burst_s:>9.4f} {128 / burst_s:>8.0f} "
+              f"{hf_burst_s / burst_s:>5.2f}x")  # fmt: skip
     return 0
 
 

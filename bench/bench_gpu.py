@@ -42,8 +42,14 @@ run     examples/arith/run.sh (`make run`) in sync (MODE=train) and async mode w
         engine's CUDA graph captures. "not run: <why>" where --colocate is refused;
         --no-cpu-run leaves out the CPU runs (make gpu-check: the GPU's rows only).
 
+Decode step (engine section, in process): 64 rows of 100 tokens decoded over a token pool
+sized for 1k tokens a row, then for 32k (as much of it as fits in half the free memory), ms
+a step with CUDA graphs on a GPU, beside the weights-read limit (the weights' bytes over the
+memory bandwidth a 1 GB device copy reaches): the step must not grow with the pool.
+
 Goals beside the rows: train with --bf16 >= 0.85x the plain bf16 loop; engine >= 5x HF
-generate at the highest concurrency (64); the colocated weight update <= 20 ms per GB.
+generate at the highest concurrency (64); the decode step over the 32k pool <= 1.5x the 1k
+one; the FP8 engine >= 1.0x the bf16 engine; the colocated weight update <= 20 ms per GB.
 Progress goes to stderr, one line per measurement; the table to stdout; --json PATH gets the
 resources, settings, rows and goals.
 """
@@ -86,7 +92,9 @@ SIZES = {
     "new_tokens": (256, 16), "prompt_tokens": (128, 16), "concurrency": ("1,16,64", "1,4"),
     "hf_batch": (64, 4), "rounds": (2, 1), "syncs": (10, 4),
 }  # fmt: skip
-GOALS = {"train": 0.85, "engine": 5.0, "sync_ms_per_gb": 20.0}
+GOALS = {"train": 0.85, "engine": 5.0, "sync_ms_per_gb": 20.0, "decode_pool": 1.5, "fp8": 1.0}
+DECODE_ROWS = (64, 100)  # the decode-step rows: 64 rows of 100 tokens (8 with --small)
+POOL_PER_ROW = (1024, 32768)  # tokens a row of the pool, small then large
 GROUP = 8  # samples per prompt, for the advantages
 
 
@@ -329,6 +337,71 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def decode_step_rows(model_dir: Path, args: argparse.Namespace) -> list[Row]:
+    """The decode step of DECODE_ROWS over pools of POOL_PER_ROW tokens a row (module
+    docstring), in process, with the weights-read limit in the note."""
+    import torch
+
+    from millstream.engine.model_runner import ModelRunner, kv_bytes_per_token
+
+    cuda = args.device == "cuda"
+    n, length = (8 if args.small else DECODE_ROWS[0]), DECODE_ROWS[1]
+    runner = ModelRunner(str(model_dir), "bfloat16" if cuda else "float32", args.device)
+    per_token = kv_bytes_per_token(runner.model.config, runner.dtype)
+    gb = 2**30 if cuda else 2**26
+    bandwidth = 2 * gb / (raw_copy_ms(gb, args.device, 5) / 1e3)  # a copy reads and writes
+    limit_ms = runner.weight_bytes / bandwidth * 1e3
+    steps: dict[int, float] = {}
+    rows = []
+    for per_row in POOL_PER_ROW:
+        free_memory(args.device)
+        tokens = n * per_row
+        if cuda:
+            tokens = min(tokens, int(torch.cuda.mem_get_info()[0] * 0.5) // per_token)
+        progress(f"engine: decode step, {n} rows x {length} tokens, pool of {tokens} tokens ...")
+        steps[per_row] = _decode_ms(runner, tokens, n, length, args)
+        ratio = steps[per_row] / steps[POOL_PER_ROW[0]]
+        rows.append(Row("engine", f"decode step, {n} rows of {length} tokens, pool of "
+                        f"{tokens:,} tokens ({tokens // n:,} a row)", steps[per_row], "ms",
+                        ratio, f"pool of {POOL_PER_ROW[0]} a row",
+                        note=f"weights-read limit {limit_ms:.3g} ms ({runner.weight_bytes / 2**20:.3g}"
+                             f" MiB at {bandwidth / 1e9:.0f} GB/s)",
+                        extra={"decode_pool": per_row, "limit_ms": limit_ms}))  # fmt: skip
+    del runner
+    free_memory(args.device)
+    return rows
+
+
+def _decode_ms(runner: Any, tokens: int, n: int, length: int, args: argparse.Namespace) -> float:
+    """The fastest decode step (ms) of n rows of `length` tokens over a pool of `tokens`."""
+    import random
+
+    from millstream.engine.paged_batch import PagedBatch
+    from millstream.engine.sampling import SamplingParams
+    from millstream.engine.sequence import Sequence
+    from millstream.engine.token_pool import TokenPool
+
+    pool = TokenPool(runner.model.config, tokens, runner.dtype, runner.device)
+    batch = PagedBatch(runner.model, pool, max_rows=n, context_length=4 * length,
+                       cuda_graph_max_bs=n if args.device == "cuda" else None)  # fmt: skip
+    if batch.graphs is not None:
+        batch.graphs.capture_all()
+    seqs = [Sequence(str(i), prompts(1, length, i)[0], SamplingParams(max_new_tokens=10**6),
+                     random.Random(i)) for i in range(n)]  # fmt: skip
+    handles, _ = batch.prefill([s.prompt_ids for s in seqs], [1] * n)
+    for seq, handle in zip(seqs, handles, strict=True):
+        seq.output_ids.append(65)
+        batch.add(seq, handle)
+    batch.drop(handles)
+
+    def step() -> None:
+        batch.decode(runner.model)
+        for seq in seqs:
+            seq.output_ids.append(65)
+
+    return best_of(step, 20, args.device) * 1e3
+
+
 def engine_section(url: str, hf: Row, args: argparse.Namespace) -> list[Row]:
     from bench_engine import engine_run
 
@@ -528,6 +601,13 @@ def goals(rows: list[Row]) -> list[dict[str, Any]]:
         out.append(goal(f"engine at concurrency {top.extra['concurrency']} vs HF generate", top,
                         True, GOALS["engine"], top.ratio, "x"))  # fmt: skip
     for r in measured:
+        if r.extra.get("decode_pool") == POOL_PER_ROW[1] and r.ratio is not None:
+            out.append(goal("decode step, large pool vs small", r, False, GOALS["decode_pool"],
+                            r.ratio, "x"))  # fmt: skip
+        if r.extra.get("fp8") and r.extra.get("vs_bf16") is not None:
+            out.append(goal("FP8 engine vs the bf16 engine", r, True, GOALS["fp8"],
+                            r.extra["vs_bf16"], "x"))  # fmt: skip
+    for r in measured:
         if r.section == "sync" and "route" in r.extra:
             out.append(goal("colocated weight update, ms per GB", r, False,
                             GOALS["sync_ms_per_gb"], r.extra["ms_per_gb"], " ms/GB"))  # fmt: skip
@@ -688,6 +768,8 @@ def engine_and_sync(model_dir: Path, args: argparse.Namespace, tmp: Path) -> lis
         rows += variant_engine_rows(model_dir, rows, args, tmp, graphs=False)
     if "engine" in args.only and not args.no_fp8:
         rows += variant_engine_rows(model_dir, rows, args, tmp, graphs=None)
+    if "engine" in args.only:
+        rows += decode_step_rows(model_dir, args)
     return rows
 
 
@@ -733,7 +815,8 @@ def variant_engine_rows(
     return [Row("engine", label, tps, "tokens/s", tps / hf, "HF generate",
                 note=note if bf16 else "",
                 extra={"tokens": made, "seconds": seconds, "concurrency": conc,
-                       "engine_flags": flags, **extra})]  # fmt: skip
+                       "engine_flags": flags, "vs_bf16": tps / bf16 if bf16 else None,
+                       **extra})]  # fmt: skip
 
 
 def make_fp8_copy(model_dir: Path, tmp: Path) -> Path:

@@ -18,7 +18,6 @@ from millstream.common.config.schema import add_group, flag, from_namespace
 from millstream.common.http_limits import DEFAULT_MAX_REQUEST_BYTES
 
 DTYPES = ("auto", "float32", "bfloat16")
-KV_CACHES = ("auto", "dynamic", "static")
 FP8_GEMMS = ("auto", "scaled_mm", "dequant")  # engine/fp8.py GEMMS; this module imports no torch
 DEFAULT_MEM_FRACTION = 0.85
 
@@ -31,7 +30,10 @@ class EngineConfig:
     served_model_name: str | None = flag(None, "model name in OpenAI responses (default: path)")
     max_running_requests: int = flag(64, "most requests decoding together in the running batch")
     max_total_tokens: int | None = flag(
-        None, "most KV tokens (prompt + max_new_tokens) reserved by the running batch"
+        None,
+        "SGLang's: tokens in the KV token pool shared by every request (default: on a GPU, "
+        "what --mem-fraction-static leaves; on the CPU, a quarter of the free memory, "
+        "allocated as it fills)",
     )
     context_length: int | None = flag(None, "longest prompt + output (default: the model's)")
     device: str = flag(
@@ -40,16 +42,9 @@ class EngineConfig:
     dtype: str = flag(
         "auto", "model dtype (auto: bfloat16 on a GPU, float32 on the CPU)", choices=DTYPES
     )
-    kv_cache: str = flag(
-        "auto",
-        "the KV cache: static (preallocated once, every row decodes into the same column: "
-        "what CUDA graphs need), dynamic (grown and trimmed per step), auto (static on a GPU, "
-        "dynamic on the CPU)",
-        choices=KV_CACHES,
-    )
     mem_fraction_static: float | None = flag(
         None,
-        "SGLang's: the share of the GPU's memory for weights plus the static KV cache "
+        "SGLang's: the share of the GPU's memory for weights plus the KV token pool "
         f"(default {DEFAULT_MEM_FRACTION} on a GPU; Miles' --sglang-mem-fraction-static maps to it)",
     )
     cuda_graph_max_bs: int | None = flag(

@@ -17,20 +17,21 @@ e4m3 keeps 3 mantissa bits, so a scaled value in e4m3's normal range (|w / s| >=
 by at most half a step, 2^-4 of its size, and one below it by at most half the subnormal step
 2^-9: |w - q * s| <= |w| / 16 + s / 1024 (tests/unit/test_fp8.py holds every element to it).
 
-The forward (`Fp8Linear.gemm`, from --fp8-gemm):
+The forward (`Fp8Linear.gemm`, set from --fp8-gemm by `set_gemm`):
   dequant    W8A16: q * s expanded over the blocks, in fp32, cast to the activations' dtype,
              then an ordinary matmul. The CPU's, and a GPU's below compute capability 8.9.
-  scaled_mm  W8A8, what SGLang's block FP8 GEMM computes: activations quantized per token per
-             128-column group (dynamic: each group's absmax / 448, SGLang's
-             per_token_group_quant_fp8), and for each 128-column block k of the input
-             dimension one `torch._scaled_mm(x_q[:, k], w_q[:, k].T)` with unit scales and an
-             fp32 result (the block's fp8 products, summed in fp32), times the token's group
-             scale and the weight block's scale, summed over k in fp32 (DeepGEMM's
-             promotion). The default on a GPU of compute capability >= 8.9. torch 2.13 runs
-             unit-scaled fp8 `_scaled_mm` on the CPU too, so `make test` checks this path's
-             numerics; on a GPU it is K/128 small GEMMs per Linear, not the one blockwise
-             kernel (torch's BlockWise1x128 x BlockWise128x128 recipe, sm90 only): that
-             kernel, and this path's speed, wait for a GPU (docs/fp8.md).
+  scaled_mm  W8A8, what SGLang's block FP8 GEMM computes (fp8_gemm.py): activations quantized
+             per token per 128-column group, the fp8 products of each 128-column block of the
+             input summed in fp32, times the token's group scale and the weight block's scale,
+             summed in fp32. The default on a GPU of compute capability >= 8.9. Per Linear it is
+             one GEMM, `torch.nn.functional.scaled_mm` with the BlockWise1x128 x
+             BlockWise128x128 recipe (torch has it on compute capability 9.x only), where the
+             device has it and K and N are whole 128-blocks; otherwise `scaled_mm_per_block`,
+             the same arithmetic as one unit-scaled `torch._scaled_mm` per 128-column block
+             (K/128 GEMMs), where both are multiples of 16; otherwise dequant. The CPU has the
+             loop (torch 2.13 runs unit-scaled fp8 `_scaled_mm` there, so `make test` checks
+             its numerics) but not the one call: `make test` checks that call's operands against
+             torch's own checks and its arithmetic in an emulation (tests/unit/test_fp8.py).
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ import torch.nn.functional as F
 
 from millstream.common.errors import MillstreamError
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
-BLOCK = (128, 128)  # the one weight_block_size served
+from . import fp8_gemm
+from .fp8_gemm import BLOCK as BLOCK
+from .fp8_gemm import FP8_DTYPE as FP8_DTYPE
+from .fp8_gemm import FP8_MAX as FP8_MAX
+from .fp8_gemm import quantize_activations as quantize_activations
+
 SCALE_SUFFIX = "_scale_inv"  # "<module>.weight" + this
 GEMMS = ("auto", "scaled_mm", "dequant")  # --fp8-gemm (engine/config.py repeats it, torch-free)
-# A block of zeros gets this absmax: its values quantize to 0 whatever the scale.
-_TINY_ABSMAX = 1e-12
+_TINY_ABSMAX = fp8_gemm.TINY_ABSMAX
 _SCALED_MM_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
 
 
@@ -135,44 +138,6 @@ def dequantize(
     return (q_OI.float() * scales_OI).to(dtype)
 
 
-def quantize_activations(x_MK: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token-group quantization: (float8 [M, ceil(K/g)*g], fp32 scales [M, K/g])
-    with each group of `group` columns of a row scaled by its absmax / 448 (padding is zero)."""
-    m, k = x_MK.shape
-    n_groups = math.ceil(k / group)
-    x_MGg = F.pad(x_MK.float(), (0, n_groups * group - k)).view(m, n_groups, group)
-    scale_MG = x_MGg.abs().amax(dim=-1).clamp(min=_TINY_ABSMAX) / FP8_MAX
-    x_q = (x_MGg / scale_MG[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return x_q.view(m, n_groups * group), scale_MG
-
-
-def scaled_mm_linear(
-    x: torch.Tensor,
-    q_NK: torch.Tensor,
-    scale_inv: torch.Tensor,
-    bias: torch.Tensor | None,
-    block: tuple[int, int] = BLOCK,
-) -> torch.Tensor:
-    """The W8A8 forward (module docstring): fp8 GEMMs per 128-column block, scales applied
-    and summed in fp32."""
-    n, k = q_NK.shape
-    x_MK = x.reshape(-1, k)
-    x_q, scale_MG = quantize_activations(x_MK, block[1])
-    # Output column n of weight block j is scaled by scale_inv[n // bo, j].
-    scale_GN = scale_inv.float().repeat_interleave(block[0], dim=0)[:n].t()
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    out_MN = torch.zeros(x_MK.shape[0], n, dtype=torch.float32, device=x.device)
-    for j, start in enumerate(range(0, k, block[1])):
-        end = min(start + block[1], k)
-        partial_MN = torch._scaled_mm(
-            x_q[:, start:end], q_NK[:, start:end].t(), one, one, out_dtype=torch.float32
-        )
-        out_MN += partial_MN * scale_MG[:, j : j + 1] * scale_GN[j]
-    if bias is not None:
-        out_MN += bias.float()
-    return out_MN.to(x.dtype).view(*x.shape[:-1], n)
-
-
 class Fp8Linear(torch.nn.Module):
     """A Linear whose weight is block-wise FP8: `weight` float8_e4m3fn [out, in] and
     `weight_scale_inv` fp32, under the checkpoint's names (so a weight update names them as
@@ -200,14 +165,16 @@ class Fp8Linear(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm == "scaled_mm":
-            return scaled_mm_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
-        w = dequantize(self.weight, self.weight_scale_inv, self.block, x.dtype)
-        return F.linear(x, w, self.bias)
-
-    def scaled_mm_fits(self) -> bool:
-        """`_scaled_mm` on CUDA wants every K slice and N divisible by 16."""
-        return self.in_features % 16 == 0 and self.out_features % 16 == 0
+        if self.gemm == "dequant":
+            w = dequantize(self.weight, self.weight_scale_inv, self.block, x.dtype)
+            return F.linear(x, w, self.bias)
+        if self.gemm == "scaled_mm":  # one GEMM
+            w8a8 = fp8_gemm.scaled_mm_linear
+        elif self.gemm == "scaled_mm_per_block":  # K/128 GEMMs
+            w8a8 = fp8_gemm.per_block_linear
+        else:
+            raise ValueError(f"Fp8Linear.gemm {self.gemm!r}: not one of {fp8_gemm.LAYER_GEMMS}")
+        return w8a8(x, self.weight, self.weight_scale_inv, self.bias, self.block)
 
     @torch.no_grad()
     def load_full(self, w_OI: torch.Tensor) -> None:
@@ -330,33 +297,51 @@ def load_model(model_path: str, dtype: torch.dtype, block: tuple[int, int]) -> t
     return model
 
 
-def choose_gemm(gemm: str, device: torch.device) -> str:
-    """--fp8-gemm auto: scaled_mm on a GPU with FP8 tensor cores, else dequant."""
+def choose_gemm(gemm: str, device: torch.device, capability: tuple[int, int] | None = None) -> str:
+    """--fp8-gemm auto: scaled_mm on a GPU with FP8 tensor cores, else dequant. `capability`
+    stands for the device's compute capability where given (None: read from a CUDA device)."""
     if gemm != "auto":
         return gemm
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= _SCALED_MM_CAPABILITY:
+    if capability is None and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+    if capability is not None and capability >= _SCALED_MM_CAPABILITY:
         return "scaled_mm"
     return "dequant"
 
 
-def set_gemm(model: torch.nn.Module, gemm: str) -> dict[str, int]:
-    """Every Fp8Linear's forward; a layer `_scaled_mm` cannot take (a dimension not a
-    multiple of 16) keeps dequant. Returns the count of each."""
-    counts = {"scaled_mm": 0, "dequant": 0}
-    for layer in fp8_layers(model).values():
-        layer.gemm = "scaled_mm" if gemm == "scaled_mm" and layer.scaled_mm_fits() else "dequant"
+def set_gemm(
+    model: torch.nn.Module, gemm: str, capability: tuple[int, int] | None = None
+) -> dict[str, int]:
+    """Every Fp8Linear's forward under --fp8-gemm `gemm` (resolved): with scaled_mm, the one
+    block-scaled GEMM where the device has it (`fp8_gemm.blockwise_supported`; `capability`
+    stands for the device's where given) and the layer is whole 128-blocks, else the per-block
+    loop where its dimensions are multiples of 16, else dequant. Returns the count of each."""
+    layers = list(fp8_layers(model).values())
+    counts = dict.fromkeys(fp8_gemm.LAYER_GEMMS, 0)
+    if not layers:
+        return counts
+    device = layers[0].weight.device
+    blockwise = gemm == "scaled_mm" and fp8_gemm.blockwise_supported(device, capability)
+    for layer in layers:
+        layer.gemm = fp8_gemm.layer_gemm(gemm, layer.out_features, layer.in_features, blockwise)
         counts[layer.gemm] += 1
     return counts
 
 
 @torch.inference_mode()
 def probe_scaled_mm(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """The first scaled_mm layer against the same W8A8 arithmetic in plain fp32 matmuls, once
-    at start-up: a GPU that computes it otherwise stops the engine here, naming it, rather
-    than serving wrong log-probs (--fp8-gemm dequant is the way round)."""
-    layer = next((m for m in fp8_layers(model).values() if m.gemm == "scaled_mm"), None)
-    if layer is None:
-        return
+    """The first layer of each W8A8 forward in use (the one call, the loop) against the same
+    arithmetic in plain fp32 matmuls, once at start-up: a GPU that computes it otherwise stops
+    the engine here, naming it, rather than serving wrong log-probs (--fp8-gemm dequant is the
+    way round)."""
+    layers = fp8_layers(model).values()
+    for gemm in ("scaled_mm", "scaled_mm_per_block"):
+        layer = next((m for m in layers if m.gemm == gemm), None)
+        if layer is not None:
+            _probe(layer, device, dtype)
+
+
+def _probe(layer: Fp8Linear, device: torch.device, dtype: torch.dtype) -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(5, layer.in_features, generator=gen).to(device, dtype)
     x_q, scale_MG = quantize_activations(x, layer.block[1])
@@ -364,16 +349,17 @@ def probe_scaled_mm(model: torch.nn.Module, device: torch.device, dtype: torch.d
     x_deq = (x_q.float().view(5, -1, layer.block[1]) * scale_MG[:, :, None]).view(5, -1)[:, :k]
     w = dequantize(layer.weight, layer.weight_scale_inv, layer.block)
     want = x_deq @ w.t() + (0 if layer.bias is None else layer.bias.float())
+    how = {"scaled_mm": "one block-scaled scaled_mm", "scaled_mm_per_block": "_scaled_mm per block"}
     try:
         got = layer(x).float()
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:  # torch's checks raise either
         raise MillstreamError(
-            f"--fp8-gemm scaled_mm: torch._scaled_mm failed on {device} ({err}); "
+            f"--fp8-gemm scaled_mm ({how[layer.gemm]}): failed on {device} ({err}); "
             "run with --fp8-gemm dequant"
         ) from err
     error = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
-    if not error < 2e-2:  # bf16 output rounding is 2^-9; NaN fails too
+    if not error < 2e-2:  # bf16 output rounding is up to 2^-8; NaN fails too
         raise MillstreamError(
-            f"--fp8-gemm scaled_mm: on {device} it is {error:.3g} (relative) off the same "
-            "arithmetic in fp32; run with --fp8-gemm dequant"
+            f"--fp8-gemm scaled_mm ({how[layer.gemm]}): on {device} it is {error:.3g} "
+            "(relative) off the same arithmetic in fp32; run with --fp8-gemm dequant"
         )

@@ -9,8 +9,8 @@ Loading is local only (`local_files_only=True`): a missing or incomplete directo
 error that names the path, never a download. The model is put in eval mode with gradients
 off; the scheduler thread runs every forward under `torch.inference_mode`.
 
-Only full-attention decoders are supported: the running batch moves a row's cached tokens
-between cache columns (kv_batch.py), which sliding-window caches do not allow.
+Only full-attention decoders are supported: attention is the engine's own, over each row's
+tokens in the KV token pool (paged_attention.py), with no sliding window.
 
 A checkpoint whose config.json has an FP8 quantization_config is served in FP8: its quantized
 Linears hold the e4m3 weights and block scales (fp8.py); `quantization` says "fp8".
@@ -25,7 +25,7 @@ parameter, and `weights_valid` stays False until then (the scheduler runs no ste
 requests queue, as while released). The sync that follows a resume overwrites every weight
 anyway, so nothing is lost but the copy GPU -> host -> GPU that keeping them would cost;
 /update_weights_from_disk of the checkpoint restores them too. The new storage has new
-addresses, so CUDA graphs are captured again after a resume (kv_pool.py). SGLang keeps the
+addresses, so CUDA graphs are captured again after a resume (decode_graphs.py). SGLang keeps the
 virtual addresses (torch_memory_saver remaps physical pages under them) so its graphs survive;
 that package is not a dependency here, and an allocator swap under the model is not something
 `make test` could check on the CPU, so graphs are simply captured again (the capture time is
@@ -47,7 +47,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import inspect
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -135,18 +134,6 @@ def kv_token_budget(
     return kv_tokens_for(total, free, mem_fraction, kv_bytes_per_token(config, dtype))
 
 
-def cache_kwarg(model: Any) -> str:
-    """The model forward's name for the KV cache: `cache` from transformers 5.24 on (where
-    `past_key_values` still works but warns, once per call site), `past_key_values` before."""
-    return _cache_kwarg(type(model))
-
-
-@functools.cache
-def _cache_kwarg(model_class: type) -> str:
-    parameters = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
-
-
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     for source in (model.config, getattr(model, "generation_config", None)):
@@ -161,7 +148,7 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 class ModelRunner:
-    """The model, its tokenizer, and the prefill forward (decode lives in RunningBatch)."""
+    """The model and its tokenizer; forwards run in the running batch (paged_batch.py)."""
 
     def __init__(
         self, model_path: str, dtype: str = "float32", device: str = "cpu", fp8_gemm: str = "auto"
@@ -204,7 +191,6 @@ class ModelRunner:
         self._shapes = [(p, p.shape) for p in unique.values()]
         self.weights_released = False
         self._unwritten: set[int] = set()  # ids of parameters not written since a resume
-        self._cache_class = DynamicCache
         probe = DynamicCache(config=self.model.config)
         if any(getattr(layer, "is_sliding", False) for layer in probe.layers):
             raise MillstreamError(
@@ -276,48 +262,3 @@ class ModelRunner:
             torch.cuda.empty_cache()
         elif (libc := _glibc()) is not None:
             libc.malloc_trim(0)
-
-    def new_cache(self) -> Any:
-        return self._cache_class(config=self.model.config)
-
-    @torch.inference_mode()
-    def prefill(
-        self, prefixes: list[list[int]], logits_to_keep: int = 1
-    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Prefill prefixes together in one forward, left-padded to the longest.
-
-        Returns (cache, mask_BT marking real columns, logits_BKV at each row's last
-        K = `logits_to_keep` positions; [:, -1] is the next-token distribution). Rows are
-        right-aligned, so those positions are real for every row; a padded row gets its true
-        positions (position_ids) and padding keys are masked, so its logits equal those of
-        the row alone up to float summation order. Pad columns of the cache are zeroed (a
-        query that sees only padding can come out NaN, and 0 x NaN would leak through the
-        mask later). The model's own forward keeps only the K positions (transformers'
-        `logits_to_keep`), so the LM head runs on K positions, not the whole prefix."""
-        width = max(len(p) for p in prefixes)
-        assert 1 <= logits_to_keep <= min(len(p) for p in prefixes), (
-            f"logits_to_keep {logits_to_keep} of {sorted({len(p) for p in prefixes})}"
-        )
-        input_ids_BT = torch.zeros(len(prefixes), width, dtype=torch.long)
-        mask_BT = torch.zeros(len(prefixes), width, dtype=torch.long)
-        for b, prefix in enumerate(prefixes):
-            input_ids_BT[b, width - len(prefix) :] = torch.tensor(prefix)
-            mask_BT[b, width - len(prefix) :] = 1
-        input_ids_BT = input_ids_BT.to(self.device, non_blocking=True)
-        mask_BT = mask_BT.to(self.device, non_blocking=True)
-        padded = bool((mask_BT == 0).any())
-        cache = self.new_cache()
-        out = self.model(
-            input_ids=input_ids_BT,
-            attention_mask=mask_BT if padded else None,
-            position_ids=(mask_BT.cumsum(-1) - 1).clamp_(min=0) if padded else None,
-            use_cache=True,
-            **{cache_kwarg(self.model): cache},
-            logits_to_keep=logits_to_keep,
-        )
-        if padded:
-            pad_B1T1 = (mask_BT == 0)[:, None, :, None]
-            for layer in cache.layers:
-                layer.keys.masked_fill_(pad_B1T1, 0.0)
-                layer.values.masked_fill_(pad_B1T1, 0.0)
-        return cache, mask_BT, out.logits[:, -logits_to_keep:, :]

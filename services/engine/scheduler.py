@@ -7,20 +7,23 @@ So no step ever sees half-updated weights or a half-removed row, without a lock 
 a forward pass.
 
 One step (`_step`):
-  1. admit waiting sequences while the batch has room (--max-running-requests rows and,
-     when set, --max-total-tokens reserved as prompt + max_new_tokens per row);
-  2. prefill them in as few forwards as padding allows (`prefill_groups`: left-padded,
-     mixed lengths), each distinct prefix once (the n copies of a request share it; the KV
-     cache rows are copied after); a new sequence samples its first token from the prefill
-     logits, a retracted one (output so far kept) re-prefills prompt + output[:-1] and
+  1. admit waiting sequences while the batch has room: --max-running-requests rows, and
+     free tokens in the KV token pool (token_pool.py) for their prompts plus
+     DECODE_RESERVE tokens a row;
+  2. prefill them in packed forwards (`prefill_groups`: no padding, up to PREFILL_TOKENS
+     new tokens each), each distinct prefix once: the n copies of a request share its
+     logits and its pool slots. A new sequence samples its first token from the prefill
+     logits; a retracted one (output so far kept) re-prefills prompt + output[:-1] and
      samples nothing. A sequence that asked for input logprobs from position s (SGLang's
-     logprob_start_len) is grouped by (length, s): its prefill keeps logits for the last
-     L - s positions only, scores prompt[s+1:] from them (same temperature rule as the
-     output logprobs, sampling.py) before sampling, and a max_new_tokens = 0 sequence
-     finishes right there without sampling;
+     logprob_start_len) keeps logits for its last L - s positions, scores prompt[s+1:]
+     from them (same temperature rule as the output logprobs, sampling.py) before
+     sampling, and a max_new_tokens = 0 sequence finishes right there without sampling;
   3. merge survivors into the running batch (counted in `joined_running_batch` when the
      batch was already decoding: continuous batching);
-  4. one decode step for every row; finished rows leave the batch at once.
+  4. make room in the pool for one token a row (`_make_room`: the newest rows are
+     retracted to the head of the queue while it is short; never a silent "length"),
+     then one decode step for every row (paged_batch.py: attention reads each row's own
+     tokens only); finished rows leave the batch at once, their slots freed.
 
 Pause modes (SGLang's /pause_generation): "abort" aborts everything in flight and waiting;
 "in_place" stops stepping and keeps the batch and its KV cache; "retract" drops the KV cache
@@ -55,10 +58,11 @@ from typing import Any
 
 import torch
 
-from .kv_batch import RunningBatch
 from .model_runner import ModelRunner
+from .paged_batch import PagedBatch, new_batch
+from .prefill import prefill_groups, score_prompt
 from .sampling import sample_next
-from .sequence import FinishReason, InputLogprobs, Sequence, StopChecker
+from .sequence import FinishReason, Sequence, StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -74,50 +78,12 @@ class RequestError(ValueError):
     """A request the engine cannot serve; the message names the offending input."""
 
 
-PREFILL_PAD_RATIO = 2.0  # a mixed-length prefill computes at most 2 tokens per real one
-SCORE_CHUNK = 512  # positions per log_softmax: bounds the float32 copies to CHUNK x vocab
+DECODE_RESERVE = 64  # pool tokens a row keeps free for its next steps when admitting others
 
 
-def score_prompt(logits_KV: torch.Tensor, seq: Sequence, holder: InputLogprobs) -> None:
-    """Fill `holder.values` from the prefill logits at positions start .. L-1 (K = L - start
-    rows): values = [None] + [log P(prompt[j] | prompt[:j]) for j in start+1 .. L-1], where
-    log P = log_softmax(logits / T) with T = 1 for greedy, as for output logprobs."""
-    start, prompt = holder.start, seq.prompt_ids
-    assert logits_KV.shape[0] == len(prompt) - start
-    temperature = 1.0 if seq.params.greedy else seq.params.temperature
-    next_K = torch.tensor(prompt[start + 1 :], dtype=torch.long, device=logits_KV.device)
-    scored: list[float | None] = [None]
-    for lo in range(0, len(next_K), SCORE_CHUNK):
-        hi = min(lo + SCORE_CHUNK, len(next_K))
-        logp_CV = torch.log_softmax(logits_KV[lo:hi].float() / temperature, dim=-1)
-        scored += logp_CV.gather(-1, next_K[lo:hi, None])[:, 0].tolist()
-    holder.values = scored
-
-
-def prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """Split newly admitted sequences into prefill forwards. A sequence that asked for input
-    logprobs from position s goes with others of the same (length, s): their kept logit
-    positions must line up. All others go together, left-padded, longest first, cut where
-    a forward would compute more than PREFILL_PAD_RATIO tokens per real token (counted over
-    distinct prefixes: copies of one prompt are prefilled once)."""
-    scoring: dict[tuple[int, int], list[Sequence]] = {}
-    by_prefix: dict[tuple[int, ...], list[Sequence]] = {}
-    for seq in seqs:
-        start = seq.pending_logprob_start
-        if start is None:
-            by_prefix.setdefault(tuple(seq.prefix_ids()), []).append(seq)
-        else:
-            scoring.setdefault((len(seq.prefix_ids()), start), []).append(seq)
-    groups: list[list[Sequence]] = []
-    width = distinct = real = 0
-    for prefix, copies in sorted(by_prefix.items(), key=lambda item: -len(item[0])):
-        if groups and width * (distinct + 1) <= PREFILL_PAD_RATIO * (real + len(prefix)):
-            groups[-1].extend(copies)
-            distinct, real = distinct + 1, real + len(prefix)
-        else:
-            groups.append(list(copies))
-            width, distinct, real = len(prefix), 1, len(prefix)
-    return groups + list(scoring.values())
+def _reserve(seq: Sequence) -> int:
+    """Pool tokens a row keeps free for its next decode steps (DECODE_RESERVE at most)."""
+    return max(1, min(seq.params.max_new_tokens - len(seq.output_ids), DECODE_RESERVE))
 
 
 @dataclass
@@ -140,11 +106,10 @@ class Scheduler:
         max_total_tokens: int | None = None,
         context_length: int | None = None,
         weight_version: str = "default",
-        batch: Any = None,
+        batch: PagedBatch | None = None,
     ):
         self.runner = runner
         self.max_running_requests = max_running_requests
-        self.max_total_tokens = max_total_tokens
         self.context_length = context_length or runner.context_length
         self.weight_version = weight_version
         self.stats = SchedulerStats()
@@ -153,7 +118,16 @@ class Scheduler:
         self._stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids)
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
-        self._batch = batch if batch is not None else RunningBatch()
+        self._batch = (
+            batch
+            if batch is not None
+            else new_batch(
+                runner,
+                max_rows=max_running_requests,
+                context_length=self.context_length,
+                max_total_tokens=max_total_tokens,
+            )
+        )
         self._prefilling: list[Sequence] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
@@ -191,11 +165,11 @@ class Scheduler:
                 f"input_ids: the prompt has {n_prompt} tokens, the context length is "
                 f"{self.context_length}"
             )
-        if self.max_total_tokens is not None and seq.reserved_tokens > self.max_total_tokens:
+        if n_prompt >= self._batch.pool.limit:
             raise RequestError(
-                f"sampling_params.max_new_tokens: prompt ({n_prompt}) + max_new_tokens "
-                f"({seq.params.max_new_tokens}) exceeds --max-total-tokens "
-                f"{self.max_total_tokens}"
+                f"input_ids: the prompt has {n_prompt} tokens, the KV token pool holds "
+                f"{self._batch.pool.limit} (--max-total-tokens, or --mem-fraction-static on "
+                "a GPU)"
             )
 
     def submit(self, seqs: list[Sequence]) -> None:
@@ -254,6 +228,8 @@ class Scheduler:
             if abort_all:
                 self._abort(lambda _: True, "aborted for a weight update")
             written = copy_in()
+            # Cached keys were computed with the old weights: never reused after this.
+            self._batch.flush_cache()
             if written is not None and self.runner.note_written(written):
                 log.info("every parameter written since the resume: the weights are valid")
                 self._warm_graphs()
@@ -261,6 +237,10 @@ class Scheduler:
                 self.weight_version = weight_version
 
         return self.call(run)
+
+    def flush_cache(self) -> Future[int]:
+        """Drop the prefix cache's pages that no running row uses; the tokens dropped."""
+        return self.call(self._batch.flush_cache)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -270,7 +250,10 @@ class Scheduler:
             "memory_released": sorted(self.released),
             "weights_valid": self.runner.weights_valid,
             "max_running_requests": self.max_running_requests,
-            "kv_cache_columns": self._batch.width,
+            "kv_tokens_used": self._batch.used_tokens,
+            "kv_tokens_total": self._batch.pool.capacity,
+            "prefix_cache_tokens": self._batch.cache.tokens,
+            "prefix_cache_hit_tokens": self._batch.cache.hits,
             **vars(self.stats),
         }
 
@@ -315,6 +298,7 @@ class Scheduler:
             self._prefilling = admitted
             self._prefill(admitted)
             self._prefilling = []
+        self._make_room()
         if self._batch.seqs:
             logits_BV = self._batch.decode(self.runner.model)
             self._append_sampled(self._batch.seqs, logits_BV)
@@ -322,23 +306,28 @@ class Scheduler:
         self.stats.steps += 1
 
     def _admit(self) -> list[Sequence]:
+        """Waiting sequences that fit: a free row (--max-running-requests) and free pool
+        tokens for their prefill (each distinct prefix once) plus DECODE_RESERVE tokens a
+        row, running rows included. The head of the queue alone is always admitted: it fits
+        the pool once the running rows are gone (validate() checked its prompt)."""
         admitted: list[Sequence] = []
-        reserved = sum(s.reserved_tokens for s in self._batch.seqs)
-        while self._waiting and len(self._batch) + len(admitted) < self.max_running_requests:
+        running = len(self._batch)
+        need = sum(_reserve(s) for s in self._batch.seqs)
+        available = self._batch.available
+        prefixes: set[tuple[int, ...]] = set()
+        while self._waiting and running + len(admitted) < self.max_running_requests:
             seq = self._waiting[0]
-            # A request alone always fits (validate() checked it); others wait for room.
-            if (
-                self.max_total_tokens is not None
-                and (admitted or self._batch.seqs)
-                and reserved + seq.reserved_tokens > self.max_total_tokens
-            ):
+            prefix = tuple(seq.prefix_ids())
+            cost = (0 if prefix in prefixes else len(prefix)) + _reserve(seq)
+            if (admitted or running) and need + cost > available:
                 break
             self._waiting.popleft()
             if seq.params.max_new_tokens == 0 and seq.pending_logprob_start is None:
                 self._finish(seq, FinishReason("length", length=0))
                 continue
             admitted.append(seq)
-            reserved += seq.reserved_tokens
+            prefixes.add(prefix)
+            need += cost
         return admitted
 
     def _prefill(self, seqs: list[Sequence]) -> None:
@@ -347,37 +336,66 @@ class Scheduler:
             self._prefill_group(group, was_decoding)
 
     def _prefill_group(self, group: list[Sequence], was_decoding: bool) -> None:
-        """One forward for the group's distinct prefixes (the n copies of a request share
-        theirs), then every copy samples its own first token from the shared logits."""
-        start = group[0].pending_logprob_start
-        keep = 1 if start is None else len(group[0].prefix_ids()) - start
-        distinct: dict[tuple[int, ...], int] = {}
-        row_of = [distinct.setdefault(tuple(s.prefix_ids()), len(distinct)) for s in group]
-        cache, mask_UT, logits_UKV = self.runner.prefill([list(p) for p in distinct], keep)
-        if start is not None:
+        """One packed forward over the group's distinct prefixes (the n copies of a request
+        share theirs: its pool slots too), then every copy samples its own first token from
+        the shared logits and joins the batch on the shared slots."""
+        keyed: dict[tuple[tuple[int, ...], int | None], int] = {}
+        row_of = [
+            keyed.setdefault((tuple(s.prefix_ids()), s.pending_logprob_start), len(keyed))
+            for s in group
+        ]
+        keeps = [1 if start is None else len(prefix) - start for prefix, start in keyed]
+        handles, logits_UKV = self._batch.prefill([list(p) for p, _ in keyed], keeps)
+        try:
             self._score_prompts(group, [logits_UKV[u] for u in row_of])
-        fresh = [i for i, s in enumerate(group) if not s.output_ids]
-        for i in fresh:
-            if group[i].params.max_new_tokens == 0:
-                self._finish(group[i], FinishReason("length", length=0))
-        fresh = [i for i in fresh if not group[i].done]
-        if fresh:  # only the rows that sample: the copies share their distinct row's logits
-            rows_F = torch.tensor(
-                [row_of[i] for i in fresh], dtype=torch.long, device=mask_UT.device
-            )
-            self._append_sampled([group[i] for i in fresh], logits_UKV[rows_F, -1, :])
-        rows = [i for i, s in enumerate(group) if not s.done]
-        if rows != list(range(len(distinct))):
-            index_B = torch.tensor(
-                [row_of[i] for i in rows], dtype=torch.long, device=mask_UT.device
-            )
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[index_B], layer.values[index_B]
-            mask_UT = mask_UT[index_B]
+            fresh = [i for i, s in enumerate(group) if not s.output_ids]
+            for i in fresh:
+                if group[i].params.max_new_tokens == 0:
+                    self._finish(group[i], FinishReason("length", length=0))
+            fresh = [i for i in fresh if not group[i].done]
+            if fresh:  # only the rows that sample: the copies share their prefix's logits
+                logits_FV = torch.stack([logits_UKV[row_of[i]][-1] for i in fresh])
+                self._append_sampled([group[i] for i in fresh], logits_FV)
+            rows = [i for i, s in enumerate(group) if not s.done]
+            for i in rows:
+                self._batch.add(group[i], handles[row_of[i]])
+        finally:
+            self._batch.drop(handles)
         if was_decoding:
             self.stats.joined_running_batch += len(rows)
-        self._batch.add([group[i] for i in rows], cache, mask_UT)
         self.stats.prefill_batches += 1
+
+    def _make_room(self) -> None:
+        """Free pool tokens for the next decode step (one a row): retract the newest rows
+        to the head of the queue (they are prefilled again, output kept, when there is
+        room). A row alone that fills the pool ends with an abort that says so."""
+        while self._batch.seqs and not self._batch.make_free(len(self._batch)):
+            if len(self._batch) == 1:
+                seq = self._batch.seqs[0]
+                self._batch.clear()
+                self._finish(
+                    seq,
+                    FinishReason(
+                        "abort",
+                        message=(
+                            f"the KV token pool ({self._batch.pool.capacity} tokens) is full "
+                            f"with this request alone ({len(seq.prefix_ids())} tokens): raise "
+                            "--max-total-tokens (or --mem-fraction-static on a GPU)"
+                        ),
+                    ),
+                )
+                return
+            seq = self._batch.seqs[-1]
+            self._batch.keep(list(range(len(self._batch) - 1)))
+            self._waiting.appendleft(seq)
+            self.stats.retracted += 1
+            log.info(
+                "KV token pool full (%d tokens): request %s retracted with %d tokens out, "
+                "it runs again when there is room",
+                self._batch.pool.capacity,
+                seq.rid,
+                len(seq.output_ids),
+            )
 
     def _score_prompts(self, group: list[Sequence], logits_KV: list[torch.Tensor]) -> None:
         """Input logprobs for every row of a (length, start) group (`logits_KV[b]`: row b's
@@ -467,7 +485,7 @@ class Scheduler:
         return allocated
 
     def _warm_graphs(self) -> None:
-        """The CUDA graphs captured again as soon as the engine can step (kv_pool.py)."""
+        """The CUDA graphs captured again as soon as the engine can step (decode_graphs.py)."""
         if not self.released and self.runner.weights_valid:
             self._batch.warm_graphs()
 

@@ -106,10 +106,6 @@ class Sequence:
         holder = self.input_logprobs
         return holder.start if holder is not None and holder.pending else None
 
-    @property
-    def reserved_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_new_tokens
-
     def set_finished(self, reason: FinishReason, weight_version: str) -> None:
         self.weight_version = weight_version
         self.finished_at = time.perf_counter()

@@ -28,6 +28,7 @@ class EngineProcess:
         log_dir: Path,
         *extra_args: str,
         startup_timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,7 +48,7 @@ class EngineProcess:
             "1",
             *extra_args,
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env

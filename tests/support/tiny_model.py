@@ -48,6 +48,7 @@ def build_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     seed: int = 0,
+    context_length: int = 1024,
 ) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -63,7 +64,7 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=context_length,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -3,7 +3,7 @@ the offload of the trainer's state (backends/offload.py): its books against the 
 tensors, and round trips that copy (gradients dropped, host buffers kept) leaving training as
 without them. The turns' order: tests/unit/test_colocate_turns.py; measured on a GPU:
 tests/unit/test_colocate_gpu.py and tests/integration/test_colocate_engine.py. The engine's
-side is in tests/unit/test_kv_pool.py and tests/integration/test_engine_http.py; the whole job
+side is in tests/unit/test_token_pool.py and tests/integration/test_engine_http.py; the whole job
 colocated in tests/e2e/test_colocate.py."""
 
 from __future__ import annotations

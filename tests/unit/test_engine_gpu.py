@@ -1,7 +1,7 @@
 """The engine's GPU mechanisms on a real GPU (`make gpu-check`; skipped where torch sees none):
 the memory a release gives back, the KV budget of --mem-fraction-static, FP8 `_scaled_mm`,
 and a weight bucket received on the GPU. CUDA graph decoding against eager decoding is in
-tests/unit/test_kv_pool.py. Each test prints what it measured, for the record."""
+tests/unit/test_token_pool.py. Each test prints what it measured, for the record."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import torch
 from millstream.common.errors import MillstreamError
 from millstream.engine import fp8
 from millstream.engine.config import parse_engine_config
-from millstream.engine.core import running_batch
-from millstream.engine.kv_pool import KVPool, PoolBatch
 from millstream.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_token_budget
+from millstream.engine.paged_batch import PagedBatch, new_batch
 from millstream.engine.scheduler import Scheduler
+from millstream.engine.token_pool import TokenPool
 from millstream.engine.weights import WeightLoader, receive_broadcast
 from tests.support.tiny_model import build_tiny_model
 from tests.unit.test_engine_scheduler import PROMPTS, Tracked
 from tests.unit.test_engine_weight_receive import SPECS, SourcePG, _values
-from tests.unit.test_kv_pool import send_back, weights_of
+from tests.unit.test_token_pool import send_back, weights_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -46,8 +46,9 @@ def test_release_gives_the_weights_and_the_kv_cache_back_to_the_gpu(tmp_path: Pa
     runner = ModelRunner(str(model_dir), dtype="bfloat16", device="cuda")
     loader = WeightLoader(runner.model)
     weights = [(n, t.cpu()) for n, t in weights_of(runner)]  # sent back below, from the host
-    pool = KVPool(runner.model.config, 16, 1024, runner.dtype, runner.device)
-    batch = PoolBatch(runner.model, pool)  # no CUDA graphs: only the weights and the pool
+    pool = TokenPool(runner.model.config, 16 * 1024, runner.dtype, runner.device)
+    # No CUDA graphs: only the weights and the pool.
+    batch = PagedBatch(runner.model, pool, max_rows=16, context_length=1024)
     sched = Scheduler(runner, max_running_requests=16, batch=batch, context_length=1024)
     sched.start()
     try:
@@ -55,12 +56,12 @@ def test_release_gives_the_weights_and_the_kv_cache_back_to_the_gpu(tmp_path: Pa
         before = Tracked("before", PROMPTS[0], **params)
         sched.submit([before.seq])
         before.result()
-        expected = runner.weight_bytes + pool.nbytes_allocated
+        expected = runner.weight_bytes + pool.nbytes
 
         free_before = _free()
         freed = sched.release_memory(["weights", "kv_cache"]).result(30)
         free_released = _free()
-        assert freed == {"kv_cache": pool.nbytes_allocated, "weights": runner.weight_bytes}
+        assert freed == {"kv_cache": expected - runner.weight_bytes, "weights": runner.weight_bytes}
         slack = 0.05 * expected + 32 * MIB  # allocator segments shared with small tensors
         gained = free_released - free_before
         print(f"\nreleased {expected / MIB:.1f} MiB: the GPU's free memory grew {gained / MIB:.1f}")
@@ -98,10 +99,13 @@ def test_the_kv_budget_leaves_total_times_one_minus_fraction_free(tmp_path: Path
         ["--model-path", str(model_dir), "--mem-fraction-static", repr(fraction),
          "--max-running-requests", "64"]
     )  # fmt: skip
-    batch, width = running_batch(cfg, runner)
-    assert isinstance(batch, PoolBatch) and batch.graphs is not None
-    tokens = 256 * MIB // kv_bytes_per_token(config, runner.dtype)  # 32768: 512 per row
-    assert abs(width - tokens // 64) <= 1, (width, tokens)
+    batch = new_batch(
+        runner, max_rows=64, context_length=runner.context_length,
+        mem_fraction=cfg.mem_fraction_static, cuda_graph_max_bs=64,
+    )  # fmt: skip
+    assert batch.graphs is not None
+    tokens = 256 * MIB // kv_bytes_per_token(config, runner.dtype)  # 32768, shared by all rows
+    assert abs(batch.pool.capacity - tokens) <= 64, (batch.pool.capacity, tokens)
     free_pool = _free()
     print(f"\nF = {fraction:.4f}: pool {batch.pool.nbytes / MIB:.1f} MiB, then "
           f"{free_pool / MIB:.1f} MiB free; kept free: {keep_free / MIB:.1f} MiB")  # fmt: skip
@@ -113,7 +117,9 @@ def test_the_kv_budget_leaves_total_times_one_minus_fraction_free(tmp_path: Path
     graphs = free_pool - _free()
     print(f"captured {batch.graphs.sizes} in {captured_s:.2f} s, {graphs / MIB:.1f} MiB")
     assert graphs < keep_free
-    sched = Scheduler(runner, max_running_requests=64, batch=batch, context_length=width)
+    sched = Scheduler(
+        runner, max_running_requests=64, batch=batch, context_length=batch.context_length
+    )
     sched.start()
     try:
         tracked = [Tracked(f"r{i}", p, max_new_tokens=8) for i, p in enumerate(PROMPTS * 4)]

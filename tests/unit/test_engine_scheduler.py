@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from millstream.engine.kv_pool import KVPool, PoolBatch
 from millstream.engine.model_runner import ModelRunner
 from millstream.engine.sampling import SamplingParams
 from millstream.engine.scheduler import RequestError, Scheduler
@@ -74,28 +73,26 @@ def reference(tiny_model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
 
 
-POOL_WIDTH = 128  # small enough that the tests below fill it and compact it
+TIGHT_POOL = 96  # tokens: the tests below fill it, and rows are retracted to make room
 
 
-def pool_batch(runner: ModelRunner, slots: int, width: int = POOL_WIDTH) -> PoolBatch:
-    """The static KV cache of a GPU engine, here on the CPU and decoding eagerly."""
-    return PoolBatch(runner.model, KVPool(runner.model.config, slots, width, runner.dtype, "cpu"))
-
-
-@pytest.fixture(params=["dynamic", "static"])
+@pytest.fixture(params=["grown", "tight"])
 def scheduler(runner: ModelRunner, request) -> Iterator[Scheduler]:
-    """Every scheduler test runs on both KV caches: the CPU's dynamic one and the static
-    pool (kv_pool.py) that a GPU engine uses."""
-    static = request.param == "static"
+    """Every scheduler test runs on a pool that grows as the CPU's does, and on one of
+    TIGHT_POOL tokens that never grows (a GPU's is fixed): there the rows outgrow it, the
+    newest are retracted and prefilled again later, and every result must be the same."""
+    tight = request.param == "tight"
     sched = Scheduler(
-        runner,
-        max_running_requests=8,
-        batch=pool_batch(runner, 8) if static else None,
-        context_length=POOL_WIDTH if static else None,
+        runner, max_running_requests=8, max_total_tokens=TIGHT_POOL if tight else None
     )
     sched.start()
     yield sched
     sched.stop()
+
+
+def tight(scheduler: Scheduler) -> bool:
+    """Whether `scheduler` runs on the TIGHT_POOL: fewer rows run at once there."""
+    return scheduler._batch.pool.limit == TIGHT_POOL
 
 
 def full_forward_logprobs(model, seq: Sequence, temperature: float = 1.0) -> torch.Tensor:
@@ -138,7 +135,7 @@ def test_logprobs_equal_full_forward_with_requests_joining_mid_batch(
     scheduler.submit([third.seq, fourth.seq])
     seqs = [t.result() for t in (first, second, third, fourth)]
 
-    assert scheduler.stats.joined_running_batch >= 3
+    assert scheduler.stats.joined_running_batch >= (1 if tight(scheduler) else 3)
     for seq in seqs:
         assert seq.finish is not None and seq.finish.type == "length"
         assert len(seq.output_ids) == seq.params.max_new_tokens
@@ -151,8 +148,8 @@ def test_a_burst_of_mixed_lengths_and_copies_is_prefilled_in_one_forward(
     runner: ModelRunner, reference
 ):
     """Four prompts of 2..64 tokens, three copies each (a request with n = 3), arriving
-    together: one padded prefill of the four distinct prefixes, and every copy's logprobs
-    still equal a fresh full forward of its own prompt + response."""
+    together: one packed prefill of the four distinct prefixes (93 tokens, no padding), and
+    every copy's logprobs still equal a fresh full forward of its own prompt + response."""
     sched = Scheduler(runner, max_running_requests=16)
     tracked = [
         Tracked(f"p{i}-{j}", prompt, seed=10 * i + j, max_new_tokens=8, ignore_eos=True)
@@ -165,7 +162,7 @@ def test_a_burst_of_mixed_lengths_and_copies_is_prefilled_in_one_forward(
         seqs = [t.result() for t in tracked]
     finally:
         sched.stop()
-    assert sched.stats.prefill_batches == 2  # 64 + 19 tokens, then 9 + 2 (PREFILL_PAD_RATIO)
+    assert sched.stats.prefill_batches == 1
     for seq in seqs:
         expected = full_forward_logprobs(reference, seq)
         got = torch.tensor(seq.output_logprobs)
@@ -308,7 +305,8 @@ def test_pause_in_place_or_retract_then_continue_gives_the_unpaused_result(
     n_at_pause = len(paused.seq.output_ids)
     assert not paused.done.wait(0.3)
     assert len(paused.seq.output_ids) == n_at_pause
-    assert scheduler.info()["num_running_reqs"] == (2 if mode == "in_place" else 0)
+    running = 1 if tight(scheduler) else 2  # the tight pool runs one of them at a time
+    assert scheduler.info()["num_running_reqs"] == (running if mode == "in_place" else 0)
     scheduler.resume().result(10)
     seq = paused.result()
     assert seq.output_ids == plain.output_ids
@@ -326,23 +324,33 @@ def test_requests_that_can_never_run_are_rejected_naming_the_input(scheduler: Sc
         scheduler.submit([Tracked("c", [1] * 5000, max_new_tokens=1).seq])
 
 
-def test_cache_columns_shrink_when_the_longest_row_leaves(scheduler: Scheduler):
-    if isinstance(scheduler._batch, PoolBatch):
-        pytest.skip("the static pool drops padding columns when it is full: test_kv_pool.py")
-    widths: list[int] = []
+def test_pool_tokens_follow_the_live_rows(runner: ModelRunner):
+    """The pool holds each live row's tokens, the n copies' prompt once, and nothing after."""
+    scheduler = Scheduler(runner, max_running_requests=8)
+    scheduler.start()
+    try:
+        _follow_the_live_rows(scheduler)
+    finally:
+        scheduler.stop()
+
+
+def _follow_the_live_rows(scheduler: Scheduler) -> None:
+    used: list[int] = []
     short = Tracked("short", PROMPTS[1], max_new_tokens=30, ignore_eos=True)
     inner = short.seq.notify
-    short.seq.notify = lambda s: (widths.append(scheduler._batch.width), inner(s))
+    short.seq.notify = lambda s: (used.append(scheduler._batch.used_tokens), inner(s))
     scheduler.submit([short.seq])
     short.wait_tokens(2)
-    run(scheduler, Tracked("long", PROMPTS[2], max_new_tokens=3, ignore_eos=True))
+    copies = [Tracked(f"long{j}", PROMPTS[2], max_new_tokens=3, ignore_eos=True) for j in range(3)]
+    run(scheduler, *copies)
     short.result()
-    assert max(widths) >= len(PROMPTS[2])
-    # Once the long row left, the cache is only as wide as the short row's own tokens.
-    assert widths[-1] <= len(PROMPTS[1]) + 30
+    # The three copies shared their prompt's slots: one prompt, not three, was ever held.
+    assert max(used) < 2 * len(PROMPTS[2]) + len(PROMPTS[1]) + 30, used
+    assert max(used) >= len(PROMPTS[2])
+    assert scheduler.call(lambda: scheduler._batch.used_tokens).result(10) == 0
 
 
-def test_max_total_tokens_admits_only_what_fits(runner: ModelRunner):
+def test_max_total_tokens_sizes_the_pool_and_admits_only_what_fits(runner: ModelRunner):
     sched = Scheduler(runner, max_running_requests=8, max_total_tokens=40)
     sizes: list[int] = []
     sched.start()
@@ -353,8 +361,15 @@ def test_max_total_tokens_admits_only_what_fits(runner: ModelRunner):
             t.seq.notify = lambda s, inner=inner: (sizes.append(len(sched._batch)), inner(s))
         sched.submit([t.seq for t in tracked])
         assert all(len(t.result().output_ids) == 20 for t in tracked)
-        with pytest.raises(RequestError, match="max-total-tokens"):
-            sched.submit([Tracked("big", PROMPTS[1], max_new_tokens=60).seq])
+        with pytest.raises(RequestError, match="KV token pool holds 40"):
+            sched.submit([Tracked("big", [1] * 40, max_new_tokens=1).seq])
+        # Alone and still growing when the pool is full: it ends, saying why (never a
+        # silent "length").
+        alone = Tracked("alone", PROMPTS[1], max_new_tokens=60, ignore_eos=True)
+        sched.submit([alone.seq])
+        finish = alone.result().finish
+        assert finish.type == "abort" and "KV token pool (40 tokens) is full" in finish.message
+        assert len(alone.seq.output_ids) == 40 - len(PROMPTS[1]) + 1
     finally:
         sched.stop()
     assert max(sizes) == 1  # 2 + 20 = 22 tokens each: a second one would exceed 40
@@ -370,3 +385,36 @@ def test_abort_by_the_client_rid_reaches_all_n_copies(scheduler: Scheduler):
     copies[0].wait_tokens(2)
     assert scheduler.abort("grp").result(10) == 3
     assert all(t.result().finish.type == "abort" for t in copies)
+
+
+def test_rows_that_outgrow_a_full_pool_are_retracted_and_finish_unchanged(
+    runner: ModelRunner, reference
+):
+    """A pool of 200 tokens never grows (a GPU's): two rows of 19 + 150 tokens are both
+    admitted (19 + DECODE_RESERVE each fits) and then outgrow it. The newest is retracted
+    to the queue, not cut short, and prefilled again (from its cached pages) once the other
+    is done: both end at 150 tokens, greedy outputs equal to each run alone, logprobs equal to a full forward."""
+    alone = Scheduler(runner, max_running_requests=8)
+    alone.start()
+    try:
+        (solo,) = run(
+            alone, Tracked("solo", PROMPTS[0], max_new_tokens=150, temperature=0, ignore_eos=True)
+        )
+    finally:
+        alone.stop()
+    sched = Scheduler(runner, max_running_requests=8, max_total_tokens=200)
+    sched.start()
+    try:
+        pair = [
+            Tracked(f"r{i}", PROMPTS[0], max_new_tokens=150, temperature=0, ignore_eos=True)
+            for i in range(2)
+        ]
+        seqs = run(sched, *pair)
+    finally:
+        sched.stop()
+    assert sched.stats.retracted >= 1
+    assert sched._batch.cache.hits > 0  # the retracted row's pages came back from the cache
+    for seq in seqs:
+        assert seq.finish.type == "length" and seq.output_ids == solo.output_ids
+        expected = full_forward_logprobs(reference, seq)
+        assert torch.allclose(torch.tensor(seq.output_logprobs), expected, atol=1e-4)

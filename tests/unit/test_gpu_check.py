@@ -47,15 +47,22 @@ def test_the_plumbing_on_the_cpu_runs_every_gpu_test_file_and_the_bench(tmp_path
     bench = json.loads((out / "bench.json").read_text())
     sections = [r["section"] for r in bench["rows"]]
     assert sections.count("train") == 3 and sections.count("sync") == 2
-    # HF generate, one row per concurrency, the FP8 engine (no graphs-off row on a CPU)
-    assert sections.count("engine") == 2 + len(bench_gpu.SIZES["concurrency"][1].split(","))
+    # HF generate, one row per concurrency, the FP8 engine (no graphs-off row on a CPU), and
+    # the decode step over a small and a large pool
+    assert sections.count("engine") == 4 + len(bench_gpu.SIZES["concurrency"][1].split(","))
     for r in bench["rows"]:
         assert r["value"] is not None and r["value"] > 0 and r["ratio"] > 0, r
     (fp8,) = [r for r in bench["rows"] if r["extra"].get("fp8")]
     assert fp8["note"].endswith("x the bf16 engine")
     (synced,) = [r for r in bench["rows"] if "route" in r["extra"]]
     assert "shared memory" in synced["name"]  # the CPU's tensor route
-    assert [g["unit"] for g in bench["goals"]] == ["x", "x", " ms/GB"]
+    assert [g["name"] for g in bench["goals"]] == [
+        "train step, --bf16 vs the plain bf16 loop",
+        "engine at concurrency 4 vs HF generate",
+        "FP8 engine vs the bf16 engine",
+        "decode step, large pool vs small",
+        "colocated weight update, ms per GB",
+    ]
     bench_rows = [v for c, v in rows.items() if c.split(":")[0] in ("train", "engine", "sync")]
     assert len(bench_rows) == len(bench["rows"])
     assert {v for _, v in bench_rows} <= {"PASS", "BELOW"}

@@ -18,7 +18,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FLOOR = REPO_ROOT / ".venv" / "floor"
 TESTS = [
-    "tests/unit/test_kv_pool.py",
+    "tests/unit/test_token_pool.py",
     "tests/unit/test_engine_scheduler.py",
     "tests/unit/test_torch_backend.py",
 ]

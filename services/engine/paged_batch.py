@@ -1,0 +1,337 @@
+"""The running batch over the token pool: rows that decode together, each with its own slots.
+
+State (scheduler thread only). Row r is `seqs[r]`; `table_RL[r, :lens[r]]` lists the pool
+slots of its context in order (SGLang's req_to_token), and `lens[r]` counts them: the
+prompt and every output token but the last, whose key the next decode step writes. The
+table lives on the model's device with one row per --max-running-requests and one column
+per token of the context length, so a step's index tensors are slices of it, built without
+a Python loop over tokens.
+
+Prefill (`prefill`): the pages the prefix cache has are reused (prefix_cache.py); the rest
+of several prompts' tokens are packed into one forward (no padding; paged_attention.py),
+their slots allocated at once and held by the prefill; `add` gives a row a prefill's
+context (one more holder of each slot), so the n copies of a prompt share its keys; `drop`
+lets the prefill's own hold go, freeing what no row took.
+Decode (`decode`): one new slot per row, written by the step; the rows' lengths grouped
+(paged_attention.length_groups) or, on a GPU with graphs, one captured shape per batch
+size and context bucket (decode_graphs.py). Leave (`keep`): a leaving row's whole pages go
+to the prefix cache, its own hold on its slots is dropped; the survivors' table rows move up.
+
+The pool can run out (on a GPU it never grows): before a step the scheduler asks
+`make_free` for one slot a row (the prefix cache's unused pages are evicted first, then the
+CPU's pool grows) and retracts rows until it gets them (scheduler.py), so no row ever ends
+for lack of memory while others could make way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import DEFAULT_MEM_FRACTION
+from .decode_graphs import DecodeGraphs
+from .model_runner import ModelRunner, kv_bytes_per_token, kv_token_budget
+from .paged_attention import (
+    StepPlan,
+    decode_group,
+    length_groups,
+    prefill_group,
+    use_paged_attention,
+)
+from .prefix_cache import PAGE, Node, PrefixCache
+from .sequence import Sequence
+from .token_pool import NULL_SLOT, PoolFull, TokenPool
+
+log = logging.getLogger(__name__)
+
+CPU_START_TOKENS = 4096  # the CPU pool's first size; it doubles as steps need
+CPU_MEMORY_SHARE = 0.25  # of the host's available memory: the CPU pool's limit by default
+
+
+def host_token_budget(bytes_per_token: int) -> int:
+    """Tokens of KV that CPU_MEMORY_SHARE of the host's available memory holds."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(CPU_START_TOKENS, int(available * CPU_MEMORY_SHARE) // bytes_per_token)
+
+
+def new_batch(
+    runner: ModelRunner,
+    *,
+    max_rows: int,
+    context_length: int,
+    max_total_tokens: int | None = None,
+    mem_fraction: float | None = None,
+    cuda_graph_max_bs: int | None = None,
+) -> PagedBatch:
+    """The running batch over a pool sized SGLang's way (token_pool.py): on a GPU,
+    --max-total-tokens or what --mem-fraction-static leaves after the weights, allocated
+    at once; on the CPU, --max-total-tokens or a share of the host's memory as the limit
+    it grows to."""
+    config, dtype, device = runner.model.config, runner.dtype, runner.device
+    if device.type == "cuda":
+        fraction = mem_fraction or DEFAULT_MEM_FRACTION
+        capacity = max_total_tokens or kv_token_budget(config, dtype, device, fraction)
+        limit = capacity
+    else:
+        limit = max_total_tokens or host_token_budget(kv_bytes_per_token(config, dtype))
+        capacity = min(limit, CPU_START_TOKENS)
+    pool = TokenPool(config, capacity, dtype, device, limit=limit)
+    batch = PagedBatch(
+        runner.model,
+        pool,
+        max_rows=max_rows,
+        context_length=min(context_length, limit),
+        cuda_graph_max_bs=cuda_graph_max_bs,
+    )
+    graphs = batch.graphs
+    log.info(
+        "KV token pool: %d tokens (%.1f MiB) on %s%s, shared by up to %d requests of up to %d "
+        "tokens; CUDA graphs: %s",
+        capacity,
+        pool.nbytes / 2**20,
+        device,
+        f", growing up to {limit}" if limit > capacity else "",
+        max_rows,
+        batch.context_length,
+        f"batch sizes {graphs.sizes}, key buckets {graphs.buckets}" if graphs else "off",
+    )
+    return batch
+
+
+@dataclass
+class Prefilled:
+    """One prefix's context after a prefill: its slots (cached pages first, then the new
+    ones), the prefix cache nodes it reused, and the cache epoch it was computed in."""
+
+    slots: torch.Tensor
+    nodes: list[Node]
+    epoch: int
+
+
+class PagedBatch:
+    def __init__(
+        self,
+        model: Any,
+        pool: TokenPool,
+        *,
+        max_rows: int,
+        context_length: int,
+        cuda_graph_max_bs: int | None = None,
+    ):
+        self.model, self.pool = model, pool
+        use_paged_attention(model)
+        self.device = pool.device
+        self.cache = PrefixCache(pool)
+        self.seqs: list[Sequence] = []
+        self.lens: list[int] = []
+        self._rows: list[Prefilled] = []  # what each row holds besides its own new slots
+        self.context_length = context_length
+        self.table_RL = torch.full(
+            (max_rows, context_length), NULL_SLOT, dtype=torch.long, device=self.device
+        )
+        self.last_plan: StepPlan | None = None  # for tests and stats: what the step read
+        self.graphs = (
+            DecodeGraphs(
+                model, pool, max_bs=min(cuda_graph_max_bs, max_rows), context=context_length
+            )
+            if cuda_graph_max_bs and self.device.type == "cuda"
+            else None
+        )
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # ---- memory ------------------------------------------------------------------------
+
+    @property
+    def used_tokens(self) -> int:
+        """Slots held by running rows (the prefix cache's unlocked pages not counted)."""
+        return self.pool.used_tokens - self.cache.evictable
+
+    @property
+    def available(self) -> int:
+        """Slots a step could have: free, the pool's growth, the cache's unlocked pages."""
+        return self.pool.available + self.cache.evictable
+
+    def make_free(self, tokens: int) -> bool:
+        """Free `tokens` slots if possible: the prefix cache's least recently used pages
+        first, then the pool's growth (the CPU); whether they are free now."""
+        short = tokens - self.pool.free_tokens
+        if short > 0:
+            self.cache.evict(short)
+        return self.pool.ensure(tokens)
+
+    def flush_cache(self) -> int:
+        """Drop the prefix cache's unlocked pages (a weight update, /flush_cache)."""
+        return self.cache.flush()
+
+    def clear(self) -> None:
+        """Every row leaves (its slots dropped)."""
+        self.keep([])
+
+    def release(self) -> int:
+        """Free the pool (its rows were retracted); returns the bytes freed."""
+        self.clear()
+        self.cache.forget()
+        self.table_RL.fill_(NULL_SLOT)  # no stale slot past the smaller pool of a resume
+        self.forget_graphs()
+        return self.pool.free_memory()
+
+    def resume(self) -> int:
+        """Allocate the pool again (zeroed, every slot free); returns its bytes."""
+        return self.pool.allocate()
+
+    def forget_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    def warm_graphs(self) -> None:
+        """Capture the graphs again now, if they were forgotten and no row runs."""
+        if self.graphs is not None and not self.graphs.captured and not self.seqs:
+            self.graphs.capture_all()
+
+    # ---- prefill -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(
+        self, prefixes: list[list[int]], keeps: list[int]
+    ) -> tuple[list[Prefilled], list[torch.Tensor]]:
+        """One packed forward over every prefix's tokens that the prefix cache lacks.
+        Returns each prefix's context (held until `drop`) and its logits at its last keeps[u]
+        positions ([keeps[u], V]; [-1] is the next-token distribution)."""
+        matched = [self.cache.match(p, len(p) - k) for p, k in zip(prefixes, keeps, strict=True)]
+        for nodes in matched:
+            self.cache.lock(nodes)  # not evicted by this prefill's own allocation
+        try:
+            cached = [len(nodes) * PAGE for nodes in matched]
+            lengths = [len(p) for p in prefixes]
+            new = [n - c for n, c in zip(lengths, cached, strict=True)]
+            if not self.make_free(sum(new)):
+                raise PoolFull(f"a prefill of {sum(new)} tokens, {self.pool.free_tokens} free")
+            slots_N = self.pool.alloc(sum(new))
+        except BaseException:
+            for nodes in matched:
+                self.cache.unlock(nodes)
+            raise
+        starts = list(itertools.accumulate(new, initial=0))[:-1]
+        handles = []
+        for u, nodes in enumerate(matched):
+            reused = [n.slots for n in nodes]
+            context = torch.cat([*reused, slots_N[starts[u] : starts[u] + new[u]]])
+            self.pool.hold(context[: cached[u]])  # the new slots were held by alloc
+            handles.append(Prefilled(context, nodes, self.cache.epoch))
+            self.cache.hits += cached[u]
+        groups = []
+        for members in length_groups(lengths):
+            width = max(lengths[u] for u in members)
+            table_RL = torch.full((len(members), width), NULL_SLOT, dtype=torch.long)
+            for r, u in enumerate(members):
+                table_RL[r, : lengths[u]] = handles[u].slots
+            groups.append(
+                prefill_group(
+                    [starts[u] for u in members],
+                    [new[u] for u in members],
+                    [lengths[u] for u in members],
+                    table_RL.to(self.device, non_blocking=True),
+                )
+            )
+        plan = StepPlan(
+            self.pool.keys, self.pool.values, slots_N.to(self.device, non_blocking=True), groups
+        )
+        plan.direct = len(groups) == 1 and groups[0].valid is None
+        ids = torch.tensor([t for p, c in zip(prefixes, cached, strict=True) for t in p[c:]])
+        positions = torch.cat([torch.arange(c, n) for c, n in zip(cached, lengths, strict=True)])
+        kept = torch.cat(
+            [torch.arange(s + n - k, s + n) for s, n, k in zip(starts, new, keeps, strict=True)]
+        )
+        out = self.model(
+            input_ids=ids[None].to(self.device, non_blocking=True),
+            position_ids=positions[None].to(self.device, non_blocking=True),
+            attention_mask={"full_attention": plan},
+            use_cache=False,
+            logits_to_keep=kept.to(self.device, non_blocking=True),
+        )
+        self.last_plan = plan
+        logits_KV = out.logits[0]
+        bounds = list(itertools.accumulate(keeps, initial=0))
+        return handles, [logits_KV[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def add(self, seq: Sequence, context: Prefilled) -> None:
+        """A new row on a prefill's context (this row holds its slots and locks its nodes)."""
+        r = len(self.seqs)
+        assert r < self.table_RL.shape[0], f"row {r} of {self.table_RL.shape[0]}"
+        self.table_RL[r, : len(context.slots)] = context.slots.to(self.device, non_blocking=True)
+        self.pool.hold(context.slots)
+        self.cache.lock(context.nodes)
+        self.seqs.append(seq)
+        self.lens.append(len(context.slots))
+        self._rows.append(context)
+
+    def drop(self, handles: list[Prefilled]) -> None:
+        """A prefill lets go of its contexts: what no row took is free again."""
+        for context in handles:
+            self.cache.unlock(context.nodes)
+        if handles:
+            self.pool.drop(torch.cat([c.slots for c in handles]))
+
+    # ---- decode ------------------------------------------------------------------------
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in this order) in rows 0..len(rows)-1; the others' slots go."""
+        if rows == list(range(len(self.seqs))):
+            return
+        leaving = sorted(set(range(len(self.seqs))) - set(rows))
+        for r in leaving:  # into the prefix cache, unless computed before its last flush
+            slots = self.table_RL[r, : self.lens[r]].cpu()
+            seq, held = self.seqs[r], self._rows[r]
+            if held.epoch == self.cache.epoch:
+                self.cache.insert((seq.prompt_ids + seq.output_ids)[: self.lens[r]], slots)
+            self.cache.unlock(held.nodes)
+            self.pool.drop(slots)
+        if rows:
+            width = max(self.lens[r] for r in rows)
+            index = torch.tensor(rows, device=self.device)
+            self.table_RL[: len(rows), :width] = self.table_RL[index, :width]
+        self.seqs = [self.seqs[r] for r in rows]
+        self.lens = [self.lens[r] for r in rows]
+        self._rows = [self._rows[r] for r in rows]
+
+    @torch.inference_mode()
+    def decode(self, model: Any) -> torch.Tensor:
+        """One decode step over every row (a free slot each: the scheduler made room, with
+        `make_free`); returns next-token logits_BV."""
+        n = len(self.seqs)
+        new_B = self.pool.alloc(n).to(self.device, non_blocking=True)
+        positions = list(self.lens)
+        rows_B = torch.arange(n, device=self.device)
+        self.table_RL[rows_B, torch.tensor(positions, device=self.device)] = new_B
+        self.lens = [p + 1 for p in positions]
+        ids = [s.output_ids[-1] for s in self.seqs]
+        size = self.graphs.size_for(n, max(self.lens)) if self.graphs is not None else None
+        if size is not None:
+            assert self.graphs is not None
+            logits_BV = self.graphs.step(size, n, ids, positions, new_B, self.table_RL, self.lens)
+            return logits_BV[:n]
+        lengths_B = torch.tensor(self.lens, device=self.device)
+        groups = []
+        for members in length_groups(self.lens):
+            width = max(self.lens[r] for r in members)
+            index = torch.tensor(members, device=self.device)
+            groups.append(
+                decode_group(index, self.table_RL[index, :width], lengths_B[index], width)
+            )
+        plan = StepPlan(self.pool.keys, self.pool.values, new_B, groups)
+        plan.direct = len(groups) == 1
+        self.last_plan = plan
+        out = model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            attention_mask={"full_attention": plan},
+            use_cache=False,
+        )
+        return out.logits[0]

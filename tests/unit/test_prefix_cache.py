@@ -1,0 +1,101 @@
+"""The prefix cache (engine/prefix_cache.py): pages kept after a row leaves and reused by the
+next prefill that starts the same way, with exact logprobs, evicted least recently used
+first, never reused after a weight update."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from millstream.engine.model_runner import ModelRunner
+from millstream.engine.prefix_cache import PAGE, PrefixCache
+from millstream.engine.scheduler import Scheduler
+from millstream.engine.token_pool import TokenPool
+from millstream.engine.weights import WeightLoader
+from tests.unit.test_engine_scheduler import PROMPTS, Tracked, full_forward_logprobs
+from tests.unit.test_token_pool import send_back, weights_of
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir: Path) -> ModelRunner:
+    return ModelRunner(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
+
+
+def test_pages_are_matched_locked_and_evicted_least_recently_used_first(runner: ModelRunner):
+    pool = TokenPool(runner.model.config, 256, runner.dtype, "cpu")
+    cache = PrefixCache(pool)
+    a, b = list(range(40)), list(range(32)) + [99] * 8
+    slots_a, slots_b = pool.alloc(40), pool.alloc(40)
+    cache.insert(a, slots_a)  # 2 whole pages kept; the last 8 tokens are no page
+    cache.insert(b, slots_b)  # shares a's 2 pages: nothing new
+    assert cache.tokens == 2 * PAGE == cache.evictable
+    pool.drop(slots_a), pool.drop(slots_b)
+    assert pool.used_tokens == 2 * PAGE  # the cache's hold alone
+
+    nodes = cache.match(b, limit=len(b) - 1)
+    assert [n.slots.tolist() for n in nodes] == [slots_a[:16].tolist(), slots_a[16:32].tolist()]
+    assert len(cache.match(a, limit=31)) == 1  # whole pages within the limit only
+    cache.lock(nodes)
+    assert cache.evictable == 0 and cache.evict(100) == 0  # locked: kept
+    cache.unlock(nodes)
+    c = [7] * 16
+    cache.insert(c, pool.alloc(16))
+    pool.drop(cache.match(c, 16)[0].slots)  # held by the cache alone now
+    cache.match(a, limit=32)  # a's path used after c: c is the least recently used
+    assert cache.evict(1) == PAGE and cache.match(c, 16) == []
+    assert cache.flush() == 2 * PAGE and pool.used_tokens == 0 and cache.epoch == 1
+
+
+def test_a_resumed_rollout_prefills_only_what_the_cache_lacks(runner: ModelRunner, reference):
+    """A request finishes; a second one whose prompt is the first's prompt and output (a
+    partial rollout sent back to continue) reuses the cached pages: only the tail is
+    computed, and its logprobs still equal a full forward. A weight update drops the cache:
+    the same request then computes everything again."""
+    sched = Scheduler(runner, max_running_requests=4)
+    batch = sched._batch
+    sched.start()
+    try:
+        first = Tracked("first", PROMPTS[2], max_new_tokens=40, ignore_eos=True, temperature=0)
+        sched.submit([first.seq])
+        first.result()
+        on_thread = sched.call(lambda: batch.cache.tokens).result(10)  # after the row left
+        assert on_thread == (len(PROMPTS[2]) + 40 - 1) // PAGE * PAGE
+
+        resumed_prompt = first.seq.prompt_ids + first.seq.output_ids
+        resumed = Tracked("resumed", resumed_prompt, seed=5, max_new_tokens=20, ignore_eos=True)
+        computed: list[int] = []
+        prefill = batch.prefill
+        batch.prefill = lambda *a: (  # type: ignore[method-assign]
+            _out := prefill(*a),
+            computed.append(len(batch.last_plan.write_slots)),
+        )[0]
+        sched.submit([resumed.seq])
+        resumed.result()
+        cached = (len(resumed_prompt) - 1) // PAGE * PAGE
+        assert computed == [len(resumed_prompt) - cached] and batch.cache.hits == cached
+        expected = full_forward_logprobs(reference, resumed.seq)
+        got = torch.tensor(resumed.seq.output_logprobs)
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+        send_back(sched, WeightLoader(runner.model), weights_of(runner))
+        assert batch.cache.tokens == 0
+        again = Tracked("again", resumed_prompt, seed=5, max_new_tokens=20, ignore_eos=True)
+        sched.submit([again.seq])
+        assert again.result().output_ids == resumed.seq.output_ids
+        assert computed[-1] == len(resumed_prompt)
+        sched.call(lambda: None).result(10)  # the step in which `again` left is over
+        assert sched.flush_cache().result(10) > 0  # again's pages, dropped by /flush_cache
+        assert batch.cache.tokens == 0 and batch.used_tokens == 0
+    finally:
+        sched.stop()
