@@ -27,7 +27,9 @@ reads the pool in place (FlashInfer's decode, where installed) is the next step 
 Grouped-query attention without `repeat_kv`: a decode group's queries [g, Hq, 1, D] are
 viewed as [g, Hkv, Hq/Hkv, D], the query heads that share a kv head stacked as rows of one
 "query sequence" (transformers' pack_gqa), so keys and values are read once per kv head and
-a length mask [g, 1, 1, L] broadcasts over them. Prefill groups use SDPA's enable_gqa.
+a length mask [g, 1, 1, L] broadcasts over them. Prefill groups use SDPA's enable_gqa; a
+group of fresh prompts of one length needs no mask (is_causal), so a GPU's fused kernels
+can take it.
 
 CUDA graphs (paged_batch.py) capture the decode step with one group of fixed shape per
 (batch size, context bucket): the plan's tensors are then static buffers that the replay
@@ -63,6 +65,7 @@ class AttnGroup:
     slots: torch.Tensor
     mask: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    causal: bool = False  # no mask: every request's queries are its whole context, causal
 
 
 @dataclass
@@ -119,6 +122,10 @@ def prefill_group(
     and are the last new[r] of its contexts[r] tokens, whose slots are slots_RL[r]."""
     device = slots_RL.device
     rows, tq, width = len(new), max(new), max(contexts)
+    if new == contexts and len(set(new)) == 1:  # fresh prompts of one length: plain causal
+        q_index = torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, new, strict=True)])
+        flat = slots_RL[:, :width].reshape(-1)
+        return AttnGroup(rows, tq, width, q_index.to(device), flat, causal=True)
     t_Q = torch.arange(tq)
     new_R1 = torch.tensor(new)[:, None]
     start_R1 = torch.tensor(q_starts)[:, None]
@@ -172,7 +179,7 @@ def paged_attention(
         else:
             q = q.view(g.rows, g.tq, hq, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=g.mask, scale=scaling, enable_gqa=hq != hkv
+                q, k, v, attn_mask=g.mask, is_causal=g.causal, scale=scaling, enable_gqa=hq != hkv
             ).transpose(1, 2)
         o = o.reshape(g.rows * g.tq, hq, d)
         if out_NHD is None:

@@ -131,8 +131,9 @@ class PagedBatch:
         self.lens: list[int] = []
         self._rows: list[Prefilled] = []  # what each row holds besides its own new slots
         self.context_length = context_length
+        # int32, as SGLang's req_to_token: 4 bytes a token of context a row
         self.table_RL = torch.full(
-            (max_rows, context_length), NULL_SLOT, dtype=torch.long, device=self.device
+            (max_rows, context_length), NULL_SLOT, dtype=torch.int32, device=self.device
         )
         self.last_plan: StepPlan | None = None  # for tests and stats: what the step read
         self.graphs = (
@@ -249,13 +250,17 @@ class PagedBatch:
         kept = torch.cat(
             [torch.arange(s + n - k, s + n) for s, n, k in zip(starts, new, keeps, strict=True)]
         )
-        out = self.model(
-            input_ids=ids[None].to(self.device, non_blocking=True),
-            position_ids=positions[None].to(self.device, non_blocking=True),
-            attention_mask={"full_attention": plan},
-            use_cache=False,
-            logits_to_keep=kept.to(self.device, non_blocking=True),
-        )
+        try:
+            out = self.model(
+                input_ids=ids[None].to(self.device, non_blocking=True),
+                position_ids=positions[None].to(self.device, non_blocking=True),
+                attention_mask={"full_attention": plan},
+                use_cache=False,
+                logits_to_keep=kept.to(self.device, non_blocking=True),
+            )
+        except BaseException:
+            self.drop(handles)  # nothing leaks from a failed forward
+            raise
         self.last_plan = plan
         logits_KV = out.logits[0]
         bounds = list(itertools.accumulate(keeps, initial=0))
@@ -265,7 +270,7 @@ class PagedBatch:
         """A new row on a prefill's context (this row holds its slots and locks its nodes)."""
         r = len(self.seqs)
         assert r < self.table_RL.shape[0], f"row {r} of {self.table_RL.shape[0]}"
-        self.table_RL[r, : len(context.slots)] = context.slots.to(self.device, non_blocking=True)
+        self.table_RL[r, : len(context.slots)] = context.slots.to(self.device, torch.int32)
         self.pool.hold(context.slots)
         self.cache.lock(context.nodes)
         self.seqs.append(seq)
@@ -287,7 +292,7 @@ class PagedBatch:
             return
         leaving = sorted(set(range(len(self.seqs))) - set(rows))
         for r in leaving:  # into the prefix cache, unless computed before its last flush
-            slots = self.table_RL[r, : self.lens[r]].cpu()
+            slots = self.table_RL[r, : self.lens[r]].long().cpu()
             seq, held = self.seqs[r], self._rows[r]
             if held.epoch == self.cache.epoch:
                 self.cache.insert((seq.prompt_ids + seq.output_ids)[: self.lens[r]], slots)
@@ -309,7 +314,7 @@ class PagedBatch:
         new_B = self.pool.alloc(n).to(self.device, non_blocking=True)
         positions = list(self.lens)
         rows_B = torch.arange(n, device=self.device)
-        self.table_RL[rows_B, torch.tensor(positions, device=self.device)] = new_B
+        self.table_RL[rows_B, torch.tensor(positions, device=self.device)] = new_B.int()
         self.lens = [p + 1 for p in positions]
         ids = [s.output_ids[-1] for s in self.seqs]
         size = self.graphs.size_for(n, max(self.lens)) if self.graphs is not None else None

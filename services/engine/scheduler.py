@@ -494,6 +494,7 @@ class Scheduler:
             s for s in self._prefilling if not s.done and s not in self._batch.seqs
         ]
         self._batch.clear()
+        self._batch.flush_cache()  # a failed step may have left half-written keys
         self._prefilling = []
         for seq in failed:
             self._finish(seq, FinishReason("abort", message=message))

@@ -410,3 +410,34 @@ def test_cuda_graph_decoding_equals_eager_decoding_on_the_gpu(tiny_model_dir: Pa
         torch.testing.assert_close(
             torch.tensor(g.output_logprobs), torch.tensor(e.output_logprobs), atol=1e-4, rtol=0
         )
+
+
+def test_a_failed_forward_fails_its_requests_and_leaks_no_slot(runner: ModelRunner):
+    """A forward that raises (a prefill, then a decode step) ends the requests in it with an
+    abort naming the error; every pool slot is free again and the engine serves the next."""
+    sched = Scheduler(runner, max_running_requests=4)
+    batch = sched._batch
+    calls = {"n": 0}
+    forward = runner.model.forward
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] in (1, 4):  # the first prefill; a decode step of the second request
+            raise RuntimeError("device lost")
+        return forward(*args, **kwargs)
+
+    runner.model.forward = failing  # type: ignore[method-assign]
+    sched.start()
+    try:
+        for rid in ("prefill", "decode"):
+            t = Tracked(rid, PROMPTS[2], max_new_tokens=8, ignore_eos=True)
+            sched.submit([t.seq])
+            finish = t.result().finish
+            assert finish.type == "abort" and "RuntimeError: device lost" in finish.message
+            assert sched.call(lambda: batch.pool.used_tokens).result(10) == 0
+        ok = Tracked("ok", PROMPTS[2], max_new_tokens=8, ignore_eos=True)
+        sched.submit([ok.seq])
+        assert ok.result().finish.type == "length"
+    finally:
+        sched.stop()
+        del runner.model.forward
