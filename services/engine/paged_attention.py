@@ -172,7 +172,7 @@ def paged_attention(
     for g in plan.groups:
         k = pool_k.index_select(0, g.slots).view(g.rows, g.width, hkv, d).transpose(1, 2)
         v = pool_v.index_select(0, g.slots).view(g.rows, g.width, hkv, d).transpose(1, 2)
-        q = q_NHD.index_select(0, g.q_index)
+        q = q_NHD if plan.direct and g.tq == 1 else q_NHD.index_select(0, g.q_index)
         if g.tq == 1:  # decode: the query heads of a kv head as one sequence (pack GQA)
             q = q.view(g.rows, hkv, hq // hkv, d)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling)

@@ -291,13 +291,14 @@ class PagedBatch:
         if rows == list(range(len(self.seqs))):
             return
         leaving = sorted(set(range(len(self.seqs))) - set(rows))
-        for r in leaving:  # into the prefix cache, unless computed before its last flush
-            slots = self.table_RL[r, : self.lens[r]].long().cpu()
-            seq, held = self.seqs[r], self._rows[r]
-            if held.epoch == self.cache.epoch:
-                self.cache.insert((seq.prompt_ids + seq.output_ids)[: self.lens[r]], slots)
-            self.cache.unlock(held.nodes)
-            self.pool.drop(slots)
+        if leaving:
+            gone = [self.table_RL[r, : self.lens[r]].long().cpu() for r in leaving]
+            for r, slots in zip(leaving, gone, strict=True):  # into the prefix cache, unless
+                seq, held = self.seqs[r], self._rows[r]  # computed before its last flush
+                if held.epoch == self.cache.epoch:
+                    self.cache.insert((seq.prompt_ids + seq.output_ids)[: self.lens[r]], slots)
+                self.cache.unlock(held.nodes)
+            self.pool.drop(torch.cat(gone))
         if rows:
             width = max(self.lens[r] for r in rows)
             index = torch.tensor(rows, device=self.device)
