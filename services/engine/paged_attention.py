@@ -163,8 +163,8 @@ def paged_attention(
     plan: StepPlan = attention_mask
     layer = module.layer_idx
     pool_k, pool_v = plan.keys[layer], plan.values[layer]
-    pool_k.index_copy_(0, plan.write_slots, key[0].transpose(0, 1).to(pool_k.dtype))
-    pool_v.index_copy_(0, plan.write_slots, value[0].transpose(0, 1).to(pool_v.dtype))
+    pool_k.index_copy_(0, plan.write_slots, key[0].transpose(0, 1))
+    pool_v.index_copy_(0, plan.write_slots, value[0].transpose(0, 1))
     q_NHD = query[0].transpose(0, 1)
     n, hq, d = q_NHD.shape
     hkv = pool_k.shape[1]
