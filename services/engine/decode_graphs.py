@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .paged_attention import AttnGroup, StepPlan
+from .paged_attention import AttnGroup, StepPlan, planned
 from .token_pool import NULL_SLOT, TokenPool
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,13 @@ def _forward(model: Any, pool: TokenPool, x: _Inputs) -> torch.Tensor:
     )
     plan = StepPlan(pool.keys, pool.values, x.write_slots_B, [group], direct=True)
     x.fill_mask()
-    out = model(
-        input_ids=x.input_ids_1B,
-        position_ids=x.position_ids_1B,
-        attention_mask={"full_attention": plan},
-        use_cache=False,
-    )
+    with planned(plan) as mask:
+        out = model(
+            input_ids=x.input_ids_1B,
+            position_ids=x.position_ids_1B,
+            attention_mask=mask,
+            use_cache=False,
+        )
     return out.logits[0]
 
 

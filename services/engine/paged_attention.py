@@ -5,9 +5,11 @@ input_ids [1, N]: decode feeds each running row's last token, prefill the new to
 every prompt back to back, with no padding, so the Linears compute exactly N tokens. The
 model's own layers run unchanged; only attention is ours, registered with transformers as
 the attention implementation "millstream_paged" (`use_paged_attention`). The model calls it
-per layer with the N tokens' queries, keys and values (after RoPE) and with a `StepPlan`,
-which the engine passes where a mask would go (`attention_mask={"full_attention": plan}`,
-a mapping transformers uses as is). Per layer it
+per layer with the N tokens' queries, keys and values (after RoPE); the step's `StepPlan` is
+set for the forward's thread (`planned`), and also passed where a mask would go
+(`attention_mask={"full_attention": plan}`), a mapping that models such as Qwen2 use as is
+(no mask built) and others such as Llama ignore (their mask function for this attention
+gives None). Per layer it
   1. writes the N keys and values into their pool slots (`plan.write_slots`), then
   2. for each group of requests of similar context length, gathers their context's keys
      and values from the pool by slot ([g, L, H, D], L the group's longest context, shorter
@@ -38,6 +40,9 @@ fills; `mask` is computed from the lengths on the device.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 PAGED = "millstream_paged"
+_active = threading.local()  # the plan of the forward running on this thread
 PAD_RATIO = 2.0  # a group reads at most 2 tokens per live one
 
 
@@ -160,7 +166,7 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface (module docstring); query [1, Hq, N, D], key and
     value [1, Hkv, N, D]; returns [1, N, Hq, D]."""
-    plan: StepPlan = attention_mask
+    plan = attention_mask if isinstance(attention_mask, StepPlan) else _active.plan
     layer = module.layer_idx
     pool_k, pool_v = plan.keys[layer], plan.values[layer]
     pool_k.index_copy_(0, plan.write_slots, key[0].transpose(0, 1))
@@ -190,6 +196,17 @@ def paged_attention(
             out_NHD.index_copy_(0, g.q_index, o)
     assert out_NHD is not None
     return out_NHD[None], None
+
+
+@contextlib.contextmanager
+def planned(plan: StepPlan) -> Iterator[dict[str, StepPlan]]:
+    """Make `plan` the one this thread's forward attends with, and give the mask mapping to
+    pass as `attention_mask` (which spares models that take it their mask building)."""
+    _active.plan = plan
+    try:
+        yield {"full_attention": plan}
+    finally:
+        _active.plan = None
 
 
 def use_paged_attention(model: Any) -> None:

@@ -40,6 +40,7 @@ from .paged_attention import (
     StepPlan,
     decode_group,
     length_groups,
+    planned,
     prefill_group,
     use_paged_attention,
 )
@@ -251,13 +252,14 @@ class PagedBatch:
             [torch.arange(s + n - k, s + n) for s, n, k in zip(starts, new, keeps, strict=True)]
         )
         try:
-            out = self.model(
-                input_ids=ids[None].to(self.device, non_blocking=True),
-                position_ids=positions[None].to(self.device, non_blocking=True),
-                attention_mask={"full_attention": plan},
-                use_cache=False,
-                logits_to_keep=kept.to(self.device, non_blocking=True),
-            )
+            with planned(plan) as mask:
+                out = self.model(
+                    input_ids=ids[None].to(self.device, non_blocking=True),
+                    position_ids=positions[None].to(self.device, non_blocking=True),
+                    attention_mask=mask,
+                    use_cache=False,
+                    logits_to_keep=kept.to(self.device, non_blocking=True),
+                )
         except BaseException:
             self.drop(handles)  # nothing leaks from a failed forward
             raise
@@ -334,10 +336,11 @@ class PagedBatch:
         plan = StepPlan(self.pool.keys, self.pool.values, new_B, groups)
         plan.direct = len(groups) == 1
         self.last_plan = plan
-        out = model(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            attention_mask={"full_attention": plan},
-            use_cache=False,
-        )
+        with planned(plan) as mask:
+            out = model(
+                input_ids=torch.tensor([ids], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                attention_mask=mask,
+                use_cache=False,
+            )
         return out.logits[0]

@@ -49,15 +49,21 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     seed: int = 0,
     context_length: int = 1024,
+    arch: str = "qwen2",
 ) -> Path:
+    """A random decoder of `arch` (qwen2, llama, qwen3) with the byte-level tokenizer."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
     vocab_size = len(tokenizer)
-    config = Qwen2Config(
+    prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3"}[arch]
+    config_class = getattr(transformers, f"{prefix}Config")
+    model_class = getattr(transformers, f"{prefix}ForCausalLM")
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -72,7 +78,7 @@ def build_tiny_model(
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     model.save_pretrained(path, safe_serialization=True)
     GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id

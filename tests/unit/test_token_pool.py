@@ -441,3 +441,31 @@ def test_a_failed_forward_fails_its_requests_and_leaks_no_slot(runner: ModelRunn
     finally:
         sched.stop()
         del runner.model.forward
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_other_decoders_attend_over_the_pool_too(tmp_path: Path, arch: str):
+    """Llama builds its own mask (and ignores the one the engine passes), Qwen3 normalizes
+    queries and keys: both still attend through the pool, batched rows joining mid-way
+    give the logprobs of a full forward."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model(tmp_path, arch=arch)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    runner = ModelRunner(str(model_dir))
+    sched = Scheduler(runner, max_running_requests=4)
+    sched.start()
+    try:
+        first = Tracked("a", PROMPTS[0], max_new_tokens=20, ignore_eos=True)
+        sched.submit([first.seq])
+        first.wait_tokens(3)
+        rest = [Tracked(f"r{i}", p, seed=i, max_new_tokens=10, ignore_eos=True)
+                for i, p in enumerate(PROMPTS[1:])]  # fmt: skip
+        sched.submit([t.seq for t in rest])
+        for t in [first, *rest]:
+            seq = t.result()
+            expected = full_forward_logprobs(reference, seq)
+            got = torch.tensor(seq.output_logprobs)
+            assert torch.allclose(got, expected, atol=1e-4), (arch, (got - expected).abs().max())
+    finally:
+        sched.stop()
