@@ -59,3 +59,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.support.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir: Path):
+    """The engine's model runner on the tiny model (one a module: tests update its weights)."""
+    from millstream.engine.model_runner import ModelRunner
+
+    return ModelRunner(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    """The tiny model as plain transformers loads it: what the engine must agree with."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()

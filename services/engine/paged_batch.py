@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 
 CPU_START_TOKENS = 4096  # the CPU pool's first size; it doubles as steps need
 CPU_MEMORY_SHARE = 0.25  # of the host's available memory: the CPU pool's limit by default
+# Tokens the prefix cache gives up at least when the pool is short: a decode step needs one
+# slot a row, and evicting just that would walk the cache's tree every step of a full pool.
+EVICT_BATCH = 16 * PAGE
 
 
 def host_token_budget(bytes_per_token: int) -> int:
@@ -164,8 +167,8 @@ class PagedBatch:
         """Free `tokens` slots if possible: the prefix cache's least recently used pages
         first, then the pool's growth (the CPU); whether they are free now."""
         short = tokens - self.pool.free_tokens
-        if short > 0:
-            self.cache.evict(short)
+        if short > 0:  # at least EVICT_BATCH: a full pool walks the tree once per batch
+            self.cache.evict(max(short, EVICT_BATCH))
         return self.pool.ensure(tokens)
 
     def flush_cache(self) -> int:

@@ -24,6 +24,7 @@ no flush, rows keep their old keys, as in SGLang.)
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -97,17 +98,26 @@ class PrefixCache:
             node = child
 
     def evict(self, tokens: int) -> int:
-        """Drop unlocked leaves, least recently used first, until `tokens` pool slots were
-        freed or none is left; returns the slots freed."""
+        """Drop unlocked leaves, least recently used first (a parent left without children
+        is a leaf then), until `tokens` pool slots were freed or none is left; returns the
+        slots freed. One walk of the tree; the pages go to the pool in batches of what is
+        still missing (a page a running row also holds frees nothing)."""
+        heap = [(leaf.used, id(leaf), leaf) for leaf in self._unlocked_leaves()]
+        heapq.heapify(heap)
         freed = 0
-        while freed < tokens:
-            leaves = self._unlocked_leaves()
-            if not leaves:
-                break
-            for leaf in sorted(leaves, key=lambda n: n.used):
-                freed += self._remove(leaf)
-                if freed >= tokens:
-                    break
+        while heap and freed < tokens:
+            gone: list[torch.Tensor] = []
+            while heap and PAGE * len(gone) < tokens - freed:
+                _, _, leaf = heapq.heappop(heap)
+                parent = leaf.parent
+                assert parent is not None and not leaf.children and leaf.locks == 0
+                del parent.children[leaf.key]
+                gone.append(leaf.slots)
+                if parent is not self._root and not parent.children and parent.locks == 0:
+                    heapq.heappush(heap, (parent.used, id(parent), parent))
+            self.tokens -= PAGE * len(gone)
+            self.evictable -= PAGE * len(gone)
+            freed += self.pool.drop(torch.cat(gone))
         return freed
 
     def flush(self) -> int:
@@ -132,10 +142,3 @@ class PrefixCache:
             elif node.locks == 0:
                 leaves.append(node)
         return leaves
-
-    def _remove(self, leaf: Node) -> int:
-        assert leaf.parent is not None and not leaf.children and leaf.locks == 0
-        del leaf.parent.children[leaf.key]
-        self.tokens -= PAGE
-        self.evictable -= PAGE
-        return self.pool.drop(leaf.slots)

@@ -46,13 +46,6 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield p
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
-
-
 def post(client: httpx.Client, path: str, body: Any, engine: EngineProcess | None = None) -> Any:
     resp = client.post(path, json=body)
     tail = engine.log_tail() if engine else ""

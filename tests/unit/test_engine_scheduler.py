@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -59,18 +58,6 @@ class Tracked:
     def result(self, timeout: float = 60.0) -> Sequence:
         assert self.done.wait(timeout), f"{self.seq.rid} did not finish"
         return self.seq
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir: Path) -> ModelRunner:
-    return ModelRunner(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
 
 
 TIGHT_POOL = 96  # tokens: the tests below fill it, and rows are retracted to make room

@@ -4,8 +4,6 @@ first, never reused after a weight update."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,18 +16,6 @@ from tests.unit.test_engine_scheduler import PROMPTS, Tracked, full_forward_logp
 from tests.unit.test_token_pool import send_back, weights_of
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir: Path) -> ModelRunner:
-    return ModelRunner(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
 
 
 def test_pages_are_matched_locked_and_evicted_least_recently_used_first(runner: ModelRunner):
@@ -55,6 +41,24 @@ def test_pages_are_matched_locked_and_evicted_least_recently_used_first(runner: 
     cache.match(a, limit=32)  # a's path used after c: c is the least recently used
     assert cache.evict(1) == PAGE and cache.match(c, 16) == []
     assert cache.flush() == 2 * PAGE and pool.used_tokens == 0 and cache.epoch == 1
+
+
+def test_one_eviction_takes_a_whole_path_and_counts_only_the_slots_it_frees(runner: ModelRunner):
+    pool = TokenPool(runner.model.config, 256, runner.dtype, "cpu")
+    cache = PrefixCache(pool)
+    long, short = list(range(64)), [5] * 32
+    kept = pool.alloc(64)
+    cache.insert(long, kept)  # a path of 4 pages whose slots a running row still holds
+    slots = pool.alloc(32)
+    cache.insert(short, slots)
+    pool.drop(slots)  # the cache alone holds short's 2 pages
+    cache.match(long, 64)  # short is the least recently used
+    # short's leaf, then its parent (a leaf once its child is gone): 2 pages freed
+    assert cache.evict(2 * PAGE) == 2 * PAGE and cache.match(short, 32) == []
+    assert cache.tokens == 4 * PAGE and pool.used_tokens == 64
+    # long's 4 pages go leaf by leaf in one call, but the row's hold keeps every slot
+    assert cache.evict(PAGE) == 0 and cache.tokens == cache.evictable == 0
+    assert pool.used_tokens == 64 and pool.drop(kept) == 64
 
 
 def test_a_resumed_rollout_prefills_only_what_the_cache_lacks(runner: ModelRunner, reference):

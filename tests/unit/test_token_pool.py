@@ -34,18 +34,6 @@ from tests.unit.test_engine_scheduler import PROMPTS, Tracked, full_forward_logp
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir: Path) -> ModelRunner:
-    return ModelRunner(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
-
-
 def test_graph_sizes_and_context_buckets():
     assert graph_sizes(1) == [1]
     assert graph_sizes(3) == [1, 2, 3]
