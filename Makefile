@@ -2,6 +2,8 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# make test's processes: both of CI's 2 cores (pytest-xdist; a file's tests stay on one).
+TEST_WORKERS ?= 2
 
 .PHONY: bootstrap run test test-long lint format protos bench chaos chaos-monkey chaos-monkey-compose clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
 
@@ -18,7 +20,7 @@ format: bootstrap
 
 # Then the contract tier: SGLang's own package (.venv/sglang, bootstrap) judges what we send it.
 test: lint
-	$(PY) -m pytest -m "not long" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	MILLSTREAM_CONTRACT=1 PYTHONPATH=$(VENV)/sglang $(PY) -m pytest tests/contract $(PYTEST_ARGS)
 
 # The long scenarios make test leaves out (@pytest.mark.long; about 9 minutes on 2 cores).
