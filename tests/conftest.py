@@ -19,9 +19,19 @@ from tests.support.redis_server import RedisServer
 collect_ignore = [] if os.environ.get("MILLSTREAM_CONTRACT") == "1" else ["contract"]
 
 
+# The unit files of 40 s or more on 2 cores (pytest --durations): collected first, so that
+# make test's two workers (pytest-xdist, a file to a worker) do not end with one of them
+# running a long file alone. Only the order changes.
+FIRST = ("test_data_parallel.py", "test_gpu_check.py", "test_megatron_model.py",
+         "test_bf16_parallel.py", "test_megatron_dist.py", "test_transformers_floor.py",
+         "test_miles_compat.py")  # fmt: skip
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`@pytest.mark.gpu` tests skip where torch sees no CUDA GPU (CI); `make gpu-check` runs
-    them on one. torch is imported only when a collected test carries the mark."""
+    """The FIRST files first. `@pytest.mark.gpu` tests skip where torch sees no CUDA GPU (CI);
+    `make gpu-check` runs them on one. torch is imported only when a collected test carries
+    the mark."""
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: files stay whole
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
