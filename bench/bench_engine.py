@@ -8,7 +8,9 @@ tokenizer) in a temp dir, measures HF `model.generate()` one request at a time (
 exactly --new-tokens tokens each), then starts `millstream engine` on the same directory and
 sends the same kind of request over HTTP from 1, 16 and 64 concurrent clients (ignore_eos,
 greedy). With --baseline REF, the engine of commit REF (a git worktree, same venv) runs the
-same rows first; --rounds N runs each engine N times in turn and keeps each row's best. Prints output tokens/s and the ratios to the naive baseline and to REF.
+same rows first; --rounds N runs each engine N times in turn (the order swapped every other
+round) and keeps each row's best. Prints output tokens/s and the ratios to the naive baseline
+and to REF.
 Everything runs on this machine one after the other, so the ratios are what to read.
 
 Long-context row: one 4096-token prompt beside 63 short ones, all at once (64 clients):
@@ -260,8 +262,10 @@ def main() -> int:
         results: dict[str, tuple[list[tuple], float]] = {}
         static_answer = None
         try:
-            for _ in range(args.rounds):  # engines in turn: a slow minute hits both alike
-                for label, env in engines:
+            # Engines in turn, so that a slow minute hits both alike, and in the other order
+            # every other round, so that neither always runs second.
+            for r in range(args.rounds):
+                for label, env in engines if r % 2 == 0 else engines[::-1]:
                     engine = EngineProcess(model_dir, tmp, *flags, env=env)
                     try:
                         results[label] = best(results.get(label), engine_rows(engine, args))
