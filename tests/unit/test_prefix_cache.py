@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from millstream.engine.model_runner import ModelRunner
+from millstream.engine.paged_batch import EVICT_BATCH
 from millstream.engine.prefix_cache import PAGE, PrefixCache
 from millstream.engine.scheduler import Scheduler
 from millstream.engine.token_pool import TokenPool
 from millstream.engine.weights import WeightLoader
 from tests.unit.test_engine_scheduler import PROMPTS, Tracked, full_forward_logprobs
-from tests.unit.test_token_pool import send_back, weights_of
+from tests.unit.test_token_pool import _batch, send_back, weights_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,6 +60,22 @@ def test_one_eviction_takes_a_whole_path_and_counts_only_the_slots_it_frees(runn
     # long's 4 pages go leaf by leaf in one call, but the row's hold keeps every slot
     assert cache.evict(PAGE) == 0 and cache.tokens == cache.evictable == 0
     assert pool.used_tokens == 64 and pool.drop(kept) == 64
+
+
+def test_a_full_pool_evicts_a_batch_at_a_time_not_a_page_a_step(runner: ModelRunner):
+    """A decode step asks for one slot a row; with the pool full of cached pages, the cache
+    gives up EVICT_BATCH tokens at once, so the next steps find free slots without a walk."""
+    batch = _batch(runner, 512)
+    pages = 2 * EVICT_BATCH // PAGE
+    slots = batch.pool.alloc(pages * PAGE)
+    batch.cache.insert([t for p in range(pages) for t in [p] * PAGE], slots)
+    batch.pool.drop(slots)  # the cache alone holds them
+    batch.pool.alloc(batch.pool.free_tokens)  # running rows hold the rest: nothing free
+    assert batch.make_free(4) and batch.pool.free_tokens == EVICT_BATCH
+    assert batch.cache.tokens == pages * PAGE - EVICT_BATCH
+    for _ in range(EVICT_BATCH // 4 - 1):  # a step's 4 slots taken each time: no eviction
+        assert batch.make_free(4) and batch.pool.alloc(4) is not None
+        assert batch.cache.tokens == pages * PAGE - EVICT_BATCH
 
 
 def test_a_resumed_rollout_prefills_only_what_the_cache_lacks(runner: ModelRunner, reference):
