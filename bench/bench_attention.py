@@ -3,13 +3,17 @@
     .venv/bin/python bench/bench_attention.py [--device cpu|cuda] [--rows 64] [--short 100]
 
 One layer's decode attention (Qwen2.5-0.5B's heads: 14 query, 2 kv, dim 64) for `--rows`
-requests whose keys sit at scattered slots of a pool, in two shapes: every row `--short`
-tokens long, and one row of `--long` tokens beside the others. Each way reads the same
-keys and must give the same output (checked against the first):
+requests whose keys sit on pages scattered over a pool (token_pool.py: a row's tokens run
+in order within a page of 16), in two shapes: every row `--short` tokens long, and one row
+of `--long` tokens beside the others. Each way reads the same keys and must give the same
+output (checked against the first):
 
   grouped SDPA    what the engine runs (engine/paged_attention.py): rows grouped by length
                   (at most 2 tokens read per live one), each group's keys gathered from the
                   pool and attended with PyTorch's SDPA, GQA packed;
+  slot at a time  the same, with every key at a slot of its own scattered over the pool:
+                  a pool that hands out one slot at a time from a churned free list (the
+                  engine before pages), read one slot per gathered row;
   padded SDPA     the same gather, every row padded to the longest (one group);
   static cache    each row owns an equal share of a pool --pool-x times the live tokens
                   and attends to all of it, masked, read in place: what the static cache's
@@ -61,40 +65,48 @@ def case(lengths: list[int], args: argparse.Namespace) -> list[tuple[str, float,
         length_groups,
         paged_attention,
     )
+    from millstream.engine.token_pool import PAGE
 
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
     live = sum(lengths)
     capacity = live * args.pool_x
-    keys = torch.randn(1 + capacity, HKV, D, generator=gen).to(device, dtype)
-    values = torch.randn(1 + capacity, HKV, D, generator=gen).to(device, dtype)
+    capacity = -(-capacity // PAGE) * PAGE
+    keys = torch.randn(PAGE + capacity, HKV, D, generator=gen).to(device, dtype)
+    values = torch.randn(PAGE + capacity, HKV, D, generator=gen).to(device, dtype)
     n, width = len(lengths), max(lengths)
-    slots = torch.randperm(capacity, generator=gen)[:live] + 1
+    pages = (torch.randperm(capacity // PAGE, generator=gen) + 1).tolist()
     table = torch.zeros(n, width, dtype=torch.long)
-    at = 0
-    for r, length in enumerate(lengths):
-        table[r, :length] = slots[at : at + length]
-        at += length
-    table = table.to(device)
+    for r, length in enumerate(lengths):  # each row on pages of its own, in order within
+        row_pages = torch.tensor([pages.pop() for _ in range(-(-length // PAGE))])
+        table[r, :length] = (row_pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:length]
+    # The same keys at slots scattered one by one over another pool of the same size.
+    live_slots = table[table > 0]
+    scattered = torch.zeros_like(table)
+    scattered[table > 0] = torch.randperm(capacity, generator=gen)[:live] + PAGE
+    keys_s, values_s = torch.zeros_like(keys), torch.zeros_like(values)
+    keys_s[scattered[table > 0].to(device)] = keys[live_slots.to(device)]
+    values_s[scattered[table > 0].to(device)] = values[live_slots.to(device)]
+    table, scattered = table.to(device), scattered.to(device)
     lengths_t = torch.tensor(lengths, device=device)
     q = torch.randn(1, HQ, n, D, generator=gen).to(device, dtype)
     k_new = torch.randn(1, HKV, n, D, generator=gen).to(device, dtype)
-    write = table[torch.arange(n), lengths_t - 1]
 
     class Layer:
         layer_idx = 0
 
-    def plan(groups: list[list[int]]) -> StepPlan:
+    def plan(groups: list[list[int]], slots=table, pool=(keys, values)) -> StepPlan:  # type: ignore[no-untyped-def]
         built = []
         for members in groups:
             w = max(lengths[r] for r in members)
             index = torch.tensor(members, device=device)
-            built.append(decode_group(index, table[index, :w], lengths_t[index], w))
-        out = StepPlan([keys], [values], write, built)
+            built.append(decode_group(index, slots[index, :w], lengths_t[index], w))
+        out = StepPlan([pool[0]], [pool[1]], slots[torch.arange(n), lengths_t - 1], built)
         out.direct = len(built) == 1
         return out
 
     grouped, padded = plan(length_groups(lengths)), plan([list(range(n))])
+    one_by_one = plan(length_groups(lengths), scattered, (keys_s, values_s))
     # A static cache: each row owns capacity / n columns of the pool, read in place.
     per_row = capacity // n
     static_k = keys[1 : 1 + n * per_row].view(n, per_row, HKV, D).transpose(1, 2)
@@ -110,7 +122,8 @@ def case(lengths: list[int], args: argparse.Namespace) -> list[tuple[str, float,
     def run(p: StepPlan):  # type: ignore[no-untyped-def]
         return lambda: paged_attention(Layer(), q, k_new, k_new, p, scaling=D**-0.5)[0]
 
-    ways = [("grouped SDPA (the engine)", run(grouped)), ("padded SDPA", run(padded)),
+    ways = [("grouped SDPA (the engine)", run(grouped)),
+            ("grouped SDPA, a slot at a time", run(one_by_one)), ("padded SDPA", run(padded)),
             (f"static cache, pool {args.pool_x}x live (other keys)", static)]  # fmt: skip
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention

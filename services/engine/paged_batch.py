@@ -9,18 +9,21 @@ a Python loop over tokens.
 
 Prefill (`prefill`): the pages the prefix cache has are reused (prefix_cache.py); the rest
 of several prompts' tokens are packed into one forward (no padding; paged_attention.py),
-their slots allocated at once and held by the prefill; `add` gives a row a prefill's
-context (one more holder of each slot), so the n copies of a prompt share its keys; `drop`
-lets the prefill's own hold go, freeing what no row took.
-Decode (`decode`): one new slot per row, written by the step; the rows' lengths grouped
-(paged_attention.length_groups) or, on a GPU with graphs, one captured shape per batch
-size and context bucket (decode_graphs.py). Leave (`keep`): a leaving row's whole pages go
-to the prefix cache, its own hold on its slots is dropped; the survivors' table rows move up.
+their slots allocated at once (each prompt's on pages of its own) and held by the prefill;
+`add` gives a row a prefill's context (one more holder of each slot), so the n copies of a
+prompt share its keys; `drop` lets the prefill's own hold go, freeing what no row took.
+Decode (`decode`): one new slot per row, written by the step: the next one of the row's
+last page (a row first fills the rest of its prompt's last page, if no other copy took it),
+a fresh page when that is full; the rows' lengths grouped (paged_attention.length_groups)
+or, on a GPU with graphs, one captured shape per batch size and context bucket
+(decode_graphs.py). Leave (`keep`): a leaving row's whole pages go to the prefix cache, its
+own hold on its slots is dropped; the survivors' table rows move up.
 
 The pool can run out (on a GPU it never grows): before a step the scheduler asks
-`make_free` for one slot a row (the prefix cache's unused pages are evicted first, then the
-CPU's pool grows) and retracts rows until it gets them (scheduler.py), so no row ever ends
-for lack of memory while others could make way.
+`make_free` for a page for each row whose last page is full (`step_tokens`; the prefix
+cache's unused pages are evicted first, then the CPU's pool grows) and retracts rows until
+it gets them (scheduler.py), so no row ever ends for lack of memory while others could make
+way.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from .paged_attention import (
     prefill_group,
     use_paged_attention,
 )
-from .prefix_cache import PAGE, Node, PrefixCache
+from .prefix_cache import Node, PrefixCache
 from .sequence import Sequence
-from .token_pool import NULL_SLOT, PoolFull, TokenPool
+from .token_pool import NULL_SLOT, PAGE, PoolFull, TokenPool, pages_for
 
 log = logging.getLogger(__name__)
 
@@ -89,17 +92,17 @@ def new_batch(
         runner.model,
         pool,
         max_rows=max_rows,
-        context_length=min(context_length, limit),
+        context_length=min(context_length, pool.limit),
         cuda_graph_max_bs=cuda_graph_max_bs,
     )
     graphs = batch.graphs
     log.info(
         "KV token pool: %d tokens (%.1f MiB) on %s%s, shared by up to %d requests of up to %d "
         "tokens; CUDA graphs: %s",
-        capacity,
+        pool.capacity,
         pool.nbytes / 2**20,
         device,
-        f", growing up to {limit}" if limit > capacity else "",
+        f", growing up to {pool.limit}" if pool.limit > pool.capacity else "",
         max_rows,
         batch.context_length,
         f"batch sizes {graphs.sizes}, key buckets {graphs.buckets}" if graphs else "off",
@@ -110,11 +113,13 @@ def new_batch(
 @dataclass
 class Prefilled:
     """One prefix's context after a prefill: its slots (cached pages first, then the new
-    ones), the prefix cache nodes it reused, and the cache epoch it was computed in."""
+    ones), the prefix cache nodes it reused, the cache epoch it was computed in, and the
+    unused slots of its last page [first, end) that one row may decode into."""
 
     slots: torch.Tensor
     nodes: list[Node]
     epoch: int
+    tail: tuple[int, int] | None = None
 
 
 class PagedBatch:
@@ -134,6 +139,9 @@ class PagedBatch:
         self.seqs: list[Sequence] = []
         self.lens: list[int] = []
         self._rows: list[Prefilled] = []  # what each row holds besides its own new slots
+        # each row's next decode slots: [next, end) of its last page, empty when it is full
+        self._next: list[int] = []
+        self._end: list[int] = []
         self.context_length = context_length
         # int32, as SGLang's req_to_token: 4 bytes a token of context a row
         self.table_RL = torch.full(
@@ -162,6 +170,12 @@ class PagedBatch:
     def available(self) -> int:
         """Slots a step could have: free, the pool's growth, the cache's unlocked pages."""
         return self.pool.available + self.cache.evictable
+
+    @property
+    def step_tokens(self) -> int:
+        """Slots the next decode step takes from the pool: a page per row whose last page
+        is full."""
+        return PAGE * sum(a == b for a, b in zip(self._next, self._end, strict=True))
 
     def make_free(self, tokens: int) -> bool:
         """Free `tokens` slots if possible: the prefix cache's least recently used pages
@@ -216,9 +230,9 @@ class PagedBatch:
             cached = [len(nodes) * PAGE for nodes in matched]
             lengths = [len(p) for p in prefixes]
             new = [n - c for n, c in zip(lengths, cached, strict=True)]
-            if not self.make_free(sum(new)):
+            if not self.make_free(PAGE * sum(pages_for(n) for n in new)):
                 raise PoolFull(f"a prefill of {sum(new)} tokens, {self.pool.free_tokens} free")
-            slots_N = self.pool.alloc(sum(new))
+            slots_N = self.pool.alloc(new)  # each prefix's new tokens on pages of their own
         except BaseException:
             for nodes in matched:
                 self.cache.unlock(nodes)
@@ -229,7 +243,9 @@ class PagedBatch:
             reused = [n.slots for n in nodes]
             context = torch.cat([*reused, slots_N[starts[u] : starts[u] + new[u]]])
             self.pool.hold(context[: cached[u]])  # the new slots were held by alloc
-            handles.append(Prefilled(context, nodes, self.cache.epoch))
+            last = int(context[-1])
+            tail = (last + 1, last // PAGE * PAGE + PAGE) if (last + 1) % PAGE else None
+            handles.append(Prefilled(context, nodes, self.cache.epoch, tail if new[u] else None))
             self.cache.hits += cached[u]
         groups = []
         for members in length_groups(lengths):
@@ -281,6 +297,10 @@ class PagedBatch:
         self.seqs.append(seq)
         self.lens.append(len(context.slots))
         self._rows.append(context)
+        first, end = context.tail or (0, 0)  # the first copy decodes into the last page
+        context.tail = None
+        self._next.append(first)
+        self._end.append(end)
 
     def drop(self, handles: list[Prefilled]) -> None:
         """A prefill lets go of its contexts: what no row took is free again."""
@@ -311,13 +331,22 @@ class PagedBatch:
         self.seqs = [self.seqs[r] for r in rows]
         self.lens = [self.lens[r] for r in rows]
         self._rows = [self._rows[r] for r in rows]
+        self._next = [self._next[r] for r in rows]
+        self._end = [self._end[r] for r in rows]
 
     @torch.inference_mode()
     def decode(self, model: Any) -> torch.Tensor:
-        """One decode step over every row (a free slot each: the scheduler made room, with
-        `make_free`); returns next-token logits_BV."""
+        """One decode step over every row (a free slot each: the scheduler made room for
+        `step_tokens`, with `make_free`); returns next-token logits_BV."""
         n = len(self.seqs)
-        new_B = self.pool.alloc(n).to(self.device, non_blocking=True)
+        full = [r for r in range(n) if self._next[r] == self._end[r]]
+        if full:
+            for r, first in zip(full, self.pool.take_pages(len(full)).tolist(), strict=True):
+                self._next[r], self._end[r] = first, first + PAGE
+        new = torch.tensor(self._next)
+        self.pool.claim(new)
+        self._next = [s + 1 for s in self._next]
+        new_B = new.to(self.device, non_blocking=True)
         positions = list(self.lens)
         rows_B = torch.arange(n, device=self.device)
         self.table_RL[rows_B, torch.tensor(positions, device=self.device)] = new_B.int()

@@ -1,14 +1,15 @@
 """The prefix cache: the keys of token sequences that finished or left, kept in the pool for
 the next request that starts the same way (SGLang's radix cache, in pages).
 
-A tree of pages: each node below the root is PAGE tokens and the PAGE pool slots holding
-their keys and values, its children the pages that followed it in some sequence. A row
-that leaves the running batch (finished, aborted, retracted) inserts its context: each of
-its whole pages that the tree lacks becomes a node, and the cache holds those slots (one
-more holder in the pool's count, token_pool.py), so they outlive the row. A new prefill
-walks the tree with its prefix and reuses the slots of every page it matches: only the
-rest is computed. What this buys in RL: a partial rollout resumed on the same engine, a
-retracted row prefilled again, a multi-turn prompt that extends the last turn.
+A tree of pages: each node below the root is PAGE tokens (the pool's page size) and the
+PAGE pool slots holding their keys and values, its children the pages that followed it in
+some sequence. A row that leaves the running batch (finished, aborted, retracted) inserts
+its context: each of its whole pages that the tree lacks becomes a node, and the cache
+holds those slots (one more holder in the pool's count, token_pool.py), so they outlive the
+row. A new prefill walks the tree with its prefix and reuses the slots of every page it
+matches: only the rest is computed. What this buys in RL: a partial rollout resumed on the
+same engine, a retracted row prefilled again, a multi-turn prompt that extends the last
+turn.
 
 Locks. A row that reused a path locks it (every node from the root to the deepest one it
 matched); a locked node is never evicted. Nodes no row locks are `evictable`: when the pool
@@ -30,9 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .token_pool import TokenPool
-
-PAGE = 16  # tokens a node holds: the unit of reuse
+from .token_pool import PAGE, TokenPool
 
 
 @dataclass(eq=False)

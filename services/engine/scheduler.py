@@ -63,6 +63,7 @@ from .paged_batch import PagedBatch, new_batch
 from .prefill import prefill_groups, score_prompt
 from .sampling import sample_next
 from .sequence import FinishReason, Sequence, StopChecker
+from .token_pool import PAGE, pages_for
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,11 @@ DECODE_RESERVE = 64  # pool tokens a row keeps free for its next steps when admi
 
 
 def _reserve(seq: Sequence) -> int:
-    """Pool tokens a row keeps free for its next decode steps (DECODE_RESERVE at most)."""
-    return max(1, min(seq.params.max_new_tokens - len(seq.output_ids), DECODE_RESERVE))
+    """Pool tokens a row keeps free for its next decode steps (DECODE_RESERVE at most), in
+    whole pages."""
+    return PAGE * pages_for(
+        max(1, min(seq.params.max_new_tokens - len(seq.output_ids), DECODE_RESERVE))
+    )
 
 
 @dataclass
@@ -318,7 +322,7 @@ class Scheduler:
         while self._waiting and running + len(admitted) < self.max_running_requests:
             seq = self._waiting[0]
             prefix = tuple(seq.prefix_ids())
-            cost = (0 if prefix in prefixes else len(prefix)) + _reserve(seq)
+            cost = (0 if prefix in prefixes else PAGE * pages_for(len(prefix))) + _reserve(seq)
             if (admitted or running) and need + cost > available:
                 break
             self._waiting.popleft()
@@ -366,10 +370,11 @@ class Scheduler:
         self.stats.prefill_batches += 1
 
     def _make_room(self) -> None:
-        """Free pool tokens for the next decode step (one a row): retract the newest rows
-        to the head of the queue (they are prefilled again, output kept, when there is
-        room). A row alone that fills the pool ends with an abort that says so."""
-        while self._batch.seqs and not self._batch.make_free(len(self._batch)):
+        """Free pool tokens for the next decode step (a page a row whose last page is
+        full): retract the newest rows to the head of the queue (they are prefilled again,
+        output kept, when there is room). A row alone that fills the pool ends with an
+        abort that says so."""
+        while self._batch.seqs and not self._batch.make_free(self._batch.step_tokens):
             if len(self._batch) == 1:
                 seq = self._batch.seqs[0]
                 self._batch.clear()

@@ -1,25 +1,37 @@
-"""The KV token pool: the keys and values of every running request, one token per slot.
+"""The KV token pool: the keys and values of every running request, one token per slot,
+handed out a page at a time.
 
-Layout. Per layer, `keys[l]` and `values[l]` of shape [1 + capacity, H, D] (H kv heads, D
-head dim): slot s holds one token's key and value, after RoPE. Slot 0 is the null slot:
-never handed out, it pads the index tables of requests shorter than their batch's longest
-(their padding is masked, and the null slot only ever holds zeros or a spare row's finite
-key, so 0 x value adds nothing). This is SGLang's token_to_kv_pool with a page size of 1:
-any free slot can take any request's next token, so a request may grow to the model's
-context as long as the pool has free tokens, whatever the others hold.
+Layout. Per layer, `keys[l]` and `values[l]` of shape [PAGE x (1 + pages), H, D] (H kv
+heads, D head dim): slot s holds one token's key and value, after RoPE, and page p is slots
+p*PAGE .. p*PAGE + PAGE-1. Page 0 is never handed out; its slot 0 is the null slot that pads
+the index tables of requests shorter than their batch's longest (their padding is masked,
+and the null slot only ever holds zeros or a spare row's finite key, so 0 x value adds
+nothing). This is SGLang's token_to_kv_pool with its paged allocator (--page-size 16): a
+request may grow to the model's context as long as the pool has free pages, whatever the
+others hold.
 
-Allocation (host side, between steps, on the scheduler thread). `free` is a stack of free
-slot ids; `refs[s]` counts who holds slot s: a running row (its index table lists s), a
-prefill that has not handed its slots to rows yet. The n copies of a GRPO prompt hold the
-same prompt slots, each once, so the prompt's keys are computed and stored once. A slot
-goes back to `free` when its count drops to 0.
+Why pages. A decode step gathers each row's keys by slot (paged_attention.py). Handed out a
+slot at a time from a free list that requests keep churning, a row's keys end up scattered
+over the pool, and the gather reads one 16-token run per page instead (2x faster on the
+CPU for 64 rows of 300 tokens: bench/bench_attention.py's gather rows). A page costs up to
+PAGE-1 slots of a request's last page, as in SGLang.
+
+Allocation (host side, between steps, on the scheduler thread). `free_pages` is a stack of
+free page ids. `alloc(sizes)` gives each run its own fresh pages and returns its first
+sizes[i] slots; a running row fills the rest of its last page before it takes a new one
+(`take_pages`, `claim`: paged_batch.py). `refs[s]` counts who holds slot s: a running row
+(its index table lists s), a prefill that has not handed its slots to rows yet, the prefix
+cache. The n copies of a GRPO prompt hold the same prompt slots, each once, so the prompt's
+keys are computed and stored once. A page goes back to `free_pages` when no slot of it is
+held.
 
 Size. On a GPU the pool is allocated once, at the size SGLang would give it: --max-total-
-tokens, else what --mem-fraction-static leaves (model_runner.kv_token_budget); CUDA graphs
-hold its address, so it never moves. On the CPU it starts small and doubles when a step
-needs more, up to its limit (--max-total-tokens, else a share of the host's memory): a
-laptop does not pay for a pool it never fills. Releasing it (/release_memory_occupation
-kv_cache, colocation) frees the tensors; resuming allocates the starting size again.
+tokens, else what --mem-fraction-static leaves (model_runner.kv_token_budget), in whole
+pages; CUDA graphs hold its address, so it never moves. On the CPU it starts small and
+doubles when a step needs more, up to its limit (--max-total-tokens, else a share of the
+host's memory): a laptop does not pay for a pool it never fills. Releasing it
+(/release_memory_occupation kv_cache, colocation) frees the tensors; resuming allocates the
+starting size again.
 """
 
 from __future__ import annotations
@@ -32,6 +44,18 @@ import torch
 log = logging.getLogger(__name__)
 
 NULL_SLOT = 0
+PAGE = 16  # slots a page: the unit of allocation and of the prefix cache (SGLang's page size)
+
+
+def pages_for(tokens: int) -> int:
+    """Pages that hold `tokens` tokens."""
+    return -(-tokens // PAGE)
+
+
+def whole_pages(tokens: int) -> int:
+    """`tokens` rounded down to whole pages, at least one page (SGLang rounds its
+    max_total_num_tokens down to its page size)."""
+    return max(PAGE, tokens // PAGE * PAGE)
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:
@@ -57,8 +81,8 @@ class TokenPool:
     ):
         self.layers, self.heads, self.head_dim = kv_shape(config)
         self.dtype, self.device = dtype, torch.device(device)
-        self.initial = capacity
-        self.limit = max(limit or capacity, capacity)
+        self.initial = whole_pages(capacity)
+        self.limit = max(whole_pages(limit or capacity), self.initial)
         self.bytes_per_token = (
             2
             * self.layers
@@ -69,8 +93,8 @@ class TokenPool:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0
-        self.refs = torch.zeros(1, dtype=torch.int32)
-        self.free_ids = torch.zeros(0, dtype=torch.long)
+        self.refs = torch.zeros(PAGE, dtype=torch.int32)
+        self.free_pages = torch.zeros(0, dtype=torch.long)
         self.allocate()
 
     # ---- memory ------------------------------------------------------------------------
@@ -91,8 +115,8 @@ class TokenPool:
         """Allocate the starting size, every slot free (zeroed); returns the bytes."""
         self.capacity = 0
         self.keys, self.values = [], []
-        self.refs = torch.zeros(1, dtype=torch.int32)
-        self.free_ids = torch.zeros(0, dtype=torch.long)
+        self.refs = torch.zeros(PAGE, dtype=torch.int32)
+        self.free_pages = torch.zeros(0, dtype=torch.long)
         self._grow_to(self.initial)
         return self.nbytes
 
@@ -101,37 +125,39 @@ class TokenPool:
         nbytes = self.nbytes
         self.keys, self.values = [], []
         self.capacity = 0
-        self.refs = torch.zeros(1, dtype=torch.int32)
-        self.free_ids = torch.zeros(0, dtype=torch.long)
+        self.refs = torch.zeros(PAGE, dtype=torch.int32)
+        self.free_pages = torch.zeros(0, dtype=torch.long)
         return nbytes
 
     def _grow_to(self, capacity: int) -> None:
         old = self.capacity
-        shape = (1 + capacity, self.heads, self.head_dim)
+        shape = (PAGE + capacity, self.heads, self.head_dim)
         grown_k, grown_v = [], []
         for layer in range(self.layers):
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if old:
-                k[: 1 + old] = self.keys[layer]
-                v[: 1 + old] = self.values[layer]
+                k[: PAGE + old] = self.keys[layer]
+                v[: PAGE + old] = self.values[layer]
             grown_k.append(k)
             grown_v.append(v)
         self.keys, self.values = grown_k, grown_v
-        refs = torch.zeros(1 + capacity, dtype=torch.int32)
-        refs[: 1 + old] = self.refs
+        refs = torch.zeros(PAGE + capacity, dtype=torch.int32)
+        refs[: PAGE + old] = self.refs
         self.refs = refs
-        new_ids = torch.arange(capacity, old, -1, dtype=torch.long)  # popped lowest first
-        self.free_ids = torch.cat([new_ids, self.free_ids])
+        # under the free pages there were (taken last), the lowest of them popped first
+        new_pages = torch.arange(capacity // PAGE, old // PAGE, -1, dtype=torch.long)
+        self.free_pages = torch.cat([new_pages, self.free_pages])
         self.capacity = capacity
         if old:
             log.info("KV token pool grown to %d tokens (%.1f MiB)", capacity, self.nbytes / 2**20)
 
-    # ---- slots -------------------------------------------------------------------------
+    # ---- pages and slots ----------------------------------------------------------------
 
     @property
     def free_tokens(self) -> int:
-        return len(self.free_ids)
+        """Slots in free pages (a running row's last page may have a few more)."""
+        return PAGE * len(self.free_pages)
 
     @property
     def used_tokens(self) -> int:
@@ -142,21 +168,43 @@ class TokenPool:
         """Free tokens, counting what the pool may still grow by."""
         return self.free_tokens + (self.limit - self.capacity if self.can_grow else 0)
 
-    def ensure(self, n: int) -> bool:
-        """Whether `n` slots are free, growing the pool first if it may."""
-        if n > self.free_tokens and self.can_grow:
-            want = max(self.capacity * 2, self.used_tokens + n)
+    def ensure(self, tokens: int) -> bool:
+        """Whether `tokens` slots (whole pages) are free, growing the pool first if it may."""
+        need = PAGE * pages_for(tokens)
+        if need > self.free_tokens and self.can_grow:
+            want = max(self.capacity * 2, self.used_tokens + need)
             self._grow_to(min(self.limit, want))
-        return n <= self.free_tokens
+        return need <= self.free_tokens
 
-    def alloc(self, n: int) -> torch.Tensor:
-        """`n` free slots (held once each), growing the pool if it may; PoolFull if not."""
-        if not self.ensure(n):
-            raise PoolFull(f"{n} tokens asked for, {self.free_tokens} free of {self.capacity}")
-        # The stack's top is its end: popping there keeps the rest of free_ids in place.
-        slots = self.free_ids[len(self.free_ids) - n :].flip(0)
-        self.free_ids = self.free_ids[: len(self.free_ids) - n]
+    def take_pages(self, count: int) -> torch.Tensor:
+        """The first slots of `count` free pages, held by no one yet (`claim` their slots
+        as they are written); PoolFull if the pool, grown to its limit, has fewer."""
+        if not self.ensure(PAGE * count):
+            raise PoolFull(
+                f"{PAGE * count} tokens asked for, {self.free_tokens} free of {self.capacity}"
+            )
+        # The stack's top is its end: popping there keeps the rest of free_pages in place.
+        pages = self.free_pages[len(self.free_pages) - count :].flip(0)
+        self.free_pages = self.free_pages[: len(self.free_pages) - count]
+        return pages * PAGE
+
+    def claim(self, slots: torch.Tensor) -> None:
+        """Hold `slots` of pages this holder took (once each)."""
         self.refs[slots] = 1
+
+    def alloc(self, sizes: int | list[int]) -> torch.Tensor:
+        """Slots for runs of `sizes` tokens (one int: one run), each run on pages of its
+        own, every slot held once; concatenated in order. PoolFull if they do not fit."""
+        sizes = [sizes] if isinstance(sizes, int) else sizes
+        firsts = self.take_pages(sum(pages_for(n) for n in sizes))
+        runs, at = [], 0
+        for n in sizes:
+            count = pages_for(n)
+            page_slots = firsts[at : at + count, None] + torch.arange(PAGE)
+            runs.append(page_slots.reshape(-1)[:n])
+            at += count
+        slots = torch.cat(runs) if runs else firsts
+        self.claim(slots)
         return slots
 
     def hold(self, slots: torch.Tensor) -> None:
@@ -164,13 +212,14 @@ class TokenPool:
         self.refs.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
 
     def drop(self, slots: torch.Tensor) -> int:
-        """One holder less of each of `slots` (repeats count); those no one holds go back
-        to the free stack. Returns how many were freed."""
+        """One holder less of each of `slots` (repeats count); the pages of which no slot
+        is held any more go back to the free stack. Returns the slots freed (whole pages)."""
         if slots.numel() == 0:
             return 0
         self.refs.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
-        candidates = slots.unique()
-        freed = candidates[self.refs[candidates] == 0]
-        assert bool((self.refs[candidates] >= 0).all()), "a KV slot was dropped more than held"
-        self.free_ids = torch.cat([self.free_ids, freed.flip(0)])
-        return len(freed)
+        candidates = (slots // PAGE).unique()
+        held_PS = self.refs.view(-1, PAGE)[candidates]
+        assert bool((held_PS >= 0).all()), "a KV slot was dropped more than held"
+        freed = candidates[held_PS.sum(1) == 0]
+        self.free_pages = torch.cat([self.free_pages, freed.flip(0)])
+        return PAGE * len(freed)

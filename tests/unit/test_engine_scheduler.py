@@ -338,7 +338,7 @@ def _follow_the_live_rows(scheduler: Scheduler) -> None:
 
 
 def test_max_total_tokens_sizes_the_pool_and_admits_only_what_fits(runner: ModelRunner):
-    sched = Scheduler(runner, max_running_requests=8, max_total_tokens=40)
+    sched = Scheduler(runner, max_running_requests=8, max_total_tokens=48)
     sizes: list[int] = []
     sched.start()
     try:
@@ -348,18 +348,18 @@ def test_max_total_tokens_sizes_the_pool_and_admits_only_what_fits(runner: Model
             t.seq.notify = lambda s, inner=inner: (sizes.append(len(sched._batch)), inner(s))
         sched.submit([t.seq for t in tracked])
         assert all(len(t.result().output_ids) == 20 for t in tracked)
-        with pytest.raises(RequestError, match="KV token pool holds 40"):
-            sched.submit([Tracked("big", [1] * 40, max_new_tokens=1).seq])
+        with pytest.raises(RequestError, match="KV token pool holds 48"):
+            sched.submit([Tracked("big", [1] * 48, max_new_tokens=1).seq])
         # Alone and still growing when the pool is full: it ends, saying why (never a
         # silent "length").
         alone = Tracked("alone", PROMPTS[1], max_new_tokens=60, ignore_eos=True)
         sched.submit([alone.seq])
         finish = alone.result().finish
-        assert finish.type == "abort" and "KV token pool (40 tokens) is full" in finish.message
-        assert len(alone.seq.output_ids) == 40 - len(PROMPTS[1]) + 1
+        assert finish.type == "abort" and "KV token pool (48 tokens) is full" in finish.message
+        assert len(alone.seq.output_ids) == 48 - len(PROMPTS[1]) + 1  # every slot of 3 pages
     finally:
         sched.stop()
-    assert max(sizes) == 1  # 2 + 20 = 22 tokens each: a second one would exceed 40
+    assert max(sizes) == 1  # a page of prompt + 2 of reserve each: a second would exceed 48
 
 
 def test_abort_by_the_client_rid_reaches_all_n_copies(scheduler: Scheduler):
@@ -377,8 +377,8 @@ def test_abort_by_the_client_rid_reaches_all_n_copies(scheduler: Scheduler):
 def test_rows_that_outgrow_a_full_pool_are_retracted_and_finish_unchanged(
     runner: ModelRunner, reference
 ):
-    """A pool of 200 tokens never grows (a GPU's): two rows of 19 + 150 tokens are both
-    admitted (19 + DECODE_RESERVE each fits) and then outgrow it. The newest is retracted
+    """A pool of 192 tokens never grows (a GPU's): two rows of 19 + 150 tokens are both
+    admitted (19 + DECODE_RESERVE each fits, in pages) and then outgrow it. The newest is retracted
     to the queue, not cut short, and prefilled again (from its cached pages) once the other
     is done: both end at 150 tokens, greedy outputs equal to each run alone, logprobs equal to a full forward."""
     alone = Scheduler(runner, max_running_requests=8)
@@ -389,7 +389,7 @@ def test_rows_that_outgrow_a_full_pool_are_retracted_and_finish_unchanged(
         )
     finally:
         alone.stop()
-    sched = Scheduler(runner, max_running_requests=8, max_total_tokens=200)
+    sched = Scheduler(runner, max_running_requests=8, max_total_tokens=192)
     sched.start()
     try:
         pair = [

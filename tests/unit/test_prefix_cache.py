@@ -63,18 +63,19 @@ def test_one_eviction_takes_a_whole_path_and_counts_only_the_slots_it_frees(runn
 
 
 def test_a_full_pool_evicts_a_batch_at_a_time_not_a_page_a_step(runner: ModelRunner):
-    """A decode step asks for one slot a row; with the pool full of cached pages, the cache
-    gives up EVICT_BATCH tokens at once, so the next steps find free slots without a walk."""
+    """A decode step asks for a page a row whose last page is full; with the pool full of
+    cached pages, the cache gives up EVICT_BATCH tokens at once, so the next steps find free
+    pages without a walk."""
     batch = _batch(runner, 512)
     pages = 2 * EVICT_BATCH // PAGE
     slots = batch.pool.alloc(pages * PAGE)
     batch.cache.insert([t for p in range(pages) for t in [p] * PAGE], slots)
     batch.pool.drop(slots)  # the cache alone holds them
     batch.pool.alloc(batch.pool.free_tokens)  # running rows hold the rest: nothing free
-    assert batch.make_free(4) and batch.pool.free_tokens == EVICT_BATCH
+    assert batch.make_free(PAGE) and batch.pool.free_tokens == EVICT_BATCH
     assert batch.cache.tokens == pages * PAGE - EVICT_BATCH
-    for _ in range(EVICT_BATCH // 4 - 1):  # a step's 4 slots taken each time: no eviction
-        assert batch.make_free(4) and batch.pool.alloc(4) is not None
+    for _ in range(EVICT_BATCH // PAGE - 1):  # a step's page taken each time: no eviction
+        assert batch.make_free(PAGE) and batch.pool.alloc(PAGE) is not None
         assert batch.cache.tokens == pages * PAGE - EVICT_BATCH
 
 

@@ -8,6 +8,7 @@ short ones, how --max-total-tokens sizes it, and releasing its memory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from millstream.engine.paged_attention import PAD_RATIO
 from millstream.engine.paged_batch import CPU_START_TOKENS, PagedBatch, new_batch
 from millstream.engine.scheduler import RequestError, Scheduler
 from millstream.engine.sequence import Sequence
-from millstream.engine.token_pool import PoolFull, TokenPool
+from millstream.engine.token_pool import PAGE, PoolFull, TokenPool
 from millstream.engine.weights import WeightLoader
 from tests.support.tiny_model import build_tiny_model
 from tests.unit.test_engine_scheduler import PROMPTS, Tracked, full_forward_logprobs
@@ -44,21 +45,59 @@ def test_graph_sizes_and_context_buckets():
     assert context_buckets(2048) == [256, 512, 1024, 2048]
 
 
-def test_slots_are_held_shared_dropped_and_the_pool_grows_to_its_limit(runner: ModelRunner):
-    pool = TokenPool(runner.model.config, 8, runner.dtype, "cpu", limit=20)
+def test_pages_are_held_shared_dropped_and_the_pool_grows_to_its_limit(runner: ModelRunner):
+    pool = TokenPool(runner.model.config, 40, runner.dtype, "cpu", limit=90)
+    assert (pool.capacity, pool.limit) == (32, 80)  # whole pages, as SGLang rounds
     a = pool.alloc(5)
-    assert sorted(a.tolist()) == [1, 2, 3, 4, 5] and pool.free_tokens == 3  # slot 0: null
+    assert a.tolist() == [16, 17, 18, 19, 20]  # page 0 holds the null slot
+    assert pool.free_tokens == 16  # the rest of a's page is no one else's
     pool.hold(a)  # a second row on the same prompt (n = 2)
-    assert pool.drop(a) == 0 and pool.used_tokens == 5  # one holder left
+    assert pool.drop(a) == 0 and pool.used_tokens == 16  # one holder left
     pool.keys[0][a] = 1.0
-    b = pool.alloc(6)  # more than is free: grown to 16, the old keys kept
-    assert pool.capacity == 16 and bool((pool.keys[0][a] == 1.0).all())
+    b = pool.alloc([6, 20])  # 1 + 2 pages, more than is free: grown to 64, old keys kept
+    assert pool.capacity == 64 and bool((pool.keys[0][a] == 1.0).all())
     assert not set(a.tolist()) & set(b.tolist())
-    assert pool.drop(torch.cat([a, b])) == 11 and pool.used_tokens == 0
-    pool.alloc(20)  # grown to the limit
-    with pytest.raises(PoolFull, match="1 tokens asked for, 0 free of 20"):
+    assert b[0] % PAGE == 0 and b[6] % PAGE == 0  # each run starts a page of its own
+    assert b[6:].tolist() == list(range(int(b[6]), int(b[6]) + 20))  # and is one run
+    assert pool.drop(torch.cat([a, b[:6]])) == 32 and pool.used_tokens == 32
+    assert pool.drop(b[6:10]) == 0  # a page goes back only when none of its slots is held
+    assert pool.drop(b[10:]) == 32 and pool.used_tokens == 0
+    pool.alloc(80)  # grown to the limit
+    with pytest.raises(PoolFull, match="16 tokens asked for, 0 free of 80"):
         pool.alloc(1)
     assert pool.available == 0
+
+
+def test_a_row_decodes_into_its_own_pages_and_the_first_copy_into_the_prompts_last(
+    runner: ModelRunner,
+):
+    """Two copies of a 19-token prompt (n = 2) decode 20 tokens each: they share the
+    prompt's two pages; the first copy goes on in the rest of the prompt's last page, the
+    second starts a page of its own; each row's slots run in order within a page, so a
+    decode step gathers runs of a page, not slots scattered over the pool."""
+    batch = _batch(runner, 512)
+    prompt = PROMPTS[0]
+    handles, _ = batch.prefill([prompt], [1])
+    copies = [Tracked(f"c{i}", prompt, max_new_tokens=20).seq for i in range(2)]
+    for seq in copies:
+        seq.output_ids.append(65)
+        batch.add(seq, handles[0])
+    batch.drop(handles)
+    for _ in range(20):
+        batch.decode(runner.model)
+        for seq in copies:
+            seq.output_ids.append(66)
+    first, second = (batch.table_RL[r, : batch.lens[r]].tolist() for r in range(2))
+    assert first[:19] == second[:19]  # the prompt's slots, shared
+    for row in (first, second):
+        assert all(b == a + 1 or b % PAGE == 0 for a, b in itertools.pairwise(row))
+    assert first[19] == first[18] + 1  # into the prompt's last page
+    assert second[19] % PAGE == 0 and not set(second[19:]) & set(first)  # a page of its own
+    # 19 + 20 tokens on 3 pages, the second copy's 20 on 2 more
+    assert batch.pool.used_tokens == 5 * PAGE
+    assert batch.step_tokens == 0  # both rows have room left in their last page
+    batch.clear()
+    assert batch.pool.used_tokens == batch.cache.tokens == 2 * PAGE  # the whole pages cached
 
 
 def _batch(runner: ModelRunner, tokens: int, rows: int = 8) -> PagedBatch:
