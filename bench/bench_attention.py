@@ -100,7 +100,8 @@ def case(lengths: list[int], args: argparse.Namespace) -> list[tuple[str, float,
         for members in groups:
             w = max(lengths[r] for r in members)
             index = torch.tensor(members, device=device)
-            built.append(decode_group(index, slots[index, :w], lengths_t[index], w))
+            ragged = lengths_t[index] if min(lengths[r] for r in members) != w else None
+            built.append(decode_group(index, slots[index, :w], ragged, w))
         out = StepPlan([pool[0]], [pool[1]], slots[torch.arange(n), lengths_t - 1], built)
         out.direct = len(built) == 1
         return out

@@ -109,14 +109,15 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def decode_group(
-    rows: torch.Tensor, slots_RL: torch.Tensor, lengths: torch.Tensor, width: int
+    rows: torch.Tensor, slots_RL: torch.Tensor, lengths: torch.Tensor | None, width: int
 ) -> AttnGroup:
     """A decode group: `rows` (positions in the packed N, one query each), their index
-    tables `slots_RL` [rows, >= width] and context lengths (device tensors)."""
+    tables `slots_RL` [rows, >= width] and context lengths (a device tensor; None: every
+    row is `width` long, no mask)."""
     n = len(rows)
     table = slots_RL[:, :width]
     mask = None
-    if bool((lengths != width).any()):
+    if lengths is not None:
         mask = (torch.arange(width, device=lengths.device) < lengths[:, None])[:, None, None, :]
     return AttnGroup(n, 1, width, rows, table.reshape(-1), mask)
 

@@ -40,6 +40,7 @@ from .config import DEFAULT_MEM_FRACTION
 from .decode_graphs import DecodeGraphs
 from .model_runner import ModelRunner, kv_bytes_per_token, kv_token_budget
 from .paged_attention import (
+    AttnGroup,
     StepPlan,
     decode_group,
     length_groups,
@@ -148,6 +149,7 @@ class PagedBatch:
             (max_rows, context_length), NULL_SLOT, dtype=torch.int32, device=self.device
         )
         self.last_plan: StepPlan | None = None  # for tests and stats: what the step read
+        self._rows_B = torch.arange(max_rows, device=self.device)
         self.graphs = (
             DecodeGraphs(
                 model, pool, max_bs=min(cuda_graph_max_bs, max_rows), context=context_length
@@ -338,41 +340,60 @@ class PagedBatch:
     def decode(self, model: Any) -> torch.Tensor:
         """One decode step over every row (a free slot each: the scheduler made room for
         `step_tokens`, with `make_free`); returns next-token logits_BV."""
-        n = len(self.seqs)
+        n, lens = len(self.seqs), self.lens
         full = [r for r in range(n) if self._next[r] == self._end[r]]
         if full:
             for r, first in zip(full, self.pool.take_pages(len(full)).tolist(), strict=True):
                 self._next[r], self._end[r] = first, first + PAGE
-        new = torch.tensor(self._next)
-        self.pool.claim(new)
+        # The step's small vectors in one host tensor (each torch.tensor call costs ~10 us):
+        # new slots, their cells of the flattened table, last tokens, positions.
+        context = self.table_RL.shape[1]
+        step_4B = torch.tensor(
+            [
+                self._next,
+                [r * context + p for r, p in enumerate(lens)],
+                [s.output_ids[-1] for s in self.seqs],
+                lens,
+            ]
+        )
+        self.pool.claim(step_4B[0])
         self._next = [s + 1 for s in self._next]
-        new_B = new.to(self.device, non_blocking=True)
-        positions = list(self.lens)
-        rows_B = torch.arange(n, device=self.device)
-        self.table_RL[rows_B, torch.tensor(positions, device=self.device)] = new_B.int()
-        self.lens = [p + 1 for p in positions]
-        ids = [s.output_ids[-1] for s in self.seqs]
+        self.lens = [p + 1 for p in lens]
+        on_device = step_4B.to(self.device, non_blocking=True)
+        new_B = on_device[0]
+        self.table_RL.view(-1)[on_device[1]] = new_B.int()
         size = self.graphs.size_for(n, max(self.lens)) if self.graphs is not None else None
         if size is not None:
             assert self.graphs is not None
-            logits_BV = self.graphs.step(size, n, ids, positions, new_B, self.table_RL, self.lens)
+            ids = step_4B[2].tolist()
+            logits_BV = self.graphs.step(size, n, ids, lens, new_B, self.table_RL, self.lens)
             return logits_BV[:n]
-        lengths_B = torch.tensor(self.lens, device=self.device)
-        groups = []
-        for members in length_groups(self.lens):
-            width = max(self.lens[r] for r in members)
-            index = torch.tensor(members, device=self.device)
-            groups.append(
-                decode_group(index, self.table_RL[index, :width], lengths_B[index], width)
-            )
-        plan = StepPlan(self.pool.keys, self.pool.values, new_B, groups)
-        plan.direct = len(groups) == 1
+        plan = StepPlan(self.pool.keys, self.pool.values, new_B, self._decode_groups())
+        plan.direct = len(plan.groups) == 1
         self.last_plan = plan
         with planned(plan) as mask:
             out = model(
-                input_ids=torch.tensor([ids], device=self.device),
-                position_ids=torch.tensor([positions], device=self.device),
+                input_ids=on_device[2][None],
+                position_ids=on_device[3][None],
                 attention_mask=mask,
                 use_cache=False,
             )
         return out.logits[0]
+
+    def _decode_groups(self) -> list[AttnGroup]:
+        """The step's decode groups by length; one group of every row (the common case)
+        slices the table, with no index tensor and, when the rows are as long, no mask."""
+        n, lens = len(self.lens), self.lens
+        members = length_groups(lens) if n > 1 else [[0]]
+        if len(members) == 1:
+            width = max(lens)
+            lengths_B = None if min(lens) == width else torch.tensor(lens, device=self.device)
+            return [decode_group(self._rows_B[:n], self.table_RL[:n, :width], lengths_B, width)]
+        lengths_B = torch.tensor(lens, device=self.device)
+        groups = []
+        for rows in members:
+            width = max(lens[r] for r in rows)
+            index = torch.tensor(rows, device=self.device)
+            ragged = lengths_B[index] if min(lens[r] for r in rows) != width else None
+            groups.append(decode_group(index, self.table_RL[index, :width], ragged, width))
+        return groups
