@@ -38,6 +38,7 @@ import torch
 
 from .config import DEFAULT_MEM_FRACTION
 from .decode_graphs import DecodeGraphs
+from .host import host_tensor
 from .model_runner import ModelRunner, kv_bytes_per_token, kv_token_budget
 from .paged_attention import (
     AttnGroup,
@@ -345,10 +346,10 @@ class PagedBatch:
         if full:
             for r, first in zip(full, self.pool.take_pages(len(full)).tolist(), strict=True):
                 self._next[r], self._end[r] = first, first + PAGE
-        # The step's small vectors in one host tensor (each torch.tensor call costs ~10 us):
+        # The step's small vectors in one host tensor (host.py):
         # new slots, their cells of the flattened table, last tokens, positions.
         context = self.table_RL.shape[1]
-        step_4B = torch.tensor(
+        step_4B = host_tensor(
             [
                 self._next,
                 [r * context + p for r, p in enumerate(lens)],
@@ -387,13 +388,13 @@ class PagedBatch:
         members = length_groups(lens) if n > 1 else [[0]]
         if len(members) == 1:
             width = max(lens)
-            lengths_B = None if min(lens) == width else torch.tensor(lens, device=self.device)
+            lengths_B = None if min(lens) == width else host_tensor(lens, device=self.device)
             return [decode_group(self._rows_B[:n], self.table_RL[:n, :width], lengths_B, width)]
-        lengths_B = torch.tensor(lens, device=self.device)
+        lengths_B = host_tensor(lens, device=self.device)
         groups = []
         for rows in members:
             width = max(lens[r] for r in rows)
-            index = torch.tensor(rows, device=self.device)
+            index = host_tensor(rows, device=self.device)
             ragged = lengths_B[index] if min(lens[r] for r in rows) != width else None
             groups.append(decode_group(index, self.table_RL[index, :width], ragged, width))
         return groups

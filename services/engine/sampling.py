@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host import host_tensor
+
 GREEDY_TEMPERATURE = 1e-6
 
 
@@ -76,7 +78,7 @@ def _inverse_cdf(probs_BV: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     a column with zero probability is never picked (rounding at the top falls back to the
     row's most likely column)."""
     cdf_BV = probs_BV.cumsum(dim=-1)
-    u_B = torch.tensor(uniforms, dtype=cdf_BV.dtype, device=cdf_BV.device)
+    u_B = host_tensor(uniforms, cdf_BV.dtype, cdf_BV.device)
     u_B1 = u_B[:, None] * cdf_BV[:, -1:]
     pick_B = torch.searchsorted(cdf_BV, u_B1, right=True)[:, 0].clamp_(max=probs_BV.shape[1] - 1)
     picked_B = probs_BV.gather(-1, pick_B[:, None])[:, 0]
@@ -91,7 +93,9 @@ def sample_next(
     """Sample one token per row; returns (token ids, their logprobs as defined above)."""
     logits_BV = logits_BV.float()
     device = logits_BV.device
-    temps_B = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    temps_B = host_tensor(
+        [1.0 if p.greedy else p.temperature for p in params], torch.float32, device
+    )
     logp_BV = torch.log_softmax(logits_BV / temps_B[:, None], dim=-1)
     token_B = logits_BV.argmax(dim=-1)
 
@@ -99,10 +103,10 @@ def sample_next(
     plain = [b for b in sampled if not params[b].truncates]
     truncated = [b for b in sampled if params[b].truncates]
     if plain:
-        rows_R = torch.tensor(plain, device=device)
+        rows_R = host_tensor(plain, device=device)
         token_B[rows_R] = _inverse_cdf(logp_BV[rows_R].exp(), [rngs[b].random() for b in plain])
     if truncated:
-        rows_R = torch.tensor(truncated, device=device)
+        rows_R = host_tensor(truncated, device=device)
         kept_RV, order_RV = _filter_probs(logp_BV[rows_R].exp(), [params[b] for b in truncated])
         choice_R = _inverse_cdf(kept_RV, [rngs[b].random() for b in truncated])
         token_B[rows_R] = order_RV.gather(-1, choice_R[:, None])[:, 0]
