@@ -7,11 +7,12 @@ Builds a random Qwen2 model (hidden 256, 4 layers, 8k context, the tests' byte-l
 tokenizer) in a temp dir, measures HF `model.generate()` one request at a time (greedy,
 exactly --new-tokens tokens each), then starts `millstream engine` on the same directory and
 sends the same kind of request over HTTP from 1, 16 and 64 concurrent clients (ignore_eos,
-greedy). With --baseline REF, the engine of commit REF (a git worktree, same venv) runs the
-same rows first; --rounds N runs each engine N times in turn (the order swapped every other
-round) and keeps each row's best. Prints output tokens/s and the ratios to the naive baseline
-and to REF.
-Everything runs on this machine one after the other, so the ratios are what to read.
+greedy). With --baseline REF, the engine of commit REF (a git worktree, same venv) runs
+beside it: both stay up, and each of --rounds N rounds runs every row on one engine and then
+the other (the order swapped every other round). Prints each row's best round (output
+tokens/s, and its ratio to the naive baseline) and the median over rounds of the ratio of the
+two engines in the same round: this machine's speed drifts by 10-20% from minute to minute,
+and a ratio taken within one round, the median over rounds, is what that drift spares.
 
 Long-context row: one 4096-token prompt beside 63 short ones, all at once (64 clients):
 before the token pool (issue 43), a GPU engine's static cache gave each of 64 slots an
@@ -187,30 +188,49 @@ async def long_beside_short(url: str, long_tokens: int, short: int, new_tokens: 
     return sum(r.json()["meta_info"]["completion_tokens"] for r in responses), seconds, None
 
 
-def engine_rows(engine, args) -> tuple[list[tuple], float]:
-    rows = []
+LONG = ", 4k + 63 short"
+
+
+def engine_rows(engine, args, long: bool) -> dict[str, tuple]:
+    """One round on `engine`: row name -> (concurrency, requests, tokens, seconds); the
+    burst's row holds its median seconds for 128 rows. The long row only when `long`."""
+    rows = {}
     for concurrency in args.concurrency:
         count = max(8, 2 * concurrency)
         batch = prompts(count, args.prompt_tokens, seed=concurrency)
         n_tokens, seconds = asyncio.run(engine_run(engine.url, batch, args.new_tokens, concurrency))
-        rows.append(("", concurrency, count, n_tokens, seconds))
-    n_tokens, seconds, error = asyncio.run(
-        long_beside_short(engine.url, args.long_prompt, 63, args.long_new_tokens)
-    )
-    assert error is None, error
-    rows.append((", 4k + 63 short", 64, 64, n_tokens, seconds))
+        rows[f"c{concurrency}"] = (concurrency, count, n_tokens, seconds)
+    if long:
+        n_tokens, seconds, error = asyncio.run(
+            long_beside_short(engine.url, args.long_prompt, 63, args.long_new_tokens)
+        )
+        assert error is None, error
+        rows[LONG] = (64, 64, n_tokens, seconds)
     burst_s = asyncio.run(
         engine_burst(engine.url, prompts(16, 8, seed=99), 8, args.burst_new_tokens)
     )
-    return rows, burst_s
+    rows["burst"] = (16, 16, 128, burst_s)
+    return rows
 
 
-def best(kept: tuple | None, new: tuple) -> tuple:
-    """Per row, the round with the most tokens/s (the burst: the fewest seconds)."""
-    if kept is None:
-        return new
-    rows = [a if a[3] / a[4] >= b[3] / b[4] else b for a, b in zip(kept[0], new[0], strict=True)]
-    return rows, min(kept[1], new[1])
+def rate(row: tuple) -> float:
+    """Tokens (the burst: rows) a second of a row (concurrency, requests, tokens, seconds)."""
+    return row[2] / row[3]
+
+
+def summary(rounds: list[dict[str, tuple]], base: list[dict[str, tuple]] | None) -> dict:
+    """Per row: the best round (most tokens/s) and, beside a baseline, the median over
+    rounds of this engine's rate over the baseline's in the same round (paired)."""
+    out = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds if name in r]
+        top = max(runs, key=rate)
+        ratio = None
+        if base is not None:
+            pairs = [(r[name], b[name]) for r, b in zip(rounds, base, strict=True) if name in r]
+            ratio = statistics.median(rate(a) / rate(b) for a, b in pairs)
+        out[name] = (*top, ratio, len(runs))
+    return out
 
 
 def main() -> int:
@@ -227,7 +247,7 @@ def main() -> int:
     parser.add_argument("--burst-new-tokens", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--rounds", type=int, default=1, help="engine runs each, in turn; best kept"
+        "--rounds", type=int, default=1, help="rounds of every row on each engine, in turn"
     )
     args = parser.parse_args()
 
@@ -259,18 +279,30 @@ def main() -> int:
             tree = baseline_tree(args.baseline, tmp)
             engines.append((f"engine at {args.baseline}", {"PYTHONPATH": str(tree)}))
         engines.append(("engine, this tree", {}))
-        results: dict[str, tuple[list[tuple], float]] = {}
+        rounds: dict[str, list[dict[str, tuple]]] = {label: [] for label, _ in engines}
         static_answer = None
         try:
-            # Engines in turn, so that a slow minute hits both alike, and in the other order
-            # every other round, so that neither always runs second.
-            for r in range(args.rounds):
-                for label, env in engines if r % 2 == 0 else engines[::-1]:
-                    engine = EngineProcess(model_dir, tmp, *flags, env=env)
-                    try:
-                        results[label] = best(results.get(label), engine_rows(engine, args))
-                    finally:
-                        engine.stop()
+            # Both engines stay up side by side (an idle one waits on its queue); each round
+            # runs every row on one then the other, in the other order every other round,
+            # so that a slow minute of this machine hits both alike and neither always runs
+            # second. The long row runs in the first round only (minutes on an old engine).
+            running = {}
+            try:
+                for label, env in engines:
+                    running[label] = EngineProcess(model_dir, tmp, *flags, env=env)
+                for r in range(args.rounds):
+                    for label, _ in engines if r % 2 == 0 else engines[::-1]:
+                        rounds[label].append(engine_rows(running[label], args, long=r == 0))
+                    if args.baseline:  # progress: this round's ratios
+                        mine, theirs = rounds[engines[-1][0]][-1], rounds[engines[0][0]][-1]
+                        ratios = "  ".join(
+                            f"{name.strip(', ')} {rate(mine[name]) / rate(theirs[name]):.2f}x"
+                            for name in mine
+                        )
+                        print(f"round {r + 1}/{args.rounds}: {ratios}", file=sys.stderr)
+            finally:
+                for engine in running.values():
+                    engine.stop()
             if tree is not None:  # the GPU's default cache then, on this CPU
                 static = [*flags[:1], "64", *flags[2:], "--kv-cache", "static",
                           "--max-total-tokens", str(64 * 1024)]  # fmt: skip
@@ -293,31 +325,39 @@ def main() -> int:
             if tree is not None:
                 remove_tree(tree)
 
-    base_label = engines[0][0] if args.baseline else None
+    base = rounds[engines[0][0]] if args.baseline else None
+    table = {label: summary(runs, base) for label, runs in rounds.items()}
+    versus = f"x {args.baseline} (median)" if args.baseline else ""
     header = (f"{'system':<34} {'conc':>5} {'reqs':>5} {'tokens':>7} {'secs':>7} {'tok/s':>8} "
-              f"{'x HF':>6} {'x ' + (args.baseline or '-'):>10}")  # fmt: skip
+              f"{'x HF':>6} {versus:>20}")  # fmt: skip
+    print(
+        f"best of {args.rounds} round(s) per row; beside --baseline, the median over rounds "
+        "of the two engines' ratio in the same round"
+    )
     print(header)
     print("-" * len(header))
     print(f"{'HF generate(), one at a time':<34} {1:>5} {len(naive):>5} {n_tokens:>7} "
           f"{seconds:>7.2f} {naive_rate:>8.1f} {1:>5.2f}x")  # fmt: skip
-    for label, (rows, _) in results.items():
-        for i, (suffix, conc, reqs, tokens, secs) in enumerate(rows):
-            rate = tokens / secs
-            versus = ""
-            if base_label:
-                base_rows = results[base_label][0]
-                versus = f"{rate / (base_rows[i][3] / base_rows[i][4]):>9.2f}x"
+    for label, rows in table.items():
+        for name, (conc, reqs, tokens, secs, ratio, runs) in rows.items():
+            if name == "burst":
+                continue
+            per_s = tokens / secs
+            paired = "" if ratio is None else f"{ratio:.2f}x ({runs} rounds)"
+            suffix = LONG if name == LONG else ""
             print(f"{label + suffix:<34} {conc:>5} {reqs:>5} {tokens:>7} "
-                  f"{secs:>7.2f} {rate:>8.1f} {rate / naive_rate:>5.2f}x {versus}")  # fmt: skip
+                  f"{secs:>7.2f} {per_s:>8.1f} {per_s / naive_rate:>5.2f}x {paired:>20}")  # fmt: skip
     if static_answer is not None:
         print(f"engine at {args.baseline} with --kv-cache static (64 x 1024): {static_answer}")
     print(f"\nburst: 16 requests x n=8 = 128 rows, {args.burst_new_tokens} new tokens")
-    print(f"{'system':<44} {'median s':>9} {'rows/s':>8} {'x HF':>6}")
+    print(f"{'system':<44} {'median s':>9} {'rows/s':>8} {'x HF':>6} {versus:>20}")
     print(f"{'HF generate(), 128 rows in one batch':<44} {hf_burst_s:>9.4f} "
           f"{128 / hf_burst_s:>8.0f} {1:>5.2f}x")  # fmt: skip
-    for label, (_, burst_s) in results.items():
+    for label, rows in table.items():
+        _, _, _, burst_s, ratio, runs = rows["burst"]
+        paired = "" if ratio is None else f"{ratio:.2f}x ({runs} rounds)"
         print(f"{label + ', 16 x n=8':<44} {burst_s:>9.4f} {128 / burst_s:>8.0f} "
-              f"{hf_burst_s / burst_s:>5.2f}x")  # fmt: skip
+              f"{hf_burst_s / burst_s:>5.2f}x {paired:>20}")  # fmt: skip
     return 0
 
 
