@@ -13,9 +13,8 @@ others hold.
 Why pages. A decode step gathers each row's keys by slot (paged_attention.py). Handed out a
 slot at a time from a free list that requests keep churning, a row's keys end up scattered
 over the pool; on pages, the gather reads runs of 16 (bench/bench_attention.py, "a slot at a
-time": level for 64 rows of 100 tokens, whose keys fit the CPU's caches, 1.45x faster for
-a 4096-token row beside 63 short ones). A page costs up to PAGE-1 slots of a request's last
-page, as in SGLang.
+time": 1.0-1.3x for 64 rows of 100 tokens, 1.2-1.45x for a 4096-token row beside 63 short
+ones, on the CPU). A page costs up to PAGE-1 slots of a request's last page, as in SGLang.
 
 Allocation (host side, between steps, on the scheduler thread). `free_pages` is a stack of
 free page ids. `alloc(sizes)` gives each run its own fresh pages and returns its first
