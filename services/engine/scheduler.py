@@ -247,8 +247,11 @@ class Scheduler:
         return self.call(self._batch.flush_cache)
 
     def info(self) -> dict[str, Any]:
+        """Read from the server's threads while the scheduler steps: a row that finished
+        this step (its caller already answered) leaves the batch only after the step, so
+        it is not counted as running."""
         return {
-            "num_running_reqs": len(self._batch),
+            "num_running_reqs": sum(not s.done for s in self._batch.seqs),
             "num_waiting_reqs": len(self._waiting),
             "paused": self.paused,
             "memory_released": sorted(self.released),

@@ -262,6 +262,21 @@ def test_abort_one_request_returns_its_partial_output(scheduler: Scheduler):
     assert other.result().finish.type != "abort"
 
 
+def test_a_row_is_no_longer_running_once_its_caller_is_answered(scheduler: Scheduler):
+    """The caller hears of the finish inside the step, before the row leaves the batch;
+    /get_server_info read at that moment must already count it out (a CI race)."""
+    row = Tracked("row", PROMPTS[0], max_new_tokens=4, ignore_eos=True)
+    seen: list[int] = []
+    inner = row.seq.notify
+    row.seq.notify = lambda s: (
+        seen.append(scheduler.info()["num_running_reqs"]) if s.done else None,
+        inner(s),
+    )
+    scheduler.submit([row.seq])
+    assert len(row.result().output_ids) == 4
+    assert seen == [0]
+
+
 def test_pause_abort_then_queued_requests_wait_for_continue(scheduler: Scheduler):
     running = Tracked("run", PROMPTS[0], max_new_tokens=500, ignore_eos=True)
     scheduler.submit([running.seq])
