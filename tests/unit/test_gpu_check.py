@@ -144,7 +144,13 @@ def test_a_stage_out_of_time_is_stopped_and_its_peak_sampled(tmp_path):
     start = time.monotonic()
     # -S: no site packages to import, so the child is surely running Python's own SIGINT
     # handler when the signal comes, even on a loaded machine (a 2 s start-up once was not).
-    child = [sys.executable, "-S", "-c", "import time; print('working'); time.sleep(60)"]
+    # The child sets that handler itself: a test run started in the background by a shell
+    # without job control inherits SIGINT ignored, and so would the child.
+    code = (
+        "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "print('working'); time.sleep(60)"
+    )
+    child = [sys.executable, "-S", "-c", code]
     stage = gpu_check.run_stage("slow", child, 3.0, tmp_path, "cpu")
     assert stage["timed_out"] and stage["rc"] != 0
     assert time.monotonic() - start < 30
