@@ -20,6 +20,11 @@ resume) every batch size is captured for the first bucket, where short rollouts 
 They hold the weights' and the pool's addresses: a weight update copies in place (they stay
 valid); releasing memory drops them, and they are captured again once the engine can step.
 Every capture logs its time.
+
+On a CPU (the engine turns graphs on only on CUDA; tests build them on the CPU) a "graph"
+is `_EagerReplay`: each replay runs the same forward over the same static buffers into the
+same logits tensor. So all of the above but the capture itself (bucketing, spare rows, the
+static inputs, dropping and capturing again) runs, and is tested, where no GPU is.
 """
 
 from __future__ import annotations
@@ -92,6 +97,18 @@ def _forward(model: Any, pool: TokenPool, x: _Inputs) -> torch.Tensor:
     return out.logits[0]
 
 
+class _EagerReplay:
+    """A CPU stand-in for a captured graph: `replay` computes the step again from the static
+    inputs into the output it first returned, as a graph's replay does."""
+
+    def __init__(self, model: Any, pool: TokenPool, x: _Inputs):
+        self._run = lambda: _forward(model, pool, x)
+        self.logits_BV = self._run()
+
+    def replay(self) -> None:
+        self.logits_BV.copy_(self._run())
+
+
 class DecodeGraphs:
     def __init__(self, model: Any, pool: TokenPool, *, max_bs: int, context: int):
         self.model, self.pool = model, pool
@@ -119,7 +136,8 @@ class DecodeGraphs:
                 key = (rows, self.buckets[0])
                 if key not in self._graphs:
                     self._graphs[key] = self._capture(*key)
-        torch.cuda.synchronize(self.pool.device)
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
         log.info(
             # Not "captured the decode step ...": bench_gpu.py counts those lines, one a graph.
             "CUDA graphs of the decode step for batch sizes %s (keys up to %d) ready in %.2f s",
@@ -162,6 +180,9 @@ class DecodeGraphs:
         start = time.perf_counter()
         device = self.pool.device
         x = _Inputs(rows, width, device)  # every row a spare: writes the null slot only
+        if device.type != "cuda":
+            eager = _EagerReplay(self.model, self.pool, x)
+            return eager, x, eager.logits_BV
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm-up off the capture (cuBLAS workspaces)

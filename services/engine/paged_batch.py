@@ -155,7 +155,7 @@ class PagedBatch:
             DecodeGraphs(
                 model, pool, max_bs=min(cuda_graph_max_bs, max_rows), context=context_length
             )
-            if cuda_graph_max_bs and self.device.type == "cuda"
+            if cuda_graph_max_bs
             else None
         )
 

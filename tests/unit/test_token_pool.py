@@ -377,9 +377,21 @@ def test_cuda_graph_decoding_equals_eager_decoding_on_the_gpu(tiny_model_dir: Pa
     rows leaving as they finish, a 300-token row (the 512 bucket), and across a
     release/resume in the middle of a batch: the weights are discarded, written back by a
     real update, and the graphs are captured again at the new addresses."""
+    _graphs_decode_as_eager(tiny_model_dir, "cuda")
 
+
+def test_the_graph_path_decodes_as_eager_on_the_cpu(tiny_model_dir: Path):
+    """The test above on the CPU, where a "graph" replays the same forward over the same
+    static inputs (decode_graphs._EagerReplay): everything of the graph path but the
+    capture (batch size and key buckets, spare rows writing the null slot, the static
+    inputs each replay fills, dropped and captured again over a release/resume) must give
+    the eager step's tokens and logprobs."""
+    _graphs_decode_as_eager(tiny_model_dir, "cpu")
+
+
+def _graphs_decode_as_eager(tiny_model_dir: Path, device: str) -> None:
     def generate(graphs: int | None) -> tuple[list[Sequence], list[tuple[int, int]]]:
-        gpu = ModelRunner(str(tiny_model_dir), dtype="float32", device="cuda")
+        gpu = ModelRunner(str(tiny_model_dir), dtype="float32", device=device)
         weights, loader = weights_of(gpu), WeightLoader(gpu.model)
         pool = TokenPool(gpu.model.config, 4096, gpu.dtype, gpu.device)
         batch = PagedBatch(
