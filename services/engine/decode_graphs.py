@@ -154,22 +154,24 @@ class DecodeGraphs:
         self,
         key: tuple[int, int],
         n: int,
-        ids: list[int],
-        positions: list[int],
-        new_slots: torch.Tensor,
+        ids_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        new_slots_B: torch.Tensor,
         table_RL: torch.Tensor,
-        lengths: list[int],
     ) -> torch.Tensor:
-        """Replay graph `key` for n live rows (capturing it first); returns its logits."""
+        """Replay graph `key` for n live rows (capturing it first): their last tokens, the
+        positions of those tokens and their new slots, on the device; returns its logits."""
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, x, logits_BV = self._graphs[key]
-        rows, width = key
-        spare = rows - n
-        x.input_ids_1B.copy_(torch.tensor([ids + [0] * spare]), non_blocking=True)
-        x.position_ids_1B.copy_(torch.tensor([positions + [0] * spare]), non_blocking=True)
-        x.lengths_B.copy_(torch.tensor(lengths + [1] * spare), non_blocking=True)
-        x.write_slots_B[:n].copy_(new_slots)
+        width = key[1]
+        x.input_ids_1B[0, :n].copy_(ids_B)
+        x.input_ids_1B[0, n:].zero_()
+        x.position_ids_1B[0, :n].copy_(positions_B)
+        x.position_ids_1B[0, n:].zero_()
+        torch.add(positions_B, 1, out=x.lengths_B[:n])  # each context with its new token
+        x.lengths_B[n:].fill_(1)
+        x.write_slots_B[:n].copy_(new_slots_B)
         x.write_slots_B[n:].fill_(NULL_SLOT)
         x.slots_BL[:n].copy_(table_RL[:n, :width])
         x.slots_BL[n:].fill_(NULL_SLOT)

@@ -366,8 +366,8 @@ class PagedBatch:
         size = self.graphs.size_for(n, max(self.lens)) if self.graphs is not None else None
         if size is not None:
             assert self.graphs is not None
-            ids = step_4B[2].tolist()
-            logits_BV = self.graphs.step(size, n, ids, lens, new_B, self.table_RL, self.lens)
+            ids_B, positions_B = on_device[2], on_device[3]
+            logits_BV = self.graphs.step(size, n, ids_B, positions_B, new_B, self.table_RL)
             return logits_BV[:n]
         plan = StepPlan(self.pool.keys, self.pool.values, new_B, self._decode_groups())
         plan.direct = len(plan.groups) == 1

@@ -391,11 +391,11 @@ def test_the_graph_path_decodes_as_eager_on_the_cpu(tiny_model_dir: Path):
 
 def _graphs_decode_as_eager(tiny_model_dir: Path, device: str) -> None:
     def generate(graphs: int | None) -> tuple[list[Sequence], list[tuple[int, int]]]:
-        gpu = ModelRunner(str(tiny_model_dir), dtype="float32", device=device)
-        weights, loader = weights_of(gpu), WeightLoader(gpu.model)
-        pool = TokenPool(gpu.model.config, 4096, gpu.dtype, gpu.device)
+        runner = ModelRunner(str(tiny_model_dir), dtype="float32", device=device)
+        weights, loader = weights_of(runner), WeightLoader(runner.model)
+        pool = TokenPool(runner.model.config, 4096, runner.dtype, runner.device)
         batch = PagedBatch(
-            gpu.model, pool, max_rows=8, context_length=1024, cuda_graph_max_bs=graphs
+            runner.model, pool, max_rows=8, context_length=1024, cuda_graph_max_bs=graphs
         )
         replayed: list[tuple[int, int]] = []
         if batch.graphs is not None:
@@ -407,7 +407,7 @@ def _graphs_decode_as_eager(tiny_model_dir: Path, device: str) -> None:
                 return replay(key, *args)
 
             batch.graphs.step = step  # type: ignore[method-assign]
-        sched = Scheduler(gpu, max_running_requests=8, batch=batch, context_length=1024)
+        sched = Scheduler(runner, max_running_requests=8, batch=batch, context_length=1024)
         sched.start()
         done: list[Sequence] = []
         try:
@@ -431,7 +431,7 @@ def _graphs_decode_as_eager(tiny_model_dir: Path, device: str) -> None:
             sched.submit([t.seq for t in tracked])
             tracked[0].wait_tokens(5)
             freed = sched.release_memory(None).result(10)
-            assert freed["weights"] == gpu.weight_bytes and freed["kv_cache"] > 0
+            assert freed["weights"] == runner.weight_bytes and freed["kv_cache"] > 0
             sched.resume_memory(None).result(10)
             assert batch.graphs is None or not batch.graphs.captured  # weights not valid yet
             send_back(sched, loader, weights)
