@@ -37,6 +37,7 @@ The forward (`Fp8Linear.gemm`, set from --fp8-gemm by `set_gemm`):
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ from .fp8_gemm import BLOCK as BLOCK
 from .fp8_gemm import FP8_DTYPE as FP8_DTYPE
 from .fp8_gemm import FP8_MAX as FP8_MAX
 from .fp8_gemm import quantize_activations as quantize_activations
+
+log = logging.getLogger(__name__)
 
 SCALE_SUFFIX = "_scale_inv"  # "<module>.weight" + this
 GEMMS = ("auto", "scaled_mm", "dequant")  # --fp8-gemm (engine/config.py repeats it, torch-free)
@@ -329,19 +332,42 @@ def set_gemm(
 
 
 @torch.inference_mode()
-def probe_scaled_mm(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def probe_scaled_mm(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+) -> dict[str, int]:
     """The first layer of each W8A8 forward in use (the one call, the loop) against the same
-    arithmetic in plain fp32 matmuls, once at start-up: a GPU that computes it otherwise stops
-    the engine here, naming it, rather than serving wrong log-probs (--fp8-gemm dequant is the
-    way round)."""
-    layers = fp8_layers(model).values()
+    arithmetic in plain fp32 matmuls, once at start-up. A forward that this torch refuses (its
+    `fp8_gemm.REFUSALS`: another version's signature or recipe names, a kernel it lacks) falls
+    back, with a warning naming the error: the one call to the loop, the loop to dequant. A
+    GPU that computes it otherwise stops the engine here, naming it, rather than serving wrong
+    log-probs (--fp8-gemm dequant is the way round). Returns the count of each forward."""
+    layers = list(fp8_layers(model).values())
+    fallback = {"scaled_mm": "scaled_mm_per_block", "scaled_mm_per_block": "dequant"}
     for gemm in ("scaled_mm", "scaled_mm_per_block"):
-        layer = next((m for m in layers if m.gemm == gemm), None)
-        if layer is not None:
-            _probe(layer, device, dtype)
+        using = [m for m in layers if m.gemm == gemm]
+        if using and (refusal := _probe(using[0], device, dtype)) is not None:
+            log.warning(
+                "FP8: %s refused on %s (%s); its %d Linears compute by %s",
+                _HOW[gemm],
+                device,
+                refusal,
+                len(using),
+                fallback[gemm],
+            )
+            for layer in using:
+                layer.gemm = fallback[gemm]
+    counts = dict.fromkeys(fp8_gemm.LAYER_GEMMS, 0)
+    for layer in layers:
+        counts[layer.gemm] += 1
+    return counts
 
 
-def _probe(layer: Fp8Linear, device: torch.device, dtype: torch.dtype) -> None:
+_HOW = {"scaled_mm": "one block-scaled scaled_mm", "scaled_mm_per_block": "_scaled_mm per block"}
+
+
+def _probe(layer: Fp8Linear, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when `layer`'s forward computes the W8A8 arithmetic; the refusal, as text, when
+    torch refused to run it. A forward that runs and computes otherwise is an error."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(5, layer.in_features, generator=gen).to(device, dtype)
     x_q, scale_MG = quantize_activations(x, layer.block[1])
@@ -349,17 +375,14 @@ def _probe(layer: Fp8Linear, device: torch.device, dtype: torch.dtype) -> None:
     x_deq = (x_q.float().view(5, -1, layer.block[1]) * scale_MG[:, :, None]).view(5, -1)[:, :k]
     w = dequantize(layer.weight, layer.weight_scale_inv, layer.block)
     want = x_deq @ w.t() + (0 if layer.bias is None else layer.bias.float())
-    how = {"scaled_mm": "one block-scaled scaled_mm", "scaled_mm_per_block": "_scaled_mm per block"}
     try:
         got = layer(x).float()
-    except (RuntimeError, ValueError) as err:  # torch's checks raise either
-        raise MillstreamError(
-            f"--fp8-gemm scaled_mm ({how[layer.gemm]}): failed on {device} ({err}); "
-            "run with --fp8-gemm dequant"
-        ) from err
+    except fp8_gemm.REFUSALS as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     error = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
     if not error < 2e-2:  # bf16 output rounding is up to 2^-8; NaN fails too
         raise MillstreamError(
-            f"--fp8-gemm scaled_mm ({how[layer.gemm]}): on {device} it is {error:.3g} "
+            f"--fp8-gemm scaled_mm ({_HOW[layer.gemm]}): on {device} it is {error:.3g} "
             "(relative) off the same arithmetic in fp32; run with --fp8-gemm dequant"
         )
+    return None

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,12 @@ BLOCK = (128, 128)  # the one weight_block_size served
 LAYER_GEMMS = ("scaled_mm", "scaled_mm_per_block", "dequant")
 BLOCKWISE_MAJOR = 9  # torch: "DeepSeek style (1x128, 128x128) scaling only supported ... for SM90"
 _blockwise_on: dict[str, bool] = {}  # CUDA device -> whether the one call ran there
+# What a torch other than 2.13 raises at a scaled-GEMM call whose shape it does not know: no
+# `F.scaled_mm` or recipe of that name (AttributeError; torch before 2.10 spelled the recipes
+# `Blockwise_1x128`), another signature (TypeError), a kernel it was not built with
+# (NotImplementedError, itself a RuntimeError), its checks (RuntimeError, ValueError). Each
+# means "not this way here": the engine falls back to the next forward, never stops on it.
+REFUSALS = (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError)
 
 
 def quantize_activations(x_MK: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +96,19 @@ def blockwise_operands(
     return x_q, scale_a, q_NK.t(), scale_NL.t()  # scale_b: [L4, N/128], strides (1, L4)
 
 
+def blockwise_recipes() -> tuple[Any, Any]:
+    """torch's (1x128, 128x128) block recipes, by either spelling (2.13: `BlockWise1x128`;
+    the first `F.scaled_mm`: `Blockwise_1x128`); AttributeError where torch has neither."""
+    kinds = F.ScalingType
+    for a, b in (("BlockWise1x128", "BlockWise128x128"), ("Blockwise_1x128", "Blockwise_128x128")):
+        if hasattr(kinds, a) and hasattr(kinds, b):
+            return getattr(kinds, a), getattr(kinds, b)
+    raise AttributeError(
+        f"torch {torch.__version__}: torch.nn.functional.ScalingType has no 1x128 and 128x128 "
+        f"block recipes ({', '.join(kinds.__members__)})"
+    )
+
+
 def scaled_mm_linear(
     x: torch.Tensor,
     q_NK: torch.Tensor,
@@ -102,13 +122,14 @@ def scaled_mm_linear(
     n, k = q_NK.shape
     x_MK = x.reshape(-1, k)
     mat_a, scale_a, mat_b, scale_b = blockwise_operands(x_MK, q_NK, scale_inv, block)
+    recipe_a, recipe_b = blockwise_recipes()
     out_MN = F.scaled_mm(
         mat_a,
         mat_b,
         scale_a,
-        F.ScalingType.BlockWise1x128,
+        recipe_a,
         scale_b,
-        F.ScalingType.BlockWise128x128,
+        recipe_b,
         output_dtype=x.dtype if bias is None else torch.float32,
     )[: x_MK.shape[0]]
     if bias is not None:
@@ -170,9 +191,12 @@ def _blockwise_runs(device: torch.device) -> bool:
             x = torch.ones(1, 128, dtype=torch.bfloat16, device=device)
             scaled_mm_linear(x, q, scale_inv.to(device), None)
             _blockwise_on[key] = True
-        except (RuntimeError, ValueError) as err:  # NotImplementedError is a RuntimeError
+        except REFUSALS as err:
             log.warning(
-                "FP8: no one-call block-scaled GEMM on %s (%s); K/128 GEMMs per Linear", device, err
+                "FP8: no one-call block-scaled GEMM on %s (%s: %s); K/128 GEMMs per Linear",
+                device,
+                type(err).__name__,
+                err,
             )
             _blockwise_on[key] = False
     return _blockwise_on[key]

@@ -183,8 +183,8 @@ class ModelRunner:
         self.fp8_gemm: str | None = None  # how the FP8 Linears compute (fp8.py); None: not FP8
         if fp8_block:
             self.fp8_gemm = fp8.choose_gemm(fp8_gemm, self.device)
-            counts = fp8.set_gemm(self.model, self.fp8_gemm)
-            fp8.probe_scaled_mm(self.model, self.device, self.dtype)
+            fp8.set_gemm(self.model, self.fp8_gemm)
+            counts = fp8.probe_scaled_mm(self.model, self.device, self.dtype)
             log.info("FP8 Linears in 128x128 blocks, computed by %s", counts)
         # Each parameter once (tied ones share one), with its shape: what release frees.
         unique = {id(p): p for p in self.model.parameters()}

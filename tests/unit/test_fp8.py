@@ -322,7 +322,7 @@ def test_a_device_whose_torch_refuses_the_one_gemm_gets_the_loop(monkeypatch, ca
     cpu = torch.device("cpu")
     assert not fp8_gemm._blockwise_runs(cpu) and not fp8_gemm._blockwise_runs(cpu)
     assert tried == [1]
-    assert "no one-call block-scaled GEMM on cpu (Invalid scaling configuration" in caplog.text
+    assert "no one-call block-scaled GEMM on cpu (ValueError: Invalid scaling" in caplog.text
 
     cuda = torch.device("cuda")  # no GPU needed: the capability and the trial stand in
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -430,15 +430,16 @@ def test_a_scaled_mm_that_computes_otherwise_stops_the_engine(fp8_dir, monkeypat
         ModelRunner(str(fp8_dir), fp8_gemm="scaled_mm")
 
 
-def test_the_probe_runs_the_one_gemm_where_it_is_used(monkeypatch):
+def test_the_probe_runs_the_one_gemm_where_it_is_used(monkeypatch, caplog):
     """probe_scaled_mm checks the first layer of each W8A8 forward in use: with the one GEMM
     selected, that call (its operands through torch's checks, the kernel emulated) is what it
-    runs; a kernel that computes otherwise, or refuses, stops the engine naming it."""
+    runs; a kernel that computes otherwise stops the engine naming it, one that refuses to run
+    gives its layers the loop (tests/unit/test_fp8_fallback.py: what other torches raise)."""
     calls = gemm_calls(monkeypatch)
     model = one_gemm_layers((256, 384), (128, 896), (144, 256))
     counts = fp8.set_gemm(model, "scaled_mm", capability=(9, 0))
     assert counts == {"scaled_mm": 2, "scaled_mm_per_block": 1, "dequant": 0}
-    fp8.probe_scaled_mm(model, torch.device("cpu"), torch.float32)
+    assert fp8.probe_scaled_mm(model, torch.device("cpu"), torch.float32) == counts
     assert calls == ["scaled_mm"] + ["_scaled_mm"] * 2  # one of each forward in use
 
     def unscaled_weights(mat_a, mat_b, scale_a, scale_b, output_dtype):
@@ -452,8 +453,9 @@ def test_the_probe_runs_the_one_gemm_where_it_is_used(monkeypatch):
         raise NotImplementedError("DeepSeek style (1x128, 128x128) scaling only supported ...")
 
     gemm_calls(monkeypatch, compute=refused)
-    with pytest.raises(MillstreamError, match=r"scaled_mm\): failed on cpu \(DeepSeek style"):
-        fp8.probe_scaled_mm(model, torch.device("cpu"), torch.float32)
+    counts = fp8.probe_scaled_mm(model, torch.device("cpu"), torch.float32)
+    assert counts == {"scaled_mm": 0, "scaled_mm_per_block": 3, "dequant": 0}
+    assert "one block-scaled scaled_mm refused on cpu (NotImplementedError: DeepSeek" in caplog.text
 
 
 def response_logprobs(runner: ModelRunner) -> torch.Tensor:
