@@ -232,10 +232,13 @@ class Trainer:
                 await self.p.colocation.before_sync()
         telemetry.mirror(tracer, step_span, links)  # the step in each group's own trace
         t2 = time.monotonic()
+        weights = self.p.backend.named_weights
+        if self.p.colocation is not None:  # read where the turns say the weights are
+            weights = self.p.colocation.sync_source(weights)
         report = await self._watched(
             f"the weight sync to version {self.version + 1}",
             self.keeper.sync(  # with the pending joins; waits when no engine is left
-                self.p.backend.named_weights,
+                weights,
                 self.version + 1,
                 links=links,
                 idle=self._nothing_generating(),

@@ -15,14 +15,16 @@ tests/unit/test_colocate_gpu.py.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from millstream.trainer.backends.offload import TrainOffload
 from millstream.trainer.backends.torch_backend import TorchBackend
+from millstream.trainer.trainer import Parts, Trainer
 from millstream.trainer.weights.colocate import Colocation, ColocationError
-from millstream.trainer.weights.sync import Failure
+from millstream.trainer.weights.sync import Failure, SyncReport
 from tests.unit.test_bf16 import _cfg, _samples
 
 RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"
@@ -185,3 +187,87 @@ def test_an_engine_that_fails_a_turn_stops_the_run_with_its_name(backend):
     colocation = Colocation(Failing(None), None, release_engines=True)
     with pytest.raises(Exception, match=r"release_memory_occupation.*http://e1: HTTP 500"):
         asyncio.run(colocation.before_train())
+
+
+# -- the trainer's own step -------------------------------------------------------------------
+
+
+class RecordedSync(RecordedEngines):
+    """The WeightSync surface Trainer._train_and_sync reaches (through its EngineKeeper) with
+    recorded engines: `sync` reads the weights as the real one does, and records where the
+    trainer's state and the engines' weights were at that read."""
+
+    def __init__(self, offload: TrainOffload | None):
+        super().__init__(offload)
+        self.reads: list[tuple[bool, bool, int]] = []  # (trainer on device, engine weights back,
+        # tensors read)
+
+    async def revivable(self) -> list[str]:
+        return []
+
+    async def sync(self, weights: Any, version: int, *, join=(), **kwargs: Any) -> Any:
+        tensors = list(weights())
+        back = all("weights" not in r for r in self.released.values())
+        self.reads.append((self.trainer_resident(), back, len(tensors)))
+        return SyncReport(engines=list(self.released), version=version)
+
+
+def test_the_trainers_own_step_syncs_between_its_turns(backend):
+    """Trainer._train_and_sync itself under --colocate, not a replay of its order: the step's
+    sync reads the trainer's weights while its state is on the device and the engines'
+    weights are back, and the iteration ends in the colocated state. Moving a turn in the
+    trainer (after_sync before the sync: the sync then reads weights already offloaded) fails
+    here, by the colocation's own check and by this sync's record."""
+    offload = TrainOffload(backend)
+    offload.copies = True
+    engines = RecordedSync(offload)
+    colocation = Colocation(engines, offload, release_engines=True)
+    parts = Parts(
+        backend=backend,
+        admission=SimpleNamespace(in_flight={}),
+        buffer=SimpleNamespace(ready=0),
+        weight_sync=engines,
+        evaluator=None,
+        logger=None,
+        colocation=colocation,
+    )
+    trainer = Trainer(_cfg(), parts, num_rollout=2)
+
+    async def two_steps() -> list[dict[str, Any]]:
+        await colocation.start()
+        out = []
+        for it in (1, 2):
+            train, _, report = await trainer._train_and_sync(it, _samples(), [], 2)
+            assert report.version == it and trainer.version == it
+            out.append(train)
+        return out
+
+    for train in asyncio.run(two_steps()):
+        assert train["grad_norm"] > 0
+    n_weights = len(list(backend.named_weights()))
+    assert engines.reads == [(True, True, n_weights)] * 2
+    assert [t.name for t in colocation.turns] == [
+        "release", "onload", "resume weights", "offload", "resume kv_cache",
+    ]  # fmt: skip
+    assert not offload.resident and engines.released == {"e0": set(), "e1": set()}
+
+
+def test_a_sync_outside_its_turns_is_an_error(backend):
+    """The colocation's check of the sync's read (Colocation.sync_source), on the CPU where
+    nothing moves: after the offload, and before the engines' weights are back."""
+    offload = TrainOffload(backend)
+    engines = RecordedSync(offload)
+    colocation = Colocation(engines, offload, release_engines=True)
+    read = colocation.sync_source(backend.named_weights)
+
+    async def run() -> None:
+        await colocation.start()
+        with pytest.raises(ColocationError, match="while its state is in host memory"):
+            read()
+        await colocation.before_train()
+        with pytest.raises(ColocationError, match="while the engines' weights are released"):
+            read()
+        await colocation.before_sync()
+        assert len(list(read())) > 0
+
+    asyncio.run(run())

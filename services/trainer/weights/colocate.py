@@ -117,6 +117,31 @@ class Colocation:
         if self.release_engines:
             await self._engines("resume weights", "/resume_memory_occupation", ["weights"])
 
+    def sync_source(self, named_weights: Callable[[], Any]) -> Callable[[], Any]:
+        """`named_weights` as the weight sync reads it, checked at the read: between
+        `before_sync` and `after_sync` the trainer's state is on its device and every engine's
+        weights are back. A sync that ran after the offload would read the trainer's weights
+        from host memory (on a GPU: tensors a CUDA IPC handle cannot share), one before the
+        engines' resume would write into released weights; on the CPU nothing moves, so the
+        books are what shows it (Trainer._train_and_sync's order, tested as the trainer runs
+        it in tests/unit/test_colocate_turns.py)."""
+
+        def read() -> Any:
+            if self.offload is not None and not self.offload.resident:
+                raise ColocationError(
+                    "--colocate: the weight sync read the trainer's weights while its state "
+                    f"is in host memory (turns so far: {[t.name for t in self.turns]}); the "
+                    "sync runs between before_sync and after_sync"
+                )
+            if "weights" in self.released:
+                raise ColocationError(
+                    "--colocate: the weight sync ran while the engines' weights are released "
+                    f"(turns so far: {[t.name for t in self.turns]}); before_sync resumes them"
+                )
+            return named_weights()
+
+        return read
+
     async def after_sync(self) -> None:
         if self.offload is not None:
             await self._trainer("offload", self.offload.to_host)
