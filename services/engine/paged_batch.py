@@ -197,11 +197,13 @@ class PagedBatch:
         self.keep([])
 
     def release(self) -> int:
-        """Free the pool (its rows were retracted); returns the bytes freed."""
+        """Free the pool (its rows were retracted), keeping no reference to its tensors, so
+        their memory really goes; returns the bytes freed."""
         self.clear()
         self.cache.forget()
         self.table_RL.fill_(NULL_SLOT)  # no stale slot past the smaller pool of a resume
         self.forget_graphs()
+        self.last_plan = None  # its keys and values are the pool's own lists
         return self.pool.free_memory()
 
     def resume(self) -> int:

@@ -16,14 +16,25 @@ over the pool; on pages, the gather reads runs of 16 (bench/bench_attention.py, 
 time": 1.0-1.3x for 64 rows of 100 tokens, 1.2-1.45x for a 4096-token row beside 63 short
 ones, on the CPU). A page costs up to PAGE-1 slots of a request's last page, as in SGLang.
 
-Allocation (host side, between steps, on the scheduler thread). `free_pages` is a stack of
-free page ids. `alloc(sizes)` gives each run its own fresh pages and returns its first
-sizes[i] slots; a running row fills the rest of its last page before it takes a new one
-(`take_pages`, `claim`: paged_batch.py). `refs[s]` counts who holds slot s: a running row
-(its index table lists s), a prefill that has not handed its slots to rows yet, the prefix
-cache. The n copies of a GRPO prompt hold the same prompt slots, each once, so the prompt's
-keys are computed and stored once. A page goes back to `free_pages` when no slot of it is
-held.
+Allocation (host side, between steps, on the scheduler thread). `alloc(sizes)` gives each
+run its own fresh pages and returns its first sizes[i] slots; a running row fills the rest of
+its last page before it takes a new one (`take_pages`, `claim`: paged_batch.py). The holders
+of a slot: a running row (its index table lists it), a prefill that has not handed its slots
+to rows yet, the prefix cache. The n copies of a GRPO prompt hold the same prompt slots, each
+once, so the prompt's keys are computed and stored once. A page goes back to the free pages
+when no slot of it is held.
+
+The books are per page, and no call costs what the pool's size does (a tiny model's pool on
+a 141 GB GPU is ~300M tokens; a colocated run allocates it at every resume):
+  - `refs_P[p]` counts the slot holds in page p (each holder once for each slot of p it
+    holds): a page is free when its count falls to 0, so hold, claim and drop cost what the
+    slots they name do;
+  - returned pages go on a stack (`_stack_P`, `_top`), popped LIFO;
+  - pages never handed out since the last allocation are `_fresh` and up, handed out in
+    ascending order (page 1 first) once the stack is empty; a page's count is set when it is
+    first handed out, and growing the pool (the CPU) only moves the fresh pages' end.
+Both arrays are made once, at the limit's size, with torch.empty: memory the host maps as it
+is first written, so an allocation (a resume) only resets `_top` and `_fresh`.
 
 Size. On a GPU the pool is allocated once, at the size SGLang would give it: --max-total-
 tokens, else what --mem-fraction-static leaves (model_runner.kv_token_budget), in whole
@@ -93,8 +104,11 @@ class TokenPool:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0
-        self.refs = torch.zeros(PAGE, dtype=torch.int32)
-        self.free_pages = torch.zeros(0, dtype=torch.long)
+        pages = self.limit // PAGE
+        self.refs_P = torch.empty(1 + pages, dtype=torch.int32)  # page 0: never handed out
+        self._stack_P = torch.empty(pages, dtype=torch.int32)
+        self._top = 0
+        self._fresh = 1
         self.allocate()
 
     # ---- memory ------------------------------------------------------------------------
@@ -113,10 +127,7 @@ class TokenPool:
 
     def allocate(self) -> int:
         """Allocate the starting size, every slot free (zeroed); returns the bytes."""
-        self.capacity = 0
-        self.keys, self.values = [], []
-        self.refs = torch.zeros(PAGE, dtype=torch.int32)
-        self.free_pages = torch.zeros(0, dtype=torch.long)
+        self.free_memory()
         self._grow_to(self.initial)
         return self.nbytes
 
@@ -125,8 +136,7 @@ class TokenPool:
         nbytes = self.nbytes
         self.keys, self.values = [], []
         self.capacity = 0
-        self.refs = torch.zeros(PAGE, dtype=torch.int32)
-        self.free_pages = torch.zeros(0, dtype=torch.long)
+        self._top, self._fresh = 0, 1  # every page free, none handed out
         return nbytes
 
     def _grow_to(self, capacity: int) -> None:
@@ -142,13 +152,7 @@ class TokenPool:
             grown_k.append(k)
             grown_v.append(v)
         self.keys, self.values = grown_k, grown_v
-        refs = torch.zeros(PAGE + capacity, dtype=torch.int32)
-        refs[: PAGE + old] = self.refs
-        self.refs = refs
-        # under the free pages there were (taken last), the lowest of them popped first
-        new_pages = torch.arange(capacity // PAGE, old // PAGE, -1, dtype=torch.long)
-        self.free_pages = torch.cat([new_pages, self.free_pages])
-        self.capacity = capacity
+        self.capacity = capacity  # its new pages are fresh: handed out after the old ones
         if old:
             log.info("KV token pool grown to %d tokens (%.1f MiB)", capacity, self.nbytes / 2**20)
 
@@ -157,7 +161,7 @@ class TokenPool:
     @property
     def free_tokens(self) -> int:
         """Slots in free pages (a running row's last page may have a few more)."""
-        return PAGE * len(self.free_pages)
+        return PAGE * (self._top + self.capacity // PAGE + 1 - self._fresh)
 
     @property
     def used_tokens(self) -> int:
@@ -178,19 +182,24 @@ class TokenPool:
 
     def take_pages(self, count: int) -> torch.Tensor:
         """The first slots of `count` free pages, held by no one yet (`claim` their slots
-        as they are written); PoolFull if the pool, grown to its limit, has fewer."""
+        as they are written): returned pages first, the last returned first, then fresh
+        ones in ascending order; PoolFull if the pool, grown to its limit, has fewer."""
         if not self.ensure(PAGE * count):
             raise PoolFull(
                 f"{PAGE * count} tokens asked for, {self.free_tokens} free of {self.capacity}"
             )
-        # The stack's top is its end: popping there keeps the rest of free_pages in place.
-        pages = self.free_pages[len(self.free_pages) - count :].flip(0)
-        self.free_pages = self.free_pages[: len(self.free_pages) - count]
-        return pages * PAGE
+        popped = min(count, self._top)
+        returned = self._stack_P[self._top - popped : self._top].flip(0)
+        self._top -= popped
+        first, self._fresh = self._fresh, self._fresh + count - popped
+        self.refs_P[first : self._fresh].zero_()  # their books start here
+        fresh = torch.arange(first, self._fresh, dtype=torch.int32)
+        return torch.cat([returned, fresh]).long() * PAGE
 
     def claim(self, slots: torch.Tensor) -> None:
-        """Hold `slots` of pages this holder took (once each)."""
-        self.refs[slots] = 1
+        """Hold `slots` of pages this holder took (once each): the first hold of those
+        slots, counted as any other."""
+        self.hold(slots)
 
     def alloc(self, sizes: int | list[int]) -> torch.Tensor:
         """Slots for runs of `sizes` tokens (one int: one run), each run on pages of its
@@ -209,17 +218,23 @@ class TokenPool:
 
     def hold(self, slots: torch.Tensor) -> None:
         """One more holder of each of `slots` (a row sharing a prefill's prompt)."""
-        self.refs.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        pages = slots // PAGE
+        self.refs_P.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
 
     def drop(self, slots: torch.Tensor) -> int:
         """One holder less of each of `slots` (repeats count); the pages of which no slot
         is held any more go back to the free stack. Returns the slots freed (whole pages)."""
         if slots.numel() == 0:
             return 0
-        self.refs.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
-        candidates = (slots // PAGE).unique()
-        held_PS = self.refs.view(-1, PAGE)[candidates]
-        assert bool((held_PS >= 0).all()), "a KV slot was dropped more than held"
-        freed = candidates[held_PS.sum(1) == 0]
-        self.free_pages = torch.cat([self.free_pages, freed.flip(0)])
-        return PAGE * len(freed)
+        pages = slots // PAGE
+        self.refs_P.index_add_(0, pages, torch.full_like(pages, -1, dtype=torch.int32))
+        candidates = pages.unique()  # ascending
+        held = self.refs_P[candidates]
+        handed_out = int(candidates[0]) > 0 and int(candidates[-1]) < self._fresh
+        assert handed_out and bool((held >= 0).all()), "a KV slot was dropped more than held"
+        freed = candidates[held == 0]
+        count = len(freed)
+        # the lowest on top: the next take_pages hands them out in ascending order
+        self._stack_P[self._top : self._top + count] = freed.flip(0)
+        self._top += count
+        return PAGE * count

@@ -4,8 +4,11 @@ first, never reused after a weight update."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from millstream.engine.model_runner import ModelRunner
 from millstream.engine.paged_batch import EVICT_BATCH
@@ -119,5 +122,44 @@ def test_a_resumed_rollout_prefills_only_what_the_cache_lacks(runner: ModelRunne
         sched.call(lambda: None).result(10)  # the step in which `again` left is over
         assert sched.flush_cache().result(10) > 0  # again's pages, dropped by /flush_cache
         assert batch.cache.tokens == 0 and batch.used_tokens == 0
+    finally:
+        sched.stop()
+
+
+def test_a_row_running_through_an_update_to_new_weights_leaves_no_old_keys_behind(
+    tiny_model_dir: Path,
+):
+    """A row decodes while the weights are updated to DIFFERENT ones (paused in place, as a
+    trainer's sync pauses the engine): its prompt's keys were computed with the old weights,
+    so when it finishes its pages must stay out of the prefix cache (the epoch check of
+    paged_batch.keep). A prompt that starts as the row's did (its 4 whole pages) is served
+    next: its logprobs equal a full forward of the new weights. (Every other update test
+    sends the same weights back, where old keys would give the same output.)"""
+    runner = ModelRunner(str(tiny_model_dir))  # its own: its weights change
+    noise = torch.Generator().manual_seed(7)
+    new = [(n, t + 0.05 * torch.randn(t.shape, generator=noise)) for n, t in weights_of(runner)]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    with torch.no_grad():
+        for name, t in new:
+            reference.get_parameter(name).copy_(t)
+    sched = Scheduler(runner, max_running_requests=4)
+    batch = sched._batch
+    sched.start()
+    try:
+        prompt = PROMPTS[2]
+        assert len(prompt) >= 4 * PAGE
+        row = Tracked("row", prompt, max_new_tokens=30, ignore_eos=True)
+        sched.submit([row.seq])
+        row.wait_tokens(3)
+        sched.pause("in_place").result(10)
+        assert sched.call(lambda: any(s is row.seq for s in batch.seqs)).result(10)
+        send_back(sched, WeightLoader(runner.model), new)
+        sched.resume().result(10)
+        row.result()
+        later = Tracked("later", prompt + list(b" Again."), seed=3, max_new_tokens=12)
+        sched.submit([later.seq])
+        expected = full_forward_logprobs(reference.eval(), later.result())
+        got = torch.tensor(later.seq.output_logprobs)
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
     finally:
         sched.stop()
