@@ -23,7 +23,7 @@ test: lint
 	$(PY) -m pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	MILLSTREAM_CONTRACT=1 PYTHONPATH=$(VENV)/sglang $(PY) -m pytest tests/contract $(PYTEST_ARGS)
 
-# The long scenarios make test leaves out (@pytest.mark.long; about 9 minutes on 2 cores).
+# The long scenarios make test leaves out (@pytest.mark.long; about 12 minutes on 2 cores).
 test-long: bootstrap
 	$(PY) -m pytest -m long $(PYTEST_ARGS)
 
@@ -46,14 +46,16 @@ chaos-monkey: bootstrap
 chaos-monkey-compose: bootstrap
 	$(PY) -m tests.chaos.compose_monkey $(ARGS)
 
-# One NVIDIA GPU: every GPU path once, one table into docs/benchmarks.md (bench/gpu_check.py).
-# Not after bootstrap (its torch is the CPU build): scripts/gpu_check.sh says what it uses.
+# One NVIDIA GPU: every GPU path once, one table into docs/benchmarks.md (bench/gpu_check.py),
+# within 7 minutes set-up included (--budget-s 420). Not after bootstrap (its torch is the CPU
+# build): scripts/gpu_check.sh says what it uses. The lent machine's recipe: docs/gpus.md.
 #   make gpu-check                      on the GPU machine (ARGS="--stages tests" for one stage)
-#   make gpu-check ARGS="--device cpu --small --no-docs"     the plumbing, without a GPU
+#   make gpu-check ARGS="--device cpu --small --no-docs"     the same stages, without a GPU
 gpu-check:
 	@bash scripts/gpu_check.sh $(ARGS)
 
-# .gpu/: the wheels, redis-server and `millstream` command a GPU machine without network lacks.
+# .gpu/: the wheels, redis-server, `millstream` command and commit a GPU machine without
+# network lacks (GPU_PYTHON=3.12, the machine's Python; GPU_BUNDLE=DIR writes elsewhere).
 gpu-bundle:
 	@bash scripts/gpu_bundle.sh
 

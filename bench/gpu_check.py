@@ -1,38 +1,49 @@
-"""`make gpu-check`: every GPU path of millstream once, on one NVIDIA GPU, in one table.
+"""`make gpu-check`: every GPU path of millstream once, on one NVIDIA GPU, in one table, within
+one lent machine's window.
 
-    python bench/gpu_check.py [--device cuda] [--budget-s 430] [--stages tests,bench,arith]
-        [--out runs/gpu-check] [--docs docs/benchmarks.md | --no-docs] [--strict]
-    python bench/gpu_check.py --device cpu --small --stages tests,bench --no-docs   (plumbing)
+    python bench/gpu_check.py [--device cuda] [--budget-s 420] [--stages tests,contract,bench,arith]
+        [--out runs/gpu-check] [--work DIR] [--commit SHA] [--docs docs/benchmarks.md | --no-docs]
+        [--arith-modes async] [--strict]
+    python bench/gpu_check.py --device cpu --small --no-docs   (the same stages, the plumbing)
     python bench/gpu_check.py --publish runs/gpu-check/gpu_check.json   (a fetched table -> docs)
 
 scripts/gpu_check.sh sets up the machine (the carried `.gpu/` bundle on a lent GPU machine,
-else the Python it finds) and runs this. Stages, each a subprocess under its own limit inside
-one budget (what is left of --budget-s; a stage that runs out is stopped and FAILs):
+else the Python it finds) and runs this. Stages, each a subprocess under its own limit
+(bench/gpu_stage.py: everything it started ended after it, in time or not):
 
-  tests   the GPU-marked tests (`pytest -m gpu` over the files that carry the mark, listed in
-          docs/testing.md): the CUDA IPC route between two processes, colocation's turns on
-          the device, the engine's memory release, CUDA graph decoding against eager, ...
-  contract  the contract tier's GPU-marked tests (tests/contract/, as make test runs it: SGLang
-          reads the trainer's CUDA IPC payloads); "skip" where sglang is not importable
-  bench   bench/bench_gpu.py --only train,engine,sync, sized to fit: the --bf16 train step
-          against a plain bf16 loop, the engine with and without CUDA graphs against HF
-          generate at concurrency 1 and 64, the FP8 engine, the colocated weight update
-          (CUDA IPC) in ms per GB, pause to continue
-  arith   bench/bench_gpu.py --only run --no-cpu-run: examples/arith/run.sh with --colocate
-          --bf16, sync then async, to 85% greedy accuracy
+  tests     the GPU-marked tests (bench/gpu_pytest.py: GPU-critical first, Megatron last, each
+            reported as it runs; a test the time ran out before is a row "not reached")
+  contract  the contract tier's GPU-marked tests (tests/contract/, as make test runs it:
+            SGLang reads the trainer's CUDA IPC payloads); "skip" where sglang is not
+            importable (the GPU machine's image has none)
+  bench     bench/bench_gpu.py --only train,engine,sync, sized to fit: the --bf16 train step
+            against a plain bf16 loop, the engine with and without CUDA graphs against HF
+            generate at concurrency 1 and 64, the FP8 engine, the colocated weight update
+            (CUDA IPC) in ms per GB, the decode step over a small and a large pool
+  arith     bench/bench_gpu.py --only run --no-cpu-run: examples/arith/run.sh with --colocate
+            --bf16, the engine's pool capped, --arith-rollouts, in --arith-modes (async: two
+            modes do not fit one window), to 85% greedy accuracy
+
+The budget: a lent machine gives about 15 device minutes in all, a start costs 1-2 and one
+command 10 at most; the check must leave a rerun room. So the whole command, set-up included
+(scripts/gpu_check.sh sets MILLSTREAM_GPU_CHECK_T0 when it starts), ends within --budget-s
+(420 s). Each stage gets a share of what is left (WANT_S's proportions, minus RESERVE_S for
+the last stage's grace and the table), so time a stage does not use goes to the later ones,
+and a stage that would get less than MIN_S is not run (FAIL). `--device cpu --small` runs the
+same stages on the tiny sizes (GPU tests skip; the arith run is judged on running to its end)
+and writes the same files.
 
 Beside every stage the device's memory in use is sampled (nvidia-smi every 0.2 s; on the CPU
-the host's, from /proc/meminfo): the peak of each phase is a row.
+the host's): the peak of each stage is a row. The rows and verdicts: bench/gpu_rows.py. The
+exit status is 1 when a row FAILs.
 
-Verdicts: PASS; BELOW, a speed goal of bench_gpu.py not met (measured and reported; a failure
-only with --strict); FAIL, a test failed, a stage crashed or ran out of time, a row was not
-measured, or an arith run did not reach 85% (or, on a GPU, did not sync over CUDA IPC); skip,
-a GPU test where torch sees no GPU (--device cpu). The exit status is 1 when a row FAILs.
-
---out gets gpu_check.json, table.md and every stage's log. The table goes to stdout and, with
-the commit and the card, into docs/benchmarks.md between its gpu-check markers (--docs; not
-with --device cpu). On a lent machine the docs come back through the fetched JSON:
-`--publish PATH` writes them from it.
+--out gets at most three files (a lent machine returns 8): gpu_check.json (the report),
+table.md, logs.tar.gz (every stage's log, the tests' JSON lines, bench_gpu.py's JSON and the
+arith run's logs, all from --work, runs/gpu-check.work), written again after every
+stage, so a run cut short still returns what it did. The commit: --commit, else git's, else
+$MILLSTREAM_COMMIT (scripts/gpu_check.sh reads the bundle's .gpu/commit: no .git travels),
+else "unknown". The table goes to stdout and, on a GPU, into docs/benchmarks.md between its
+gpu-check markers (--docs); from a fetched JSON, `--publish PATH` writes it there.
 """
 
 from __future__ import annotations
@@ -41,149 +52,39 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
+import tarfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+import gpu_rows  # noqa: E402
+from gpu_bench_run import STOP_S  # noqa: E402
+from gpu_pytest import JSONL, gpu_test_ids  # noqa: E402
+from gpu_stage import GRACE_S, run_stage, say  # noqa: E402
+
 STAGES = ("tests", "contract", "bench", "arith")
-# Seconds each stage wants at most (the budget's remainder caps it).
-WANT_S = {"tests": 120, "contract": 60, "bench": 170, "arith": 160}
+# The stages' shares of the time left (seconds each wants with set-up at ~30 s of 420).
+WANT_S = {"tests": 130, "contract": 20, "bench": 110, "arith": 100}
+RESERVE_S = GRACE_S + 10  # after the last stage: its SIGINT grace, then the table and archive
+MIN_S = 15  # a stage given less is not started
 SGLANG_DIR = REPO_ROOT / ".venv" / "sglang"  # the contract tier's SGLang (scripts/bootstrap.sh)
 BENCH_CUDA = ["--batch", "32", "--seq-len", "512", "--micro-batch-size", "8", "--repeats", "1",
               "--hf-batch", "64", "--prompt-tokens", "32", "--new-tokens", "32",
               "--concurrency", "1,64", "--rounds", "1", "--syncs", "3",
               "--mem-fraction-static", "0.5"]  # fmt: skip
-ARITH_ROLLOUTS = 40  # 85% comes at about 20 on the CPU (make run's curve)
-DOCS_START, DOCS_END = "<!-- gpu-check:start -->", "<!-- gpu-check:end -->"
-
-
-def say(message: str) -> None:
-    print(f"[gpu-check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-class MemorySampler:
-    """The peak of the device's memory in use (MiB) while a stage runs: nvidia-smi's
-    memory.used of the first visible GPU, or on the CPU the host's MemTotal - MemAvailable."""
-
-    def __init__(self, device: str, period_s: float = 0.2):
-        self.device, self.period_s = device, period_s
-        self.peak: float | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._smi = shutil.which("nvidia-smi") if device == "cuda" else None
-
-    def read_mib(self) -> float | None:
-        if self.device == "cuda":
-            if self._smi is None:
-                return None
-            index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-            try:
-                out = subprocess.run(
-                    [self._smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                     "-i", index], capture_output=True, text=True, timeout=5, check=True,
-                ).stdout  # fmt: skip
-                return float(out.split()[0])
-            except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-                return None
-        info = dict(
-            (line.split(":")[0], float(line.split()[1]))
-            for line in Path("/proc/meminfo").read_text().splitlines()
-            if line.startswith(("MemTotal:", "MemAvailable:"))
-        )
-        return (info["MemTotal"] - info["MemAvailable"]) / 1024
-
-    def __enter__(self) -> MemorySampler:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            mib = self.read_mib()
-            if mib is not None:
-                self.peak = mib if self.peak is None else max(self.peak, mib)
-            self._stop.wait(self.period_s)
-
-
-def run_stage(
-    name: str, argv: list[str], limit_s: float, out: Path, device: str,
-    env: dict[str, str] | None = None,
-) -> dict:  # fmt: skip
-    """`argv` under `limit_s` (SIGINT, then SIGKILL 20 s later), its output in out/NAME.log."""
-    log = out / f"{name}.log"
-    say(f"=== {name} (limit {limit_s:.0f} s): {' '.join(argv[1:4])} ...")
-    start = time.monotonic()
-    with log.open("w") as sink, MemorySampler(device) as memory:
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)  # fmt: skip
-        timed_out = False
-        try:
-            rc = proc.wait(limit_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                rc = proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
-    seconds = time.monotonic() - start
-    say(f"{name}: exit {rc} in {seconds:.0f} s{' (out of time)' if timed_out else ''}")
-    tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-    return {"rc": rc, "seconds": round(seconds, 1), "timed_out": timed_out,
-            "peak_mib": memory.peak, "tail": tail}  # fmt: skip
-
-
-def gpu_test_files(contract: bool = False) -> list[str]:
-    """The test files that carry the gpu mark (collecting only them keeps the stage short and
-    free of the imports other tiers need): the contract tier's (tests/contract/, run with
-    SGLang's package on the path) or the others."""
-    files = sorted((REPO_ROOT / "tests").rglob("test_*.py"))
-    return [
-        str(f.relative_to(REPO_ROOT))
-        for f in files
-        if "mark.gpu" in f.read_text() and (f.parent.name == "contract") == contract
-    ]
-
-
-def stage_env(name: str) -> dict[str, str] | None:
-    """The contract stage's environment: as make test runs tests/contract (MILLSTREAM_CONTRACT=1,
-    .venv/sglang first on the path where bootstrap made it; else an sglang installed here)."""
-    if name != "contract":
-        return None
-    env = {**os.environ, "MILLSTREAM_CONTRACT": "1"}
-    if SGLANG_DIR.is_dir():
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(SGLANG_DIR), env.get("PYTHONPATH", "")) if p
-        )
-    return env
-
-
-def stage_argv(name: str, args: argparse.Namespace, out: Path) -> list[str]:
-    py = sys.executable
-    if name in ("tests", "contract"):
-        return [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-W", "default",
-                "--timeout", "120", "--junitxml", str(out / f"gpu_{name}.xml"),
-                *gpu_test_files(contract=name == "contract")]  # fmt: skip
-    bench = [py, "bench/bench_gpu.py", "--device", args.device]
-    sizes = ["--small"] if args.small else (BENCH_CUDA if args.device == "cuda" else [])
-    if name == "bench":
-        return [*bench, *sizes, "--only", "train,engine,sync", "--json", str(out / "bench.json")]
-    per_run = max(30, (args.limits["arith"] - 10) // 2)
-    return [*bench, *sizes, "--only", "run", "--no-cpu-run", "--arith-rollouts",
-            str(args.arith_rollouts), "--run-timeout", str(per_run),
-            "--json", str(out / "arith.json")]  # fmt: skip
+# 85% comes at about 20 rollouts on the CPU (make run's curve); --small only runs the path.
+ARITH_ROLLOUTS, ARITH_ROLLOUTS_SMALL = 40, 6
+ARITH_MAX_TOTAL_TOKENS = 16384  # bench/gpu_bench_run.py says why
+OUT_FILES = ("gpu_check.json", "table.md", "logs.tar.gz")
+# The arith run's checkpoints, Redis files, span traces and plots: data, not logs (tens of MB
+# after 40 rollouts).
+ARCHIVE_SKIP = ("ckpt", "redis", "traces", "plots")
+ARCHIVE_MAX_BYTES = 20 * 2**20  # a file larger than this is left out of the archive
 
 
 def environment() -> dict[str, Any]:
@@ -200,7 +101,7 @@ def environment() -> dict[str, Any]:
     )
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=120, check=True)  # fmt: skip
+                              timeout=90, check=True)  # fmt: skip
         env = json.loads(proc.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError) as err:
         env = {"error": str(err)[-300:]}
@@ -213,103 +114,49 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def commit() -> str:
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
+def commit(given: str | None) -> str:
+    """--commit, else bench_gpu.py's (git, else $MILLSTREAM_COMMIT, else "unknown")."""
+    if given:
+        return given
     from bench_gpu import git_commit
 
     return git_commit()
 
 
-# -- the table --------------------------------------------------------------------------------
-
-Row = tuple[str, str, str, str]  # check, measured, goal, verdict
-
-
-def test_rows(out: Path, stage: dict | None, name: str = "tests") -> list[Row]:
-    """A row per GPU-marked test of the stage `name` (its junit report)."""
-    xml = out / f"gpu_{name}.xml"
-    label = "GPU-marked tests" if name == "tests" else "GPU-marked contract tests"
-    if stage is None:
-        return []
-    if name == "contract" and stage["rc"] == 4 and "sglang is not importable" in str(stage):
-        return [(label, "not run: sglang is not importable here (scripts/bootstrap.sh puts the "
-                 "contract tier's in .venv/sglang)", "pass", "skip")]  # fmt: skip
-    if not xml.is_file():
-        return [(label, f"no report: {' | '.join(stage['tail'])}", "pass", "FAIL")]
-    rows: list[Row] = []
-    cases = list(ET.parse(xml).getroot().iter("testcase"))
-    if not cases:
-        return [(label, "none collected", "every test in docs/testing.md", "FAIL")]
-    for case in cases:
-        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        seconds = float(case.get("time") or 0)
-        if case.find("failure") is not None or case.find("error") is not None:
-            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-            message = (bad.get("message") or "").splitlines()[0][:200] if bad is not None else ""
-            rows.append((f"test {name}", f"failed in {seconds:.1f} s: {message}", "pass", "FAIL"))
-        elif case.find("skipped") is not None:
-            why = (case.find("skipped").get("message") or "")[:120]  # type: ignore[union-attr]
-            rows.append((f"test {name}", f"skipped: {why}", "pass", "skip"))
-        else:
-            rows.append((f"test {name}", f"passed in {seconds:.1f} s", "pass", "PASS"))
-    if stage["timed_out"] or (stage["rc"] not in (0, 5) and not any(r[3] == "FAIL" for r in rows)):
-        rows.append((label, f"exit {stage['rc']}: {' | '.join(stage['tail'])}", "exit 0",
-                     "FAIL"))  # fmt: skip
-    return rows
+def stage_env(name: str, work: Path, commit: str) -> dict[str, str]:
+    """Every stage: the commit, for bench_gpu.py where there is no git. The test stages:
+    gpu_pytest.py's plugin on the path and its file. The contract stage: as make test runs
+    tests/contract (MILLSTREAM_CONTRACT=1, .venv/sglang first on the path where bootstrap
+    made it)."""
+    env = {**os.environ, "MILLSTREAM_COMMIT": commit}
+    if name in ("tests", "contract"):
+        paths = [str(REPO_ROOT / "bench")]
+        if name == "contract":
+            env["MILLSTREAM_CONTRACT"] = "1"
+            if SGLANG_DIR.is_dir():
+                paths.insert(0, str(SGLANG_DIR))
+        env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
+        env[JSONL] = str(work / f"gpu_{name}.jsonl")
+    return env
 
 
-def bench_rows(result: dict | None, stage: dict | None, strict: bool) -> list[Row]:
-    if stage is None:
-        return []
-    if result is None:
-        return [("bench_gpu.py", f"no result: {' | '.join(stage['tail'])}", "rows", "FAIL")]
-    goals = {g["row"]: g for g in result.get("goals", [])}
-    rows: list[Row] = []
-    for r in result["rows"]:
-        if r["value"] is None:
-            rows.append((f"{r['section']}: {r['name']}", r["note"] or "not measured", "measured",
-                         "FAIL"))  # fmt: skip
-            continue
-        ratio = f"; {r['ratio']:.3g}x {r['base']}" if r.get("ratio") is not None else ""
-        detail = "; ".join(x for x in (r.get("detail"), r.get("note")) if x)
-        measured = f"{r['value']:.4g} {r['unit']}{ratio}" + (f"; {detail}" if detail else "")
-        g = goals.get(r["name"])
-        verdict = "PASS" if g is None or g["met"] else ("FAIL" if strict else "BELOW")
-        rows.append((f"{r['section']}: {r['name']}", measured, g["target"] if g else "", verdict))
-    return rows
-
-
-def arith_rows(result: dict | None, stage: dict | None, device: str) -> list[Row]:
-    if stage is None:
-        return []
-    if result is None:
-        return [("arith --colocate --bf16", f"no result: {' | '.join(stage['tail'])}", "85%",
-                 "FAIL")]  # fmt: skip
-    rows: list[Row] = []
-    for r in result["rows"]:
-        e = r.get("extra") or {}
-        if r["value"] is None:
-            rows.append((r["name"], r["note"] or "not measured", "85%", "FAIL"))
-            continue
-        routes = "; ".join(e.get("routes", [])) or "no transport line"
-        ipc = device != "cuda" or "CUDA IPC" in routes
-        measured = (f"85% at {r['value']:.1f} s (best {e.get('best_eval')}); "
-                    f"{e.get('completions_per_s', 0):.0f} completions/s; {e.get('iterations')} "
-                    f"iterations; transport: {routes}; graph captures {e.get('graph_captures')}; "
-                    f"tracebacks {e.get('tracebacks')}")  # fmt: skip
-        ok = ipc and not e.get("tracebacks")
-        rows.append((f"run: {r['name']} --bf16", measured, "85%; CUDA IPC sync",
-                     "PASS" if ok else "FAIL"))  # fmt: skip
-    return rows
-
-
-def memory_rows(stages: dict[str, dict], device: str) -> list[Row]:
-    where = "device" if device == "cuda" else "host"
-    return [
-        (f"peak {where} memory in use: {name}",
-         "n/a" if s["peak_mib"] is None else f"{s['peak_mib'] / 1024:.2f} GiB", "", "info")
-        for name, s in stages.items()
-    ]  # fmt: skip
+def stage_argv(name: str, args: argparse.Namespace, work: Path, limit_s: float) -> list[str]:
+    py = sys.executable
+    if name in ("tests", "contract"):
+        return [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                "-p", "no:randomly", "-p", "gpu_pytest", "-W", "default",
+                "--timeout", str(int(min(120, limit_s))), *args.expected[name]]  # fmt: skip
+    bench = [py, "bench/bench_gpu.py", "--device", args.device]
+    sizes = ["--small"] if args.small else (BENCH_CUDA if args.device == "cuda" else [])
+    if name == "bench":
+        return [*bench, *sizes, "--only", "train,engine,sync", "--json", str(work / "bench.json")]
+    rollouts = args.arith_rollouts or (ARITH_ROLLOUTS_SMALL if args.small else ARITH_ROLLOUTS)
+    # bench_gpu.py's start (15 s), then each run's time and its stop if it runs out of it
+    per_run = max(10, (limit_s - 15) / len(args.arith_modes.split(",")) - STOP_S)
+    return [*bench, *sizes, "--only", "run", "--no-cpu-run", "--arith-modes", args.arith_modes,
+            "--arith-rollouts", str(rollouts), "--arith-max-total-tokens",
+            str(ARITH_MAX_TOTAL_TOKENS), "--run-timeout", f"{per_run:.0f}",
+            "--run-dir", str(work / "arith"), "--json", str(work / "arith.json")]  # fmt: skip
 
 
 def load(path: Path) -> dict | None:
@@ -319,34 +166,46 @@ def load(path: Path) -> dict | None:
         return None
 
 
-def table(rows: list[Row]) -> str:
-    lines = ["| check | measured | goal | verdict |", "| --- | --- | --- | --- |"]
-    lines += [f"| {c} | {m.replace('|', '/')} | {g} | {v} |" for c, m, g, v in rows]
-    return "\n".join(lines)
+def archive(work: Path, path: Path) -> None:
+    """Every log of --work in one tar.gz (temp, then renamed: a kill never leaves half)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in sorted(work.rglob("*")):
+            rel = f.relative_to(work)
+            kept = f.is_file() and not f.is_symlink() and not set(rel.parts) & set(ARCHIVE_SKIP)
+            if kept and f.stat().st_size <= ARCHIVE_MAX_BYTES:
+                tar.add(f, arcname=str(Path(work.name) / rel))
+    os.replace(tmp, path)
 
 
-def docs_section(report: dict) -> str:
-    env = report["environment"]
-    where = (f"{env.get('card')} ({env.get('memory_gib', '?')} GiB, compute capability "
-             f"{env.get('capability', '?')}, driver {env.get('driver', '?')}); Python "
-             f"{env.get('python')}, torch {env.get('torch')} (CUDA {env.get('cuda')}), "
-             f"transformers {env.get('transformers')}")  # fmt: skip
-    counts = {v: sum(1 for r in report["rows"] if r[3] == v) for v in ("PASS", "BELOW", "FAIL")}
-    return (
-        f"Measured by `make gpu-check` at commit {report['commit']} on {where}, "
-        f"{report['date']}, {report['seconds']:.0f} s in all: {counts['PASS']} PASS, "
-        f"{counts['BELOW']} BELOW a goal, {counts['FAIL']} FAIL.\n\n{table(report['rows'])}\n"
-    )
+def rows_of(args: argparse.Namespace, env: dict, stages: dict[str, dict], work: Path) -> list:
+    software = ", ".join(f"{k} {env[k]}" for k in ("python", "torch", "cuda", "transformers",
+                                                   "driver") if env.get(k))  # fmt: skip
+    rows: list[gpu_rows.Row] = [("environment", f"{env.get('card')}: {software}", "", "info")]
+    rows.append(("set-up", f"{args.setup_s:.0f} s before the first stage (scripts/gpu_check.sh "
+                 "and the environment)", "", "info"))  # fmt: skip
+    for name in ("tests", "contract"):
+        rows += gpu_rows.test_rows(work / f"gpu_{name}.jsonl", stages.get(name),
+                                   args.expected.get(name, []), name)  # fmt: skip
+    rows += gpu_rows.bench_rows(load(work / "bench.json"), stages.get("bench"), args.strict)
+    rows += gpu_rows.arith_rows(load(work / "arith.json"), stages.get("arith"), args.device,
+                                args.small)  # fmt: skip
+    return rows + gpu_rows.stage_rows(stages) + gpu_rows.memory_rows(stages, args.device)
 
 
-def publish(report: dict, docs: Path) -> None:
-    text = docs.read_text()
-    if DOCS_START not in text or DOCS_END not in text:
-        raise SystemExit(f"{docs}: no {DOCS_START} ... {DOCS_END} markers to write between")
-    head, rest = text.split(DOCS_START, 1)
-    _, tail = rest.split(DOCS_END, 1)
-    docs.write_text(f"{head}{DOCS_START}\n{docs_section(report)}{DOCS_END}{tail}")
-    say(f"wrote the table into {docs}")
+def write_report(args: argparse.Namespace, env: dict, stages: dict, complete: bool) -> dict:
+    """gpu_check.json, table.md and logs.tar.gz into --out (module docstring)."""
+    report = {"commit": args.commit, "date": time.strftime("%Y-%m-%d"), "environment": env,
+              "device": args.device, "budget_s": args.budget_s, "stages": stages,
+              "rows": rows_of(args, env, stages, args.work), "complete": complete,
+              "seconds": time.time() - args.t0, "work": str(args.work)}  # fmt: skip
+    archive(args.work, args.out / "logs.tar.gz")
+    for name, text in (("table.md", gpu_rows.docs_section(report)),
+                       ("gpu_check.json", json.dumps(report, indent=1))):  # fmt: skip
+        tmp = args.out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, args.out / name)
+    return report
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -354,12 +213,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--small", action="store_true", help="bench_gpu.py's tiny sizes (plumbing)")
     p.add_argument("--stages", default=",".join(STAGES), help="comma list of " + ", ".join(STAGES))
-    p.add_argument("--budget-s", type=float, default=430.0, help="all stages together")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="the whole command, set-up included, ends within this")  # fmt: skip
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "gpu-check")
+    p.add_argument("--work", type=Path, default=REPO_ROOT / "runs" / "gpu-check.work",
+                   help="the logs, before they are archived into --out")  # fmt: skip
+    p.add_argument("--commit", default=None, help="the commit measured (default: git's)")
     p.add_argument("--docs", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--strict", action="store_true", help="a goal not met FAILs too")
-    p.add_argument("--arith-rollouts", type=int, default=ARITH_ROLLOUTS)
+    small = f"default {ARITH_ROLLOUTS}, {ARITH_ROLLOUTS_SMALL} with --small"
+    p.add_argument("--arith-rollouts", type=int, default=0, help=small)
+    p.add_argument("--arith-modes", default="async", help="sync, async or both (sync,async)")
     p.add_argument("--publish", type=Path, metavar="JSON", help="write this report into --docs")
     args = p.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
@@ -371,49 +236,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.publish:
-        publish(json.loads(args.publish.read_text()), args.docs)
+        gpu_rows.publish(json.loads(args.publish.read_text()), args.docs)
+        say(f"wrote the table into {args.docs}")
         return 0
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
+    # scripts/gpu_check.sh's start: the budget holds the set-up too
+    try:
+        args.t0 = float(os.environ["MILLSTREAM_GPU_CHECK_T0"])
+    except (KeyError, ValueError):
+        args.t0 = time.time()
+    args.out = args.out.resolve()
+    args.work = args.work.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    for name in OUT_FILES:  # a file of an earlier run must not pass for this one's
+        (args.out / name).unlink(missing_ok=True)
     env = environment()
     if args.device == "cuda" and "capability" not in env:
         say(f"--device cuda: torch sees no GPU here ({env}); --device cpu runs the plumbing")
         return 2
-    say(f"{env.get('card')}; torch {env.get('torch')}; budget {args.budget_s:.0f} s; out {out}")
+    args.commit = commit(args.commit)
+    args.expected = {name: gpu_test_ids(contract=name == "contract") for name in STAGES[:2]}
+    args.setup_s = time.time() - args.t0
+    say(f"{env.get('card')}; torch {env.get('torch')}; commit {args.commit}; budget "
+        f"{args.budget_s:.0f} s, {args.setup_s:.0f} s spent on set-up; out {args.out}")  # fmt: skip
     stages: dict[str, dict] = {}
-    args.limits = {}
-    for name in (s for s in STAGES if s in args.stages):
-        left = args.budget_s - (time.monotonic() - start)
-        args.limits[name] = min(WANT_S[name], left)
-        if args.limits[name] < 20:
+    todo = [s for s in STAGES if s in args.stages]
+    for i, name in enumerate(todo):
+        left = args.budget_s - (time.time() - args.t0) - RESERVE_S
+        limit = left * WANT_S[name] / sum(WANT_S[n] for n in todo[i:])
+        if name in ("tests", "contract") and not args.expected[name]:
+            continue  # no GPU-marked test in that tier: nothing to run (pytest would run all)
+        if limit < MIN_S:
             stages[name] = {"rc": None, "seconds": 0, "timed_out": True, "peak_mib": None,
                             "tail": [f"not run: {left:.0f} s of the budget left"]}  # fmt: skip
-            continue
-        stages[name] = run_stage(name, stage_argv(name, args, out), args.limits[name], out,
-                                 args.device, stage_env(name))  # fmt: skip
-    software = ", ".join(f"{k} {env[k]}" for k in ("python", "torch", "cuda", "transformers",
-                                                   "driver") if env.get(k))  # fmt: skip
-    rows: list[Row] = [("environment", f"{env.get('card')}: {software}", "", "info")]
-    rows += test_rows(out, stages.get("tests"))
-    rows += test_rows(out, stages.get("contract"), "contract")
-    rows += bench_rows(load(out / "bench.json"), stages.get("bench"), args.strict)
-    rows += arith_rows(load(out / "arith.json"), stages.get("arith"), args.device)
-    for name, s in stages.items():
-        if s["timed_out"] or (name not in ("tests", "contract") and s["rc"] != 0):
-            rows.append((f"stage {name}", f"exit {s['rc']} after {s['seconds']:.0f} s"
-                         f"{' (out of time)' if s['timed_out'] else ''}: {' | '.join(s['tail'])}",
-                         "exit 0 in time", "FAIL"))  # fmt: skip
-    rows += memory_rows(stages, args.device)
-    report = {"commit": commit(), "date": time.strftime("%Y-%m-%d"), "environment": env,
-              "device": args.device, "stages": stages, "rows": rows,
-              "seconds": time.monotonic() - start}  # fmt: skip
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    (out / "table.md").write_text(docs_section(report))
-    print(docs_section(report))
+        else:
+            argv = stage_argv(name, args, args.work, limit)
+            stages[name] = run_stage(name, argv, limit, args.work, args.device,
+                                     stage_env(name, args.work, args.commit))  # fmt: skip
+        write_report(args, env, stages, complete=False)
+    report = write_report(args, env, stages, complete=True)
+    print(gpu_rows.docs_section(report))
     if args.device == "cuda" and not args.no_docs:
-        publish(report, args.docs)
-    failed = [r[0] for r in rows if r[3] == "FAIL"]
+        gpu_rows.publish(report, args.docs)
+        say(f"wrote the table into {args.docs}")
+    failed = [r[0] for r in report["rows"] if r[3] == "FAIL"]
     if failed:
         say(f"FAIL: {', '.join(failed)}")
     return 1 if failed else 0
