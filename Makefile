@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 # make test's processes: both of CI's 2 cores (pytest-xdist; a file's tests stay on one).
 TEST_WORKERS ?= 2
 
-.PHONY: bootstrap run test test-long lint format protos bench chaos chaos-monkey chaos-monkey-compose clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
+.PHONY: bootstrap run test test-sglang test-long lint format protos bench chaos chaos-monkey chaos-monkey-compose clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -18,10 +18,20 @@ format: bootstrap
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# Then the contract tier: SGLang's own package (.venv/sglang, bootstrap) judges what we send it.
+# Then the contract tier: SGLang's own package (.venv/sglang, bootstrap) judges what we send it;
+# then the live tier: a real SGLang server on the CPU, from a venv of its own that
+# scripts/bootstrap_sglang.sh installs once per machine, beside the main tier on first use.
 test: lint
+	@bash scripts/bootstrap_sglang.sh --start
 	$(PY) -m pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	MILLSTREAM_CONTRACT=1 PYTHONPATH=$(VENV)/sglang $(PY) -m pytest tests/contract $(PYTEST_ARGS)
+	MILLSTREAM_SGLANG_LIVE=1 MILLSTREAM_SGLANG_PYTHON="$$(bash scripts/bootstrap_sglang.sh --wait)" \
+	  $(PY) -m pytest tests/sglang_live -rs $(PYTEST_ARGS)
+
+# The live tier alone (a real SGLang server; installs its venv first where it is missing).
+test-sglang: bootstrap
+	MILLSTREAM_SGLANG_LIVE=1 MILLSTREAM_SGLANG_PYTHON="$$(bash scripts/bootstrap_sglang.sh)" \
+	  $(PY) -m pytest tests/sglang_live -rs $(PYTEST_ARGS)
 
 # The long scenarios make test leaves out (@pytest.mark.long; about 12 minutes on 2 cores).
 test-long: bootstrap

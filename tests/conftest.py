@@ -14,9 +14,17 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from tests.support.redis_server import RedisServer
 
-# The contract tier needs SGLang's package on the path, which the rest must not see: make test
-# runs it in a pytest of its own (tests/contract/conftest.py).
-collect_ignore = [] if os.environ.get("MILLSTREAM_CONTRACT") == "1" else ["contract"]
+# The contract tier needs SGLang's package on the path, which the rest must not see, and the
+# live tier a real SGLang server: make test runs each in a pytest of its own
+# (tests/contract/conftest.py, tests/sglang_live/conftest.py).
+collect_ignore = [
+    tier
+    for tier, flag in (
+        ("contract", "MILLSTREAM_CONTRACT"),
+        ("sglang_live", "MILLSTREAM_SGLANG_LIVE"),
+    )
+    if os.environ.get(flag) != "1"
+]
 
 
 # The unit files of 40 s or more on 2 cores (pytest --durations): collected first, so that

@@ -53,6 +53,12 @@ class RunKeys:
         return self._key("engines")
 
     @property
+    def update_group(self) -> str:
+        """The run's current weight-update group, as its rank 0 wrote it down (JSON): a trainer
+        that starts frees the SGLang servers an earlier one left blocked in its rendezvous."""
+        return self._key("update_group")
+
+    @property
     def coordinator(self) -> str:
         """host:port of the trainer's Coordinator gRPC service (for engines to JoinEngine)."""
         return self._key("coordinator")

@@ -115,6 +115,9 @@ class LaunchTimeouts:
 
     redis_s: float = 20.0
     engine_s: float = 120.0
+    # An SGLang server imports far more, and on a GPU loads and captures CUDA graphs before it
+    # answers /health: minutes for a multi-billion-parameter model (Miles waits as long).
+    sglang_s: float = 600.0
     router_s: float = 30.0
     worker_s: float = 60.0
     stop_s: float = 10.0
@@ -176,6 +179,7 @@ class LocalCluster:
         self.budget = cpu_budget(cfg)
         self.plan: GpuPlan | None = None  # made when engines are started (it imports torch)
         self.sglang_engines: dict[str, tuple[int, ...]] = {}  # URL -> its GPUs
+        self.engine_start_s = self.timeouts.engine_s  # the engines' health wait, by kind
         self.children: list[Child] = []
         self.urls: ClusterUrls | None = None
         self._state = "running"  # -> "stopping" -> "stopped"
@@ -285,7 +289,7 @@ class LocalCluster:
         from millstream.common import tensor_share  # torch: only with SGLang servers started
 
         return {
-            url: tensor_share.placement(f"cuda:{gpus[0]}")
+            url: tensor_share.placement(f"cuda:{gpus[0]}" if gpus else "cpu")
             for url, gpus in self.sglang_engines.items()
         }
 
@@ -438,6 +442,13 @@ class LocalCluster:
             env = self._env(
                 self.budget.engine,
                 MILLSTREAM_ADMIN_TOKEN=self.cfg.service.admin_token,
+                # SGLang on the CPU: its CPU engine, which needs no vllm for the rotary
+                # embedding (a user's own setting wins)
+                SGLANG_USE_CPU_ENGINE=(
+                    os.environ.get("SGLANG_USE_CPU_ENGINE", "1")
+                    if sglang and not plan.engines[i]
+                    else None
+                ),
                 **plan.engine_env(i),
             )
             if sglang:
@@ -468,13 +479,15 @@ class LocalCluster:
             # and a death signal is sent once; a lost one would leave an orphan.
             child = self._spawn(f"engine-{i}", argv, TIER_ENGINE, env, signal.SIGKILL)
             started.append((child, f"http://{HOST}:{port}"))
-            if sglang and plan.engines[i]:  # on the CPU there is no GPU to tell apart
+            if sglang:  # it does not say where it lives: the weight sync is told
                 self.sglang_engines[started[-1][1]] = plan.engines[i]
+
+        self.engine_start_s = self.timeouts.sglang_s if sglang else self.timeouts.engine_s
 
         def waits(client: httpx.AsyncClient) -> list[Coroutine[Any, Any, None]]:
             return [
                 self._wait_healthy(
-                    child, _http_ok(client, url + "/health"), self.timeouts.engine_s, url
+                    child, _http_ok(client, url + "/health"), self.engine_start_s, url
                 )
                 for child, url in started
             ]
@@ -497,7 +510,7 @@ class LocalCluster:
             # /readiness: the router is up AND its health round found an engine, so its
             # time includes the engines' start.
             ready = _http_ok(client, url + "/readiness")
-            timeout_s = self.timeouts.router_s + self.timeouts.engine_s
+            timeout_s = self.timeouts.router_s + self.engine_start_s
             return self._wait_healthy(child, ready, timeout_s, url)
 
         return url, wait

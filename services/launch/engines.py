@@ -1,5 +1,10 @@
-"""How `millstream train` starts one engine: SGLang's server when `sglang` is importable, else
+"""How `millstream train` starts one engine: SGLang's server when SGLang is there, else
 millstream's own engine; and where each --sglang-X flag goes.
+
+SGLang is there when $MILLSTREAM_SGLANG_PYTHON names a Python that imports it (SGLang in an
+environment of its own: it pins its own torch and transformers), or when `sglang` is importable
+beside millstream; the server runs on that Python. A variable, not a --sglang-X flag: those
+are SGLang's own, handed on.
 
     SGLang installed      python -m sglang.launch_server --model-path M --host H --port P
                             --tp-size (--rollout-num-gpus-per-engine) --weight-version V
@@ -31,7 +36,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -79,9 +87,36 @@ OWN_FLAGS = tuple(
 NEAR_MISS = 0.9  # difflib's ratio above which a --sglang-X is taken as a typo of one of ours
 
 
+SGLANG_PYTHON_ENV = "MILLSTREAM_SGLANG_PYTHON"
+
+
+def sglang_python() -> str | None:
+    """The Python that runs `-m sglang.launch_server` (module docstring), or None: millstream's
+    engine. A $MILLSTREAM_SGLANG_PYTHON that cannot import sglang is a ConfigError naming it."""
+    other = os.environ.get(SGLANG_PYTHON_ENV)
+    if other:
+        return _checked_python(other)
+    return sys.executable if importlib.util.find_spec("sglang") is not None else None
+
+
+@functools.cache
+def _checked_python(python: str) -> str:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode
+    except (OSError, subprocess.SubprocessError) as err:
+        raise ConfigError(f"${SGLANG_PYTHON_ENV}={python}: cannot run it ({err})") from err
+    if found != 0:
+        raise ConfigError(
+            f"${SGLANG_PYTHON_ENV}={python}: that Python cannot import sglang; name the Python "
+            "of the environment SGLang is installed in, or unset it to run millstream's engine"
+        )
+    return python
+
+
 def sglang_installed() -> bool:
-    """Whether `python -m sglang.launch_server` can start here (the package is importable)."""
-    return importlib.util.find_spec("sglang") is not None
+    """Whether the engines started are SGLang servers (`sglang_python`)."""
+    return sglang_python() is not None
 
 
 def server_flags(cfg: RunConfig) -> list[tuple[str, list[str]]]:
@@ -169,8 +204,9 @@ def sglang_command(
     on_gpu: bool = True,
 ) -> EngineCommand:
     argv = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
-        "--port", str(port), "--tp-size", str(cfg.sglang.rollout_num_gpus_per_engine),
+        sglang_python() or sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model, "--host", host, "--port", str(port),
+        "--tp-size", str(cfg.sglang.rollout_num_gpus_per_engine),
         "--weight-version", weight_version,
     ]  # fmt: skip
     if not on_gpu:  # the plan gave it no GPU (none here, or --rollout-num-gpus 0)

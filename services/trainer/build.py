@@ -309,7 +309,7 @@ async def build_trainer(
             watch,
             janitor,
             colocation(cfg, backend, sync),
-            EngineBook(redis, keys.engines),
+            EngineBook(redis, keys),
         )
         trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
         metrics.watch(trainer)

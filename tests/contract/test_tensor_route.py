@@ -6,14 +6,15 @@ must pass SGLang's UpdateWeightsFromTensorReqInput whole (sglang_server.admin_pr
 each rank's payload, decoded in ANOTHER process as SGLang's scheduler does it
 (`normalize_serialized_named_tensor_payload`, `monkey_patch_torch_reductions`,
 `MultiprocessingSerializer.deserialize`, `FlattenedTensorBucket(...).reconstruct_tensors()`),
-must give the trainer's named tensors bit for bit. CPU tensors travel as file descriptors
-(torch's sharing through `multiprocessing.resource_sharer`, which answers processes holding
-this one's authkey: the decoder is handed it, as a multiprocessing child would inherit it);
-on a GPU (`gpu` mark) as CUDA IPC handles, the device written as the GPU's UUID.
+must give the trainer's named tensors bit for bit. CPU tensors travel as shared memory opened
+by name (torch's `file_system` strategy, which any process on the machine can open: the
+default, file descriptors fetched over a socket that checks this process's authkey, is what
+a real SGLang server cannot open, and dies of); on a GPU (`gpu` mark) as CUDA IPC handles,
+the device written as the GPU's UUID. The decoder is an unrelated process, as the server is.
 
 Broken variants show the check can fail: a tensor's metadata offsets shifted by 8 bytes (what
 a wrong layout on our side would do), and one serialization handed to both ranks (each rank
-must get its own: the second rank's fetch of a CPU tensor's descriptor finds nothing).
+must get its own: CUDA IPC's reference counts).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -46,8 +46,7 @@ BUCKET_BYTES = 128  # two buckets below, mixed dtypes in each
 
 # SGLang's scheduler side of /update_weights_from_tensor, one JSON line in, one out.
 DECODER = r"""
-import hashlib, json, multiprocessing, os, sys, warnings
-multiprocessing.current_process().authkey = bytes.fromhex(os.environ["PARENT_AUTHKEY"])
+import hashlib, json, sys, warnings
 warnings.simplefilter("ignore")
 import torch
 from sglang.srt.utils.common import (
@@ -83,7 +82,6 @@ class Decoder:
     def __init__(self) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT / ".venv" / "sglang")
-        env["PARENT_AUTHKEY"] = multiprocessing.current_process().authkey.hex()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", DECODER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=env, cwd=str(ROOT),
@@ -211,19 +209,43 @@ def test_shifted_offsets_are_caught(decoder, monkeypatch):
     print(f"shifted offsets: {caught.value}")
 
 
-def test_one_payload_for_two_ranks_is_caught(decoder, monkeypatch):
+def serializations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """SGLang's MultiprocessingSerializer.serialize, counted: one entry per call."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    calls: list[int] = []
+    real = MultiprocessingSerializer.serialize
+
+    def counted(obj: Any, output_str: bool = False) -> Any:
+        calls.append(1)
+        return real(obj, output_str=output_str)
+
+    monkeypatch.setattr(MultiprocessingSerializer, "serialize", staticmethod(counted))
+    return calls
+
+
+def test_each_rank_gets_a_serialization_of_its_own(decoder, monkeypatch):
+    """One serialization per TP rank, as SGLang's own Engine makes them: over CUDA IPC torch
+    counts a reference to the producer's memory per serialization and each receiving rank
+    drops one, so a payload shared by two ranks frees the bucket under the second. (On the
+    CPU, memory shared by name is opened as often as asked: both ranks would read it, so the
+    count is what shows it here.) The broken variant, one payload handed to both, is caught."""
+    calls = serializations(monkeypatch)
+    named = named_tensors()
+    check(push(decoder, named), named)
+    buckets = len(plan_buckets(named, BUCKET_BYTES))
+    assert len(calls) == TP * buckets
+
     serialize = sglang_route.serialize_bucket
 
-    def one_for_all(bucket: Any, copies: int) -> tuple[list[str], torch.Tensor]:
-        payloads, flat = serialize(bucket, 1)
+    def one_for_all(bucket: Any, copies: int, to_host: bool) -> tuple[list[str], torch.Tensor]:
+        payloads, flat = serialize(bucket, 1, to_host)
         return payloads * copies, flat
 
     monkeypatch.setattr(sglang_route, "serialize_bucket", one_for_all)
-    named = named_tensors()
-    engine = push(decoder, named)
-    with pytest.raises(AssertionError, match="bucket 1, rank 1: ") as caught:
-        check(engine, named)
-    print(f"one payload for two ranks: {caught.value}")
+    calls.clear()
+    check(push(decoder, named), named)  # each rank reads it
+    assert len(calls) == buckets  # one for both: what the count catches
 
 
 @pytest.mark.gpu

@@ -311,14 +311,14 @@ def test_a_restarted_trainer_takes_back_the_engines_a_restarted_router_forgot(
     from millstream.common.redis_conn import connect
     from millstream.trainer.weights.keeper import EngineBook
 
-    key = RunKeys(f"recall-{free_port()}").engines
+    keys = RunKeys(f"recall-{free_port()}")
     url = engines[0].url
     port = free_port()
     router = routers(port)
     redis = run(connect(redis_url))
     first = WeightSync(router.url, admin_token=TOKEN, timeout_s=20, stall_timeout_s=60)
     try:
-        keeper = EngineKeeper(first, stall_timeout_s=5, poll_s=0.2, book=EngineBook(redis, key))
+        keeper = EngineKeeper(first, stall_timeout_s=5, poll_s=0.2, book=EngineBook(redis, keys))
         run(keeper.sync(hf_model(tiny_model_dir, seed=3).named_parameters(), 1, join=[url]))
     finally:
         run(first.close())
@@ -327,7 +327,7 @@ def test_a_restarted_trainer_takes_back_the_engines_a_restarted_router_forgot(
     assert router_state(router.url)[0] == []
     second = WeightSync(router.url, admin_token=TOKEN, timeout_s=20, stall_timeout_s=60)
     try:
-        keeper = EngineKeeper(second, stall_timeout_s=5, poll_s=0.2, book=EngineBook(redis, key))
+        keeper = EngineKeeper(second, stall_timeout_s=5, poll_s=0.2, book=EngineBook(redis, keys))
         assert run(keeper.recall()) == [url]
         report = run(keeper.sync(hf_model(tiny_model_dir, seed=4).named_parameters(), 2))
         assert report.engines == [url]

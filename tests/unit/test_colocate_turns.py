@@ -202,7 +202,7 @@ class RecordedSync(RecordedEngines):
         self.reads: list[tuple[bool, bool, int]] = []  # (trainer on device, engine weights back,
         # tensors read)
 
-    async def revivable(self) -> list[str]:
+    async def revivable(self, *, eager: bool = False) -> list[str]:
         return []
 
     async def sync(self, weights: Any, version: int, *, join=(), **kwargs: Any) -> Any:

@@ -128,7 +128,7 @@ class FakeSync:
         self.readmits += 1
         return []
 
-    async def revivable(self) -> list[str]:
+    async def revivable(self, *, eager: bool = False) -> list[str]:
         back, self.back = self.back, []
         return back
 

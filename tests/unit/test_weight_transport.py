@@ -15,6 +15,7 @@ from millstream.trainer.weights.transport import (
     DISK,
     GROUP,
     SGLANG,
+    SGLANG_BYTES,
     SHM,
     TENSOR,
     TransportError,
@@ -241,6 +242,28 @@ def test_an_sglang_server_on_the_trainers_gpu_gets_sglangs_format_or_files():
     assert choose("auto", trainer, sglang_here).transport == DISK
 
 
+def test_an_sglang_server_on_this_machines_cpu_gets_the_group_or_its_format_when_forced():
+    """An SGLang server the launcher started on this machine's CPU (the live tier's; a CPU
+    trial run): the group by default (gloo, what SGLang's CPU engine has run longest); forced
+    `tensor`, SGLang's format with the bytes in the request, where sglang imports here. Elsewhere, or
+    saying nothing of where it lives, tensor cannot reach it."""
+    sglang_cpu = {"host": "boot:1:2", "device": "cpu", "gpu_uuid": None}
+    missing = "sglang not importable here: ModuleNotFoundError: No module named 'sglang'"
+    for trainer in (place(), GPU0):
+        route = choose("auto", trainer, sglang_cpu, lambda: None)
+        assert (route.transport, str(route)) == (GROUP, "group (on this machine's CPU)")
+        route = choose("tensor", trainer, sglang_cpu, lambda: None)
+        assert (route.transport, route.handle) == (TENSOR, SGLANG_BYTES)
+        assert str(route) == (
+            "tensor in SGLang's format, its bytes in the request (--update-weight-transport "
+            "tensor; an SGLang server on this machine's CPU)"
+        )
+    with pytest.raises(TransportError, match="SGLang's format, and sglang not importable"):
+        choose("tensor", place(), sglang_cpu, lambda: missing)
+    with pytest.raises(TransportError, match="handles work only on one machine"):
+        choose("tensor", place(), {**sglang_cpu, "host": "boot2:1:2"}, lambda: None)
+
+
 def test_engines_with_several_gpus_take_as_many_ranks_in_the_update_group():
     """SGLang joins each tensor-parallel rank at rank_offset + its rank: an engine with tp 2
     takes two ranks, and the next engine's offset follows them (Miles' layout)."""
@@ -343,7 +366,7 @@ def deliver(monkeypatch, tmp_path, info):
 
     serialized = []
 
-    def serialize(bucket, copies):
+    def serialize(bucket, copies, to_host=False):
         serialized.append([(n, t.dtype) for n, t in zip(bucket.names, bucket.tensors, strict=True)])
         return [f"payload {len(serialized)}.{i}" for i in range(copies)], torch.zeros(1)
 

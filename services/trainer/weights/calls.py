@@ -22,6 +22,8 @@ import httpx
 from millstream.common import aio, telemetry
 from millstream.common.auth import bearer_headers
 
+ALIVE_PATHS = ("/health", "/get_server_info")  # `EngineCalls.alive`: either answering will do
+
 
 @dataclass
 class SyncReport:
@@ -103,19 +105,34 @@ class EngineCalls:
         return {u: r for u, r in zip(urls, results, strict=True) if r is not None}
 
     async def alive(self, urls: list[str], probe_s: float = 5.0) -> set[str]:
-        """The engines among `urls` that answer GET /health within `probe_s` (at most the
-        sync timeout)."""
+        """The engines among `urls` that answer GET /health or GET /get_server_info with 200
+        within `probe_s` (at most the sync timeout). Both: SGLang's /health is a one-token
+        generation, which takes at least a second and hangs while the server is paused (every
+        sync pauses it: 503 after 20 s), while its /get_server_info is its scheduler's state,
+        answered paused or not, and not while the scheduler is blocked (rendezvous.py).
+        millstream's engine answers both at once; an engine of another kind, /health."""
 
-        async def check(url: str) -> bool:
+        async def answers(url: str, path: str) -> bool:
             try:
-                resp = await aio.wait_for(self.http.get(url + "/health"), probe_s)
+                resp = await aio.wait_for(self.http.get(url + path), probe_s)
             except (TimeoutError, httpx.HTTPError):
                 return False
             return resp.status_code == 200
 
+        async def check(url: str) -> bool:
+            probes = [asyncio.ensure_future(answers(url, p)) for p in ALIVE_PATHS]
+            try:
+                for probe in asyncio.as_completed(probes):
+                    if await probe:
+                        return True
+                return False
+            finally:
+                for probe in probes:
+                    probe.cancel()
+
         probe_s = min(probe_s, self.timeout_s)
-        answers = await asyncio.gather(*(check(u) for u in urls))
-        return {u for u, ok in zip(urls, answers, strict=True) if ok}
+        answers_ = await asyncio.gather(*(check(u) for u in urls))
+        return {u for u, ok in zip(urls, answers_, strict=True) if ok}
 
     async def info(self, url: str) -> dict[str, Any] | None:
         """The engine's GET /get_server_info (None: no answer within a few seconds, or not a

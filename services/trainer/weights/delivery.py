@@ -43,7 +43,8 @@ from .process_group import Bucket
 from .transport import (
     DISK,
     GROUP,
-    SGLANG,
+    SGLANG_BYTES,
+    SGLANG_HANDLES,
     TENSOR,
     group_backend,
     opening_failed,
@@ -92,8 +93,12 @@ class Delivery:
         refused = {u: self.book.refused[u] for u in engines if u in self.book.refused}
         engines = await self._remove(router, engines, refused, report)
         group = [u for u in engines if routes[u].transport == GROUP]
-        mine = {u: r for u, r in routes.items() if r.transport == TENSOR and r.handle != SGLANG}
-        sglang = [u for u in engines if routes[u].handle == SGLANG]
+        mine = {
+            u: r
+            for u, r in routes.items()
+            if r.transport == TENSOR and r.handle not in SGLANG_HANDLES
+        }
+        sglang = [u for u in engines if routes[u].handle in SGLANG_HANDLES]
         disk = [u for u in engines if routes[u].transport == DISK]
         if not group and self.group.group is not None:  # nobody in it any more
             await self.group.drop(calls, self.group.members)
@@ -208,10 +213,15 @@ class Delivery:
         if not engines:
             return []
         start = time.monotonic()
-        tp_sizes = {u: self.book.tp.get(u, 1) for u in engines}
-        failed = await sglang_route.push_sglang(
-            calls, tp_sizes, buckets, report.version, report.flush_cache
-        )
+        failed: dict[str, object] = {}
+        for handle in SGLANG_HANDLES:  # CUDA IPC, then the bytes (servers on the CPU)
+            mine = [u for u in engines if self.book.routes[u].handle == handle]
+            if mine:
+                tp_sizes = {u: self.book.tp.get(u, 1) for u in mine}
+                failed |= await sglang_route.push_sglang(
+                    calls, tp_sizes, buckets, report.version, report.flush_cache,
+                    to_host=handle == SGLANG_BYTES,
+                )  # fmt: skip
         report.add_time("tensor", time.monotonic() - start)
         return await self._remove(router, engines, failed, report)
 

@@ -15,15 +15,23 @@ trainer still holds its groups, and a restarted trainer's `_1` would collide wit
 collective is bounded by the group's timeout and runs in a thread, so the event loop keeps
 serving the engines' HTTP calls meanwhile.
 
+Each group is written down (`ledger`, rendezvous.py) before its init is posted, marked formed
+once rank 0 joined, and struck off when dropped: an SGLang server whose trainer was killed
+between the POST and its connection stays blocked for 30 minutes, and a trainer that starts
+again frees it from that record (`release`).
+
 When a step breaks (rank 0's join or a broadcast fails), the group is torn down on both sides,
 rebuilt with the engines still standing, and every bucket is sent again, so the same sync
 completes for the healthy engines. Blame (`blame`): in one collective, a peer that is missing
 makes everyone else wait and time out, so failing is not proof of fault. At fault are, in
-order: engines that failed and then do not answer /health (dead or hung); else engines that
-failed while rank 0 or another engine succeeded; else, when all failed, those that failed early
-(before half the timeout: they refused, the rest waited on them). When all failed alike,
-nobody is removed: the group is rebuilt once, and a second such failure points at rank 0
-(e.g. engines cannot reach --master-address) and raises MillstreamError.
+order: engines that failed and then do not answer (calls.py `alive`: dead or hung); else
+engines that failed while rank 0 or another engine succeeded; else, when all failed, those
+that failed early (before half the timeout: they refused, the rest waited on them). When all
+failed alike, nobody is removed: the group is rebuilt once, and a second such failure points
+at rank 0 (e.g. engines cannot reach --master-address) and raises MillstreamError. A paused
+SGLang server answers /get_server_info, not /health (a generation): `alive` asks both, so an
+SGLang server restarted at its URL (its group gone: "Group ... not in []") is not blamed as
+dead, and the group is rebuilt with it.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from millstream.common.errors import MillstreamError
 
 from .calls import EngineCalls, Failure, SyncReport
 from .process_group import FLATTENED_BUCKET, Bucket, UpdateGroup
+from .rendezvous import GroupLedger, GroupRecord, release
 
 if TYPE_CHECKING:
     from .router_admin import RouterAdmin
@@ -133,6 +142,7 @@ class GroupRoute:
         self.members: list[str] = []  # the engines of `group`, in rank order
         self._generation = itertools.count(1)
         self._instance = secrets.token_hex(3)
+        self.ledger: GroupLedger | None = None  # where each group is written down (Redis)
 
     async def push(
         self,
@@ -189,6 +199,8 @@ class GroupRoute:
         offsets, world = group_layout([ranks.get(u, 1) for u in engines])
         group = UpdateGroup(name, world, backend, self.master_address, self.timeout_s)
         self.group, self.members = group, list(engines)
+        record = GroupRecord(self.master_address, group.port, name, world, list(engines))
+        await self._note(record)  # before the POST: after it, a crash can block an engine
 
         def body(i: int, _url: str) -> dict[str, Any]:
             return {
@@ -206,6 +218,7 @@ class GroupRoute:
             )
         finally:
             report.add_time("init", time.monotonic() - start)
+        await self._note(record.formed())
         report.new_group = True
         log.info(
             "weight sync v%d: update group %r of %d (%s, port %d) in %.2fs",
@@ -284,7 +297,11 @@ class GroupRoute:
         """The engines at fault for a broken group step (module docstring)."""
         failed = broken.failed
         alive = await calls.alive(list(failed))
-        dead = {u: f"{f}; then no answer to /health" for u, f in failed.items() if u not in alive}
+        dead = {
+            u: f"{f}; then no answer to /health or /get_server_info"
+            for u, f in failed.items()
+            if u not in alive
+        }
         if dead:
             return dead
         if broken.rank0 is None or len(failed) < len(engines):
@@ -299,8 +316,42 @@ class GroupRoute:
         if group is None:
             return
         await asyncio.to_thread(group.destroy)
+        await self._note(None)
         failed = await calls.each(
             notify, "/destroy_weights_update_group", lambda _i, _u: {"group_name": group.name}
         )
         for url, why in failed.items():
             log.info("leaving update group %r on %s failed (ignored): %s", group.name, url, why)
+
+    async def _note(self, record: GroupRecord | None) -> None:
+        if self.ledger is not None:
+            await self.ledger.note(record)
+
+    async def release(self, calls: EngineCalls, record: GroupRecord) -> str:
+        """An earlier trainer's group (rendezvous.py): free its engines blocked in the
+        rendezvous, then ask the ones that answer to destroy it (best effort); what happened,
+        in one line."""
+        start = time.monotonic()
+        freed, stuck, why = await release(calls.http, record)
+        answering = await calls.alive(record.engines)
+        gone = await calls.each(
+            [u for u in record.engines if u in answering and u not in stuck],
+            "/destroy_weights_update_group",
+            lambda _i, _u: {"group_name": record.name},
+        )
+        for url, failure in gone.items():  # it never formed there, or the server restarted
+            log.info("destroying update group %r on %s: %s (ignored)", record.name, url, failure)
+        line = (
+            f"an earlier trainer's update group {record.name!r} ({record.phase}, "
+            f"{record.address}:{record.port}): "
+        )
+        if freed:
+            line += (
+                f"freed {freed}, blocked in its rendezvous, in {time.monotonic() - start:.1f} s; "
+            )
+        if stuck:
+            line += (
+                f"{stuck} stay blocked in its rendezvous ({why}) until SGLang's own 30-minute "
+                "timeout; "
+            )
+        return line + "the group is destroyed on the engines that answer"

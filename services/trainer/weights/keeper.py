@@ -15,14 +15,15 @@ waits on) and the wait for one. It works in two places:
     engine that answers with the current version gets none: the router's view of it lags (a
     busy engine late to its health checks), and a sync would pause it for nothing.
 
-Each sync also takes back the engines an earlier sync removed that answer /health again
+Each sync also takes back the engines an earlier sync removed that answer again
 (WeightSync.revivable: a stopped or slow engine that outlived its failure), so none is lost
 for good.
 
 The wait: admission paused (`ready` cleared) and one line that says so and how to add an
 engine; then every `poll_s` the Coordinator's pending joins, the removed engines that answer
-again and the engines the router lists that answer /health (one registered with the router).
-The first found is synced to the current version, admission resumes, and one line says after how long. Nothing found within
+again (every one at each look: `revivable(eager=True)`) and the engines the router lists that
+answer (calls.py `alive`; one registered with the router). The first found is synced to the
+current version, admission resumes, and one line says after how long. Nothing found within
 --stall-timeout of the loss: NoEngineLeft, the sync's own message plus the wait.
 
 Why the trainer, and not the router or the engines, brings engines back: it already owns
@@ -30,7 +31,10 @@ membership (every engine in routing was synced by it) and the version, so an eng
 back is gated and synced by the same handshake; see docs/weight-sync.md. A trainer that
 restarts has forgotten them, and a router that restarted too lists none: every engine synced is
 also recorded in Redis (`EngineBook`, the run's `engines` set), which a starting trainer reads
-(`recall`) and looks at as it looks at engines it removed.
+(`recall`) and looks at as it looks at engines it removed. Next to it, the run's update group
+(`EngineBook.group`, rendezvous.py): a trainer killed between posting a group's init and an
+SGLang server connecting to it leaves that server blocked for 30 minutes, and `recall` frees it
+before the first sync.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from millstream.common.keys import RunKeys
+
 from ..observe.watch import Stalled
+from .rendezvous import GroupLedger
 from .sync import NoEngineLeft, SyncReport
 
 log = logging.getLogger(__name__)
@@ -53,9 +60,10 @@ class EngineBook:
     engine joined through the Coordinator once, at its own start, and asks again only when it
     restarts. A bookkeeping write that fails is logged, never a failed sync."""
 
-    def __init__(self, redis: Any, key: str):
-        self.redis, self.key = redis, key
+    def __init__(self, redis: Any, keys: RunKeys):
+        self.redis, self.key = redis, keys.engines
         self._noted: set[str] = set()
+        self.group = GroupLedger(redis, keys.update_group)  # the run's update group
 
     async def known(self) -> list[str]:
         return sorted(
@@ -106,6 +114,8 @@ class EngineKeeper:
         self.waits: list[tuple[float, list[str]]] = []  # (seconds with no engine, who came)
         self._lost_at: float | None = None  # when the engines were found gone
         self._dry = 0  # looks in a row at which the router routed to no engine
+        if book is not None:
+            sync.record_groups(book.group)
 
     async def sync(
         self, weights: Any, version: int, *, join: Sequence[str] = (), **kwargs: Any
@@ -132,9 +142,14 @@ class EngineKeeper:
 
     async def recall(self) -> list[str]:
         """A starting trainer: the engines earlier starts of this run synced, for the next
-        sync to take back if they answer (WeightSync.remember). Returns them."""
+        sync to take back if they answer (WeightSync.remember), after freeing those an earlier
+        start left blocked in its update group's rendezvous (rendezvous.py). Returns them."""
         if self.book is None:
             return []
+        record = await self.book.group.read()
+        if record is not None:  # an earlier start's group: it may have left engines blocked
+            self.say(await self.ws.release_group(record))
+            await self.book.group.note(None)
         known = await self.book.known()
         self.ws.remember(known)
         return known
@@ -184,7 +199,7 @@ class EngineKeeper:
         else:  # the last one found failed its sync: do not hammer it
             await asyncio.sleep(self.poll_s)
         while True:
-            join = [*self.joins(), *await self.ws.revivable()]
+            join = [*self.joins(), *await self.ws.revivable(eager=True)]
             await self.ws.readmit()
             if join or await self.ws.alive(await self.ws.routed_engines(patient=True)):
                 return join

@@ -1,5 +1,7 @@
 """The tensor route to a real SGLang server on the trainer's GPU, in SGLang's own format, and
-the weight-update session SGLang wants around tensor and group updates.
+the weight-update session SGLang wants around tensor and group updates. To a server on this
+machine's CPU (forced `tensor`: tests, a CPU trial run) the same format carries the bucket's
+bytes instead of a CUDA IPC handle (`_by_value` says why no shared memory).
 
 For each bucket (at most --update-weight-buffer-size bytes, `aligned`: SGLang views each piece
 of the flat bytes as its dtype):
@@ -100,19 +102,26 @@ def end_body() -> dict[str, Any]:
     return {}
 
 
-def serialize_bucket(bucket: Bucket, copies: int) -> tuple[list[str], torch.Tensor]:
+def serialize_bucket(
+    bucket: Bucket, copies: int, to_host: bool = False
+) -> tuple[list[str], torch.Tensor]:
     """`copies` serializations of the bucket in SGLang's format, and the flattened tensor they
-    share (keep it until every receiver answered). Blocking: call it from a worker thread."""
+    share (keep it until every receiver answered); `to_host`: from host memory, its bytes in
+    the payload (an SGLang server on the CPU), wherever the trainer's tensors are. Blocking:
+    call it from a worker thread."""
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    named = [(n, t.detach()) for n, t in zip(bucket.names, bucket.tensors, strict=True)]
+    named = [
+        (n, t.detach().cpu() if to_host else t.detach())
+        for n, t in zip(bucket.names, bucket.tensors, strict=True)
+    ]
     flat = FlattenedTensorBucket(named_tensors=named)
     data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
     tensor = data["flattened_tensor"]
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()  # written before it is read
-    scope = _device_as_uuid() if tensor.is_cuda else contextlib.nullcontext()
+    scope = _device_as_uuid() if tensor.is_cuda else _by_value()
     with scope:
         payloads = [
             MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(copies)
@@ -126,10 +135,11 @@ async def push_sglang(
     buckets: Sequence[Bucket],
     version: int,
     flush: bool = True,
+    to_host: bool = False,
 ) -> dict[str, object]:
     """Every bucket to every engine of `tp_sizes` (engine url -> its TP size) as SGLang's
-    payloads; the version goes with the last. The failed engines, with why (an engine that
-    failed a bucket gets no later one)."""
+    payloads (`to_host`: from host memory, for servers on the CPU); the version goes with the
+    last. The failed engines, with why (an engine that failed a bucket gets no later one)."""
     failed: dict[str, object] = {}
     engines = list(tp_sizes)
     for k in range(len(buckets)):
@@ -139,7 +149,7 @@ async def push_sglang(
         bucket = await threads.compute(buckets.__getitem__, k)  # FP8 buckets cast on reading
         # One serialization per TP rank of each engine (module docstring: reference counts).
         total = sum(tp_sizes[u] for u in engines)
-        payloads, flat = await threads.compute(serialize_bucket, bucket, total)
+        payloads, flat = await threads.compute(serialize_bucket, bucket, total, to_host)
         starts = dict(zip(engines, _offsets([tp_sizes[u] for u in engines]), strict=True))
         last = k == len(buckets) - 1
 
@@ -205,6 +215,33 @@ def _device_as_uuid() -> Iterator[None]:
                 registry.pop(torch.Tensor, None)
             else:
                 registry[torch.Tensor] = before
+
+
+@contextlib.contextmanager
+def _by_value() -> Iterator[None]:
+    """Picklers made meanwhile write a CPU tensor's bytes into the payload (pickle's own
+    reduction) instead of a handle to shared memory (torch's, which multiprocessing's
+    ForkingPickler carries). Neither of torch's handles suits a server that is no child of
+    this process: a file descriptor (torch's default on Linux) is fetched back from this
+    process over a socket that checks multiprocessing's authkey, which an SGLang server never
+    has (its scheduler fails the update with `AuthenticationError: digest sent was rejected`
+    and the whole server exits); a named shared-memory file (the `file_system` strategy) has
+    this process start torch_shm_manager, a daemon that outlives it while the server holds the
+    memory, with this process's stdout and stderr (seen with SGLang 0.5.23 on the CPU:
+    tests/sglang_live/test_routes.py). Bytes in the request cost a copy, on a CPU."""
+    from multiprocessing.reduction import ForkingPickler
+
+    registry: dict[type, Callable[..., Any]] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    with _PICKLER:
+        saved = dict(registry)
+        for kind, reduce in saved.items():
+            if getattr(reduce, "__module__", "") == "torch.multiprocessing.reductions":
+                del registry[kind]
+        try:
+            yield
+        finally:
+            registry.clear()
+            registry.update(saved)
 
 
 def _reduce_by_uuid(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:

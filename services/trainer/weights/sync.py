@@ -30,7 +30,7 @@ Invariants:
     (calls.py), and so is every collective of the group (gloo/NCCL timeout);
   * an engine that fails or times out in any step is removed from routing (`/remove_worker`)
     and named in the report with the reason, and the sync goes on with the rest; it is not
-    lost for good: once it answers /health again it joins the next sync (`revivable`), which
+    lost for good: once it answers again it joins the next sync (`revivable`), which
     brings it to the current version before the router routes to it; a broken
     update group is rebuilt with the engines still standing and the buckets sent again
     (group_route.py: who is blamed);
@@ -65,6 +65,7 @@ from .delivery import Delivery
 from .engines import EngineBook
 from .group_route import GroupBroken, GroupRoute, engine_ranks, group_layout
 from .process_group import BACKENDS, FLATTENED_BUCKET, Bucket, NamedTensors, plan_buckets
+from .rendezvous import GroupLedger, GroupRecord
 from .router_admin import RouterAdmin
 from .transport import AUTO, DISK, SETTINGS, Route
 
@@ -82,7 +83,7 @@ __all__ = [
 VERSION_PATHS = ("/get_weight_version", "/model_info", "/get_model_info")
 REVIVE_FIRST_S = 2.0  # a removed engine's first look; doubled after each miss...
 REVIVE_MAX_S = 60.0  # ...up to this
-REVIVE_PROBE_S = 1.0  # a look's /health timeout (a stopped engine answers nothing)
+REVIVE_PROBE_S = 1.0  # a look's timeout (calls.py `alive`; a stopped engine answers nothing)
 log = logging.getLogger("millstream.trainer")
 
 
@@ -254,7 +255,7 @@ class WeightSync:
         return await self._clients()[1].eligible()
 
     async def alive(self, urls: Sequence[str]) -> list[str]:
-        """The engines among `urls` that answer GET /health, in `urls`' order."""
+        """The engines among `urls` that answer (calls.py `alive`), in `urls`' order."""
         answering = await self._clients()[0].alive(list(urls))
         return [u for u in urls if u in answering]
 
@@ -278,6 +279,14 @@ class WeightSync:
         found = await asyncio.gather(*(read(u) for u in urls))
         return dict(zip(urls, found, strict=True))
 
+    def record_groups(self, ledger: GroupLedger) -> None:
+        """Write each update group down in `ledger` before its init is posted (rendezvous.py)."""
+        self._group.ledger = ledger
+
+    async def release_group(self, record: GroupRecord) -> str:
+        """An earlier trainer's group: free its blocked engines (group_route.py); one line."""
+        return await self._group.release(self._clients()[0], record)
+
     def remember(self, urls: Sequence[str]) -> None:
         """Engines an earlier start of this run synced (keeper.EngineBook): looked at now by
         `revivable`, as engines this trainer removed are, so one that answers /health joins the
@@ -285,15 +294,17 @@ class WeightSync:
         for url in urls:
             self._removed.setdefault(url, (0.0, REVIVE_FIRST_S))
 
-    async def revivable(self) -> list[str]:
-        """The engines this trainer removed from routing that answer /health again and that
-        the router does not list: for the next sync to join (keeper.py), which brings each to
-        the current version before the router routes to it. Each is looked at REVIVE_FIRST_S
-        after its removal, then after every miss (no answer, or its return failed) twice as
-        long, up to REVIVE_MAX_S; one the router lists again (it registered itself, gated on
-        the version) is no longer ours to bring back."""
+    async def revivable(self, *, eager: bool = False) -> list[str]:
+        """The engines this trainer removed from routing that answer again (calls.py `alive`)
+        and that the router does not list: for the next sync to join (keeper.py), which brings
+        each to the current version before the router routes to it. Each is looked at
+        REVIVE_FIRST_S after its removal, then after every miss (no answer, or its return
+        failed) twice as long, up to REVIVE_MAX_S; `eager` (the keeper, with no engine left:
+        nothing to slow down) looks at every one now, so a server that restarts is taken back
+        at once. One the router lists again (it registered itself, gated on the version) is no
+        longer ours to bring back."""
         now = time.monotonic()
-        due = [u for u, (at, _) in self._removed.items() if at <= now]
+        due = [u for u, (at, _) in self._removed.items() if eager or at <= now]
         if not due:
             return []
         try:
@@ -309,7 +320,7 @@ class WeightSync:
             self._removed[url] = (now + wait, min(2 * wait, REVIVE_MAX_S))
         back = [u for u in due if u in answering]
         if back:
-            log.warning("engine(s) %s answer /health again: they join the next sync", back)
+            log.warning("engine(s) %s answer again: they join the next sync", back)
         return back
 
     async def readmit(self) -> list[str]:

@@ -16,7 +16,8 @@ The routes (`Route.transport`):
              memory when it is on the same machine and either side is on a CPU; to a real
              SGLang server on the trainer's GPU, SGLang's own format over CUDA IPC
              (sglang_route.py: a pickled FlattenedTensorBucket per TP rank), which needs sglang
-             importable in the trainer
+             importable in the trainer; forced (`tensor`) to an SGLang server the launcher
+             started on this machine's CPU, the same format with the bytes in the request
     disk     safetensors files in a directory both sides see (--update-weight-disk-dir) and
              `/update_weights_from_disk`: slow, and works wherever a file system is shared
 
@@ -57,6 +58,8 @@ SETTINGS = (AUTO, NCCL, TENSOR, DISK)
 GROUP = "group"
 CUDA_IPC, SHM = "cuda_ipc", "shm"
 SGLANG = "sglang"  # TENSOR to a real SGLang server: its own format over CUDA IPC
+SGLANG_BYTES = "sglang_bytes"  # ... on this machine's CPU: its own format, the bytes in the request
+SGLANG_HANDLES = (SGLANG, SGLANG_BYTES)
 
 
 class TransportError(MillstreamError):
@@ -74,6 +77,7 @@ class Route:
             CUDA_IPC: " over CUDA IPC",
             SHM: " over shared memory",
             SGLANG: " in SGLang's format over CUDA IPC",
+            SGLANG_BYTES: " in SGLang's format, its bytes in the request",
         }.get(self.handle or "", "")
         return f"{self.transport}{how} ({self.why})"
 
@@ -99,7 +103,10 @@ def choose(
     takes_tensors = engine is not None and TENSOR in engine.get("weight_transports", ())
     same_gpu = engine is not None and tensor_share.same_gpu(trainer, engine)
     same_host = engine is not None and tensor_share.same_host(trainer, engine)
-    sglang_here = same_gpu and engine is not None and "weight_transports" not in engine
+    sglang = engine is not None and "weight_transports" not in engine
+    sglang_here = same_gpu and sglang
+    # The launcher's SGLang server on this machine's CPU (tests; a CPU-only trial run)
+    sglang_cpu_here = sglang and same_host and engine is not None and _on_cpu(engine)
     if setting == NCCL:
         if same_gpu:
             raise TransportError(
@@ -117,6 +124,15 @@ def choose(
                 )
             forced = "--update-weight-transport tensor; an SGLang server on the trainer's GPU"
             return Route(TENSOR, forced, SGLANG)
+        if sglang_cpu_here:
+            missing = sglang_missing()
+            if missing is not None:
+                raise TransportError(
+                    "--update-weight-transport tensor: the SGLang server on this machine's CPU "
+                    f"takes tensors in SGLang's format, and {missing}; use auto or disk"
+                )
+            forced = "--update-weight-transport tensor; an SGLang server on this machine's CPU"
+            return Route(TENSOR, forced, SGLANG_BYTES)
         if not (takes_tensors and same_host):
             raise TransportError(
                 "--update-weight-transport tensor: the engine is not on this machine (or does "
@@ -139,7 +155,9 @@ def choose(
         return Route(DISK, "on the trainer's GPU, taking no shared tensors (NCCL cannot)")
     if same_host and takes_tensors and (_on_cpu(trainer) or _on_cpu(engine)):
         return Route(TENSOR, "on this machine, on a CPU", SHM)
-    return Route(GROUP, "on another GPU" if same_host else "on another machine")
+    if not same_host:
+        return Route(GROUP, "on another machine")
+    return Route(GROUP, "on this machine's CPU" if _on_cpu(engine) else "on another GPU")
 
 
 def group_backend(trainer: Mapping[str, Any], engines: Sequence[Mapping[str, Any] | None]) -> str:
