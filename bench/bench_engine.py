@@ -1,7 +1,12 @@
 """Engine throughput vs naive one-request-at-a-time HF generate(), and vs the engine of an
-earlier commit, side by side in one run.
+earlier commit or a real SGLang server, side by side in one run.
 
     .venv/bin/python bench/bench_engine.py [--baseline d9c9f3c] [--new-tokens 64]
+    .venv/bin/python bench/bench_engine.py --peer sglang [--rounds 8] [--smoke]
+
+`--peer sglang` is bench/engine_peer.py (its docstring has the design): millstream's engine
+and SGLang 0.5.23 up side by side on one model, rows paired within rounds. What follows is the
+default mode.
 
 Builds a random Qwen2 model (hidden 256, 4 layers, 8k context, the tests' byte-level
 tokenizer) in a temp dir, measures HF `model.generate()` one request at a time (greedy,
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import sys
 import tempfile
@@ -36,11 +40,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(32, 127) for _ in range(length)] for _ in range(count)]
+from engine_load import client_warmup, engine_run, prompts  # noqa: E402
 
 
 def naive_generate(model_dir: Path, batch: list[list[int]], new_tokens: int) -> tuple[int, float]:
@@ -63,40 +65,6 @@ def naive_generate(model_dir: Path, batch: list[list[int]], new_tokens: int) -> 
             )
             produced += out.shape[1] - ids_BT.shape[1]
     return produced, time.perf_counter() - start
-
-
-async def engine_run(
-    url: str, batch: list[list[int]], new_tokens: int, concurrency: int
-) -> tuple[int, float]:
-    import httpx
-
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for prompt in batch:
-        queue.put_nowait(prompt)
-    produced = 0
-
-    async def client(http: httpx.AsyncClient) -> None:
-        nonlocal produced
-        while not queue.empty():
-            prompt = queue.get_nowait()
-            body = {
-                "input_ids": prompt,
-                "sampling_params": {
-                    "max_new_tokens": new_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            }
-            resp = await http.post(f"{url}/generate", json=body)
-            resp.raise_for_status()
-            produced += resp.json()["meta_info"]["completion_tokens"]
-
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        await client_warmup(http, url)
-        start = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        return produced, time.perf_counter() - start
 
 
 def hf_burst(model_dir: Path, batch: list[list[int]], n: int, new_tokens: int) -> float:
@@ -140,11 +108,6 @@ async def engine_burst(url: str, batch: list[list[int]], n: int, new_tokens: int
                 resp.raise_for_status()
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
-
-
-async def client_warmup(http, url: str) -> None:
-    body = {"input_ids": [65, 66], "sampling_params": {"max_new_tokens": 4}}
-    (await http.post(f"{url}/generate", json=body)).raise_for_status()
 
 
 def baseline_tree(ref: str, tmp: Path) -> Path:
@@ -198,8 +161,8 @@ def engine_rows(engine, args, long: bool) -> dict[str, tuple]:
     for concurrency in args.concurrency:
         count = max(8, 2 * concurrency)
         batch = prompts(count, args.prompt_tokens, seed=concurrency)
-        n_tokens, seconds = asyncio.run(engine_run(engine.url, batch, args.new_tokens, concurrency))
-        rows[f"c{concurrency}"] = (concurrency, count, n_tokens, seconds)
+        load = asyncio.run(engine_run(engine.url, batch, args.new_tokens, concurrency))
+        rows[f"c{concurrency}"] = (concurrency, count, load.tokens, load.seconds)
     if long:
         n_tokens, seconds, error = asyncio.run(
             long_beside_short(engine.url, args.long_prompt, 63, args.long_new_tokens)
@@ -233,9 +196,17 @@ def summary(rounds: list[dict[str, tuple]], base: list[dict[str, tuple]] | None)
     return out
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--baseline", help="git ref of the engine to compare with (a worktree)")
+    parser.add_argument(
+        "--peer", choices=["sglang"], help="compare with a real SGLang server (engine_peer.py)"
+    )
+    parser.add_argument(
+        "--sglang-python",
+        help="--peer sglang: SGLang's venv Python (default $MILLSTREAM_SGLANG_PYTHON, else "
+        "scripts/bootstrap_sglang.sh's)",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
@@ -244,12 +215,38 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--long-prompt", type=int, default=4096)
     parser.add_argument("--long-new-tokens", type=int, default=32)
-    parser.add_argument("--burst-new-tokens", type=int, default=6)
+    parser.add_argument(
+        "--burst-new-tokens", type=int, help="the burst's new tokens (default 6; --peer: 32)"
+    )
+    parser.add_argument(
+        "--burst-prompts", type=int, default=64, help="--peer: GRPO groups in the burst (x 8)"
+    )
+    parser.add_argument("--max-running-requests", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--rounds", type=int, default=1, help="rounds of every row on each engine, in turn"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--smoke", action="store_true", help="--peer: one round of tiny rows (plumbing only)"
+    )
+    args = parser.parse_args(argv)
+    if args.peer and args.baseline:
+        parser.error("--peer and --baseline: one comparison a run")
+    if args.burst_new_tokens is None:
+        args.burst_new_tokens = 32 if args.peer else 6
+    if args.smoke:
+        from engine_peer import SMOKE
+
+        vars(args).update(SMOKE)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.peer:
+        from engine_peer import run
+
+        return run(args)
 
     import torch
 
@@ -258,7 +255,8 @@ def main() -> int:
     from tests.support.engine_proc import EngineProcess
     from tests.support.tiny_model import build_tiny_model
 
-    flags = ["--max-running-requests", "128", "--num-threads", str(args.threads)]
+    flags = ["--max-running-requests", str(args.max_running_requests), "--num-threads",
+             str(args.threads)]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp_name:
         tmp = Path(tmp_name)
         model_dir = build_tiny_model(
