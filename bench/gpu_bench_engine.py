@@ -128,16 +128,17 @@ def _decode_ms(runner: Any, tokens: int, n: int, length: int, args: argparse.Nam
 
 
 def engine_section(url: str, hf: Row, args: argparse.Namespace, flags: list[str], add: Add) -> None:
-    from bench_engine import engine_run
+    from engine_load import engine_run
 
     base = hf.value or 1.0
     for conc in args.concurrency:
         count = conc * args.rounds
         progress(f"engine: concurrency {conc}, {count} requests x {args.new_tokens} tokens ...")
         asyncio.run(engine_run(url, prompts(conc, args.prompt_tokens, 99), 8, conc))  # warm-up
-        made, seconds = asyncio.run(
+        load = asyncio.run(
             engine_run(url, prompts(count, args.prompt_tokens, conc), args.new_tokens, conc)
         )
+        made, seconds = load.tokens, load.seconds
         if made != count * args.new_tokens:
             raise RuntimeError(f"engine made {made} tokens, not {count} x {args.new_tokens}")
         add(Row("engine", f"millstream engine (HTTP), concurrency {conc}", made / seconds,
@@ -262,7 +263,7 @@ def variant_engine_row(
     columns); None, the FP8 engine on an FP8 copy of the model (examples/arith/make_fp8.py:
     e4m3 weights with 128 x 128 block scales, engine/fp8.py). Ratio to HF generate; to the
     bf16 engine with graphs in the note."""
-    from bench_engine import engine_run
+    from engine_load import engine_run
 
     from tests.support.router_proc import ServiceProcess
 
@@ -286,9 +287,10 @@ def variant_engine_row(
         engine.wait_ready("/health", timeout_s=600)
         asyncio.run(engine_run(engine.url, prompts(conc, args.prompt_tokens, 99), 8, conc))
         count = conc * args.rounds
-        made, seconds = asyncio.run(
+        load = asyncio.run(
             engine_run(engine.url, prompts(count, args.prompt_tokens, conc), args.new_tokens, conc)
         )
+        made, seconds = load.tokens, load.seconds
     finally:
         engine.stop()
     tps = made / seconds

@@ -9,8 +9,9 @@ same job on millstream's engine, same flags and rollouts: both learn, to the sam
 
 The band: greedy accuracy after ROLLOUTS rollouts at least START + GAIN on both (the model
 starts at 31%), and the two within BAND of each other. Neither engine's sampling is seeded the
-same way, so the curves differ by the noise of 64 x 8 samples a rollout; measured on 2 cores
-(sync / async): SGLang 0.625 / 0.565, millstream's engine 0.655 / 0.585 at 10 rollouts.
+same way, so the curves differ by the noise of 64 x 8 samples a rollout; measured on 2 cores at
+rollouts 0 / 5 / 10, sync: SGLang 0.31 / 0.585 / 0.635, millstream's engine 0.31 / 0.585 / 0.70;
+async: SGLang 0.31 / 0.585 / 0.615, millstream's engine 0.31 / 0.53 / 0.62.
 """
 
 from __future__ import annotations

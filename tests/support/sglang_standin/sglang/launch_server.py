@@ -40,7 +40,10 @@ def parse_as_sglang(argv: list[str]) -> list[tuple[str, object]]:
             "line: run scripts/bootstrap.sh (it installs it there)"
         )
     # SGLang's folder and this repository, and not the stand-in's: its `sglang` would shadow.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(sglang), str(REPO)])}
+    # With SGLANG_USE_CPU_ENGINE=1 (the launcher's, for a CPU engine) SGLang's modules import
+    # two CPU ops from sgl_kernel: the live tier's stand-in for that package serves them.
+    path = [str(sglang), str(REPO), str(REPO / "tests" / "sglang_live" / "kernel_standin")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.run(
         [sys.executable, "-m", CHILD, *argv], env=env, stdout=subprocess.PIPE, text=True
     )  # SGLang's messages go to stderr, the engine's log
