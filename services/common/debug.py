@@ -13,16 +13,29 @@ import asyncio
 import contextlib
 import signal
 import sys
+import traceback
 
 
 def dump_tasks(file=None) -> None:  # type: ignore[no-untyped-def]
-    """Print each task of the running loop with the stack it is suspended in."""
+    """Print each task of the running loop with the stack it is suspended in.
+
+    Not `Task.print_stack`: a task whose coroutine is compiled (grpc.aio's server, the
+    trainer's Coordinator) has frames without a line number, and asyncio's printer raises a
+    TypeError on them, losing every task after it. Here such a frame prints without its line.
+    """
     out = file or sys.stderr
     tasks = asyncio.all_tasks()
     print(f"--- {len(tasks)} asyncio task(s)", file=out)
     for task in sorted(tasks, key=lambda t: t.get_name()):
-        print(f"task {task.get_name()}:", file=out)
-        task.print_stack(limit=20, file=out)
+        print(f"task {task.get_name()}: {task.get_coro()!r}", file=out)
+        frames = task.get_stack(limit=20)
+        if not frames:
+            print("  (no Python frames: not started, done, or compiled code)", file=out)
+            continue
+        stack = traceback.StackSummary.extract(
+            ((frame, frame.f_lineno) for frame in frames), lookup_lines=False
+        )
+        out.write("".join(stack.format()))
     out.flush()
 
 
