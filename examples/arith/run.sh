@@ -82,6 +82,24 @@ SERVICE_ARGS=(
    --log-level warning
 )
 
+# RUN_DIR is never emptied: an earlier run's files (metrics, summary, checkpoints) are kept.
+# A run told to resume (--load among the extra flags: a restarted trainer,
+# tests/chaos/monkey.py) uses it as it is. A fresh start finds there either nothing, or a run
+# that finished (its summary.json says so: started again, by a second `docker compose up` say,
+# this says so and exits 0, before anything starts), or anything else, an unfinished run's
+# checkpoints included, which is moved aside whole to $RUN_DIR.prev-<time> (below) and the new
+# run starts empty. RERUN=1 runs a finished run again, its files moved aside the same way.
+FRESH=1
+[[ " $* " == *" --load "* || " $* " == *" --load="* ]] && FRESH=0
+SUMMARY="$RUN_DIR/summary.json"
+ENDED="$(sed -n 's/.*"ended": *"\([^"]*\)".*/\1/p' "$SUMMARY" 2>/dev/null | head -1)" || ENDED=""
+if [ "$FRESH" = 1 ] && [ "$ENDED" = finished ] && [[ "${RERUN:-0}" =~ ^0?$ ]]; then
+   echo "[run.sh] the run in $RUN_DIR finished at $(date -r "$SUMMARY" '+%F %T %Z')" \
+      "(summary: $SUMMARY): not run again. RERUN=1 runs it again (its files moved to" \
+      "$RUN_DIR.prev-<time> first); another RUN_DIR (compose: RUN_ID) starts a new run" >&2
+   exit 0
+fi
+
 # One GPU: colocate, as Miles does when GPUs are scarce (not when the engines run elsewhere).
 # `millstream gpus` answers with the torch the trainer will import, whatever $MILLSTREAM is (a
 # venv's script, a `python3 -m millstream.cli` wrapper, a command on PATH); the decision is
@@ -115,10 +133,16 @@ esac
 echo "[run.sh] millstream $MODE (set MODE=train or MODE=train-async; train-async is the" \
     "default: on the 2-core machine it reached 85% first, 7.2 s vs 9.7 s, README)" >&2
 
-# A fresh run starts from an empty RUN_DIR. One told to resume (--load among the extra flags:
-# a restarted trainer, tests/chaos/monkey.py) keeps it: its checkpoints and metrics are there.
-if [[ " $* " != *" --load "* && " $* " != *" --load="* ]]; then
-   rm -rf "$RUN_DIR"
+if [ "$FRESH" = 1 ] && [ -n "$(ls -A "$RUN_DIR" 2>/dev/null)" ]; then
+   PREV="$RUN_DIR.prev-$(date '+%Y%m%d-%H%M%S')"
+   [ ! -e "$PREV" ] || PREV="$PREV-$$"
+   if ! mv -T "$RUN_DIR" "$PREV"; then
+      echo "[run.sh] $RUN_DIR holds an earlier run and cannot be moved aside to $PREV:" \
+         "move it yourself, or set another RUN_DIR" >&2
+      exit 1
+   fi
+   echo "[run.sh] $RUN_DIR held an earlier run (${ENDED:+ended: }${ENDED:-no summary.json}):" \
+      "moved to $PREV (--load $PREV/ckpt resumes from its checkpoints); a fresh run starts" >&2
 fi
 # Not `exec`: the plots come after training. The trainer stops cleanly on SIGTERM, and in
 # compose this shell is PID 1, which `docker stop` signals: so TERM and INT go on to it.

@@ -3,7 +3,10 @@ wall) and exits non-zero; anything else is a bug and keeps its traceback."""
 
 
 class MillstreamError(Exception):
-    """An error the user can act on; the message says what and what to do next."""
+    """An error the user can act on; the message says what and what to do next. The CLI
+    exits with `exit_code`."""
+
+    exit_code = 1
 
 
 class ServiceUnavailable(MillstreamError):

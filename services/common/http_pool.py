@@ -25,6 +25,7 @@ stack, or closed. At most `max_idle_per_origin` idle connections are kept per or
 from __future__ import annotations
 
 import functools
+import socket
 import ssl
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
@@ -36,6 +37,27 @@ import httpx
 # does, instead of racing it with a request (that would read as a broken worker).
 KEEPALIVE_EXPIRY_S = 4.0
 MAX_IDLE_PER_ORIGIN = 256
+
+# TCP keepalive on every connection: after 30 s without a byte the kernel probes the peer
+# every 10 s and gives up after 6 unanswered probes. A request whose peer vanished without a
+# word (a network partition that outlasted the peer's own retransmissions: its socket is gone
+# while ours waits to read) then ends with the peer's RST at the first probe after the link
+# is back, or with a timeout 90 s into the silence, instead of waiting out the request's
+# timeout (the router's 600 s: make chaos-net's only-engine scenario stalled on one). A live
+# peer's kernel answers the probes, however long its answer takes to compute.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 6
+SOCKET_OPTIONS = [
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    *(
+        (socket.IPPROTO_TCP, getattr(socket, name), value)
+        for name, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        )
+        if hasattr(socket, name)  # Linux; elsewhere the system's keepalive timing
+    ),
+]
 
 
 class _Released:
@@ -89,7 +111,10 @@ class StackPool:
         self.opened += 1
         tls = tls_context() if origin.scheme == b"https" else None
         return httpcore.AsyncHTTPConnection(
-            origin=origin, keepalive_expiry=self.keepalive_expiry, ssl_context=tls
+            origin=origin,
+            keepalive_expiry=self.keepalive_expiry,
+            ssl_context=tls,
+            socket_options=SOCKET_OPTIONS,
         )
 
     async def release(self, conn: httpcore.AsyncHTTPConnection, origin: httpcore.Origin) -> None:

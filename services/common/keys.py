@@ -59,6 +59,17 @@ class RunKeys:
         return self._key("update_group")
 
     @property
+    def lease(self) -> str:
+        """The trainer's hold on the run (a hash: fence, holder; expires unless renewed):
+        one trainer per run (trainer/lease.py)."""
+        return self._key("lease")
+
+    @property
+    def fence(self) -> str:
+        """The run's fencing number, an integer that grows with each new lease holder."""
+        return self._key("fence")
+
+    @property
     def coordinator(self) -> str:
         """host:port of the trainer's Coordinator gRPC service (for engines to JoinEngine)."""
         return self._key("coordinator")

@@ -23,138 +23,62 @@ Invariants it keeps:
 * Nothing is lost to dead-lettering: an entry delivered more than `max_deliveries` times, or
   one that cannot be decoded, is copied to `{run}:dead` with the reason in the same script
   that acks it.
+* A fenced consumer (the trainer's, `fence`: its run's fencing-number key and its own number,
+  trainer/lease.py) acks and claims through scripts that first compare the run's number with
+  its own: once a newer trainer holds the run, an older one's ack or claim changes nothing and
+  raises FencedOut, so it cannot take groups from the new holder or mark them done.
 * Trimming never removes an entry a consumer group still needs (`trim_safely`), and a
   consumer is deleted only when it owns no pending entry (`delete_idle_consumers`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError, Message
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from .config import RunConfig
 from .errors import MillstreamError
+from .fencing import FencedOut
 from .keys import RunKeys
-from .redis_conn import Outages, outages_of
+from .redis_conn import outages_of
+from .stream_scripts import (
+    ACK_AND_ADD,
+    DELETE_IDLE_CONSUMERS,
+    FENCED_ACK,
+    FENCED_AUTOCLAIM,
+    RENEW,
+    TAKE_BACK_OWN,
+    TRIM,
+)
+from .turn_batch import TurnBatch
 
 SCHEMA_VERSION = 1
 """Version of the entry envelope and its protobuf payloads; consumers refuse other versions."""
 
 M = TypeVar("M", bound=Message)
 
-# KEYS: source stream, destination stream. ARGV: group, entry id, then field/value pairs.
-# Publishing only when XACK returned 1 is the exactly-once guard: of all consumers holding the
-# same entry, only the first to hand it off still finds it pending.
-_ACK_AND_ADD = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-end
-return false
-"""
 
-# KEYS: stream. ARGV: group, consumer, entry ids. Resets the idle time of the entries this
-# consumer still owns (JUSTID leaves the delivery counter alone), so a live consumer's long job
-# is not taken over; entries another consumer has claimed meanwhile are left to it.
-_RENEW = """
-local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], '0'}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then args[#args + 1] = ARGV[i] end
-end
-if #args == 5 then return 0 end
-args[#args + 1] = 'JUSTID'
-return #redis.call(unpack(args))
-"""
-
-# KEYS: stream. ARGV: group, consumer, cursor, count, then the ids this consumer's live jobs
-# hold. Looks at this consumer's own pending entries after `cursor` and takes back (XCLAIM to
-# itself: the fields, and one more delivery) up to `count` that no live job holds, those whose
-# delivery reply was lost with a connection. XPENDING counts no delivery, so a live job's
-# entry is left alone. Returns {cursor, entries, {id, deliveries, ...}}; the cursor is false
-# once the walk has seen the whole list. Atomic: another consumer cannot take one meanwhile.
-_TAKE_BACK_OWN = """
-local held = {}
-for i = 5, #ARGV do held[ARGV[i]] = true end
-local count = tonumber(ARGV[4])
-local page = count + #ARGV - 4
-local rows = redis.call('XPENDING', KEYS[1], ARGV[1], '(' .. ARGV[3], '+', page, ARGV[2])
-local ids, deliveries, cursor = {}, {}, false
-for i, row in ipairs(rows) do
-  if #ids == count then cursor = rows[i - 1][1]; break end
-  if not held[row[1]] then
-    ids[#ids + 1] = row[1]
-    deliveries[#deliveries + 1] = row[1]
-    deliveries[#deliveries + 1] = row[4] + 1
-  end
-end
-if not cursor and #rows == page then cursor = rows[#rows][1] end
-if #ids == 0 then return {cursor, {}, {}} end
-return {cursor, redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids)), deliveries}
-"""
-
-# KEYS: stream. ARGV: '~' (approximate) or '=' (exact). Returns {min id kept, entries removed},
-# or false when the stream or its groups are missing. Atomic, so a group created or a read
-# made while we compute cannot slip below the bound. Entry ids are compared as (ms, seq) with
-# decimal strings compared by length first, which is exact for any 64-bit value.
-_TRIM = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local function less(a, b)
-  local am, as = string.match(a, '^(%d+)-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
-  if am ~= bm then
-    if #am ~= #bm then return #am < #bm end
-    return am < bm
-  end
-  if #as ~= #bs then return #as < #bs end
-  return as < bs
-end
-local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
-if #groups == 0 then return false end
-local min_id = nil
-for _, g in ipairs(groups) do
-  local info = {}
-  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-  local needed = info['last-delivered-id']
-  if info['pending'] > 0 then
-    needed = redis.call('XPENDING', KEYS[1], info['name'])[2]
-  end
-  if min_id == nil or less(needed, min_id) then min_id = needed end
-end
-return {min_id, redis.call('XTRIM', KEYS[1], 'MINID', ARGV[1], min_id)}
-"""
-
-
-# KEYS: stream. ARGV: idle ms. Deletes, in every group, the consumers that own no pending
-# entry and have been idle at least that long; returns how many. Atomic: a consumer cannot
-# take an entry between the check and the delete (deleting one with pending entries would
-# drop them from the pending list, and nothing would deliver them again).
-_DELETE_IDLE_CONSUMERS = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local deleted = 0
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local group = {}
-  for i = 1, #g, 2 do group[g[i]] = g[i + 1] end
-  for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], group['name'])) do
-    local info = {}
-    for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
-    if info['pending'] == 0 and info['idle'] >= tonumber(ARGV[1]) then
-      redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group['name'], info['name'])
-      deleted = deleted + 1
-    end
-  end
-end
-return deleted
-"""
+@contextlib.contextmanager
+def _fenced() -> Iterator[None]:
+    """A fenced script's refusal (stream_scripts._FENCE_GUARD) as FencedOut."""
+    try:
+        yield
+    except ResponseError as err:
+        if not str(err).startswith("FENCED"):
+            raise
+        raise FencedOut(
+            f"a newer trainer holds this run ({str(err).removeprefix('FENCED ')}): this one "
+            "lost the lease, and its acks and claims are refused; stopping without training on"
+        ) from None
 
 
 class PoisonEntry(MillstreamError):
@@ -297,7 +221,7 @@ async def trim_safely(redis: aioredis.Redis, stream: str, *, approximate: bool =
     `approximate` (XTRIM MINID ~) Redis removes only whole macro nodes, which is cheap and
     may leave some acked entries behind.
     """
-    script = redis.register_script(_TRIM)
+    script = redis.register_script(TRIM)
     result = await script(keys=[stream], args=["~" if approximate else "="])
     return 0 if result is None else int(result[1])
 
@@ -307,89 +231,8 @@ async def delete_idle_consumers(redis: aioredis.Redis, stream: str, idle_ms: int
     been idle `idle_ms` or longer (workers that left); returns how many. A live consumer
     reads at least every --stream-block-ms, and one deleted by mistake is created again by
     its next read, so nothing depends on this but Redis memory."""
-    script = redis.register_script(_DELETE_IDLE_CONSUMERS)
+    script = redis.register_script(DELETE_IDLE_CONSUMERS)
     return int(await script(keys=[stream], args=[idle_ms]))
-
-
-class TurnBatch:
-    """Redis calls made in one event-loop turn, sent as one pipeline; each caller gets its
-    own answer (or its own error).
-
-    A worker finishing many jobs at once (an eval round's 200 groups, a claim's batch
-    answer) then pays one round trip and one socket write for all their hand-offs and acks
-    instead of one each: 200 hand-offs take ~7 ms instead of ~24 ms here, and less CPU. Each
-    call stays what it was on its own (a script is atomic; nothing about the exactly-once
-    guard changes). Redis that forgot a script (a restart, SCRIPT FLUSH) answers NOSCRIPT:
-    the script is loaded and those calls run again, which is safe because a NOSCRIPT call
-    did nothing. A pipeline that meets an outage is sent again whole (`outages`): XACK and
-    the guarded scripts are safe to repeat (a hand-off repeated after a lost reply answers
-    None, as when another consumer had handed the entry off: it was, once).
-    """
-
-    def __init__(self, redis: aioredis.Redis, outages: Outages):
-        self.redis = redis
-        self.outages = outages
-        self.batches = 0  # pipelines sent (tests)
-        self._queued: list[tuple[tuple, AsyncScript | None, asyncio.Future]] = []
-
-    async def command(self, *args: Any) -> Any:
-        """One command, e.g. `command("XACK", stream, group, entry_id)`."""
-        return await self._queue(args, None)
-
-    async def script(self, script: AsyncScript, keys: Sequence, args: Sequence) -> Any:
-        """One call of a registered script, by its sha."""
-        return await self._queue(("EVALSHA", script.sha, len(keys), *keys, *args), script)
-
-    async def _queue(self, args: tuple, script: AsyncScript | None) -> Any:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._queued.append((args, script, future))
-        if len(self._queued) == 1:  # the first of this turn: send after the others queue
-            loop.call_soon(self._send_queued)
-        return await future
-
-    def _send_queued(self) -> None:
-        batch, self._queued = self._queued, []
-        task = asyncio.ensure_future(self._send(batch))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors go to callers
-
-    async def _send(self, batch: list[tuple[tuple, AsyncScript | None, asyncio.Future]]) -> None:
-        self.batches += 1
-        try:
-            results = await self._execute([args for args, _, _ in batch])
-            missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
-            if missing:
-                scripts = {batch[i][1].sha: batch[i][1] for i in missing if batch[i][1]}
-                for script in scripts.values():
-                    await self.redis.script_load(script.script)
-                again = await self._execute([batch[i][0] for i in missing])
-                for i, result in zip(missing, again, strict=True):
-                    results[i] = result
-        except asyncio.CancelledError:
-            for _, _, future in batch:
-                future.cancel()
-            raise
-        except Exception as err:  # the pipeline failed as a whole: every caller hears it
-            for _, _, future in batch:
-                if not future.done():
-                    future.set_exception(err)
-            return
-        for (_, _, future), result in zip(batch, results, strict=True):
-            if future.done():  # its caller was cancelled meanwhile
-                continue
-            if isinstance(result, Exception):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-
-    async def _execute(self, calls: list[tuple]) -> list:
-        async def send() -> list:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for args in calls:
-                    pipe.execute_command(*args)
-                return list(await pipe.execute(raise_on_error=False))
-
-        return await self.outages.call(send)
 
 
 class Consumer:
@@ -411,6 +254,7 @@ class Consumer:
         max_deliveries: int,
         dead_stream: str,
         block_ms: int,
+        fence: tuple[str, int] | None = None,
     ):
         if redis.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError(
@@ -434,9 +278,12 @@ class Consumer:
         self._own_cursor: str | None = "0-0"
         self._reconnects_seen = self.outages.reconnects
         self._batch = TurnBatch(redis, self.outages)
-        self._ack_and_add = redis.register_script(_ACK_AND_ADD)
-        self._renew = redis.register_script(_RENEW)
-        self._take_back_own = redis.register_script(_TAKE_BACK_OWN)
+        self._ack_and_add = redis.register_script(ACK_AND_ADD)
+        self._renew = redis.register_script(RENEW)
+        self._take_back_own = redis.register_script(TAKE_BACK_OWN)
+        self.fence = fence  # (the run's fence key, our number): acks and claims guarded
+        self._fenced_ack = redis.register_script(FENCED_ACK)
+        self._fenced_autoclaim = redis.register_script(FENCED_AUTOCLAIM)
 
     @classmethod
     def for_run(
@@ -504,14 +351,23 @@ class Consumer:
         ]
 
     async def _claim(self, count: int) -> list[StreamEntry]:
-        next_cursor, claimed, *_deleted = await self.redis.xautoclaim(
-            self.stream,
-            self.group,
-            self.name,
-            min_idle_time=self.claim_idle_ms,
-            start_id=self._claim_cursor,
-            count=count,
-        )
+        if self.fence is None:
+            next_cursor, claimed, *_deleted = await self.redis.xautoclaim(
+                self.stream,
+                self.group,
+                self.name,
+                min_idle_time=self.claim_idle_ms,
+                start_id=self._claim_cursor,
+                count=count,
+            )
+        else:
+            key, number = self.fence
+            args = [number, self.group, self.name, self.claim_idle_ms, self._claim_cursor, count]
+            with _fenced():
+                next_cursor, raw, *_deleted = await self._fenced_autoclaim(
+                    keys=[self.stream, key], args=args
+                )
+            claimed = [(entry_id, None if flat is None else _pairs(flat)) for entry_id, flat in raw]
         # The cursor walks the pending list across calls; "0-0" means it wrapped around.
         self._claim_cursor = _str(next_cursor)
         # Entries deleted from the stream while pending come back without fields (Redis 6.2)
@@ -561,8 +417,16 @@ class Consumer:
         ]
 
     async def ack(self, entry: StreamEntry) -> bool:
-        """XACK; False when the entry was no longer pending (someone else acked it)."""
-        return await self._batch.command("XACK", self.stream, self.group, entry.id) == 1
+        """XACK; False when the entry was no longer pending (someone else acked it).
+        Fenced: FencedOut once a newer trainer holds the run (nothing acked)."""
+        if self.fence is None:
+            return await self._batch.command("XACK", self.stream, self.group, entry.id) == 1
+        key, number = self.fence
+        with _fenced():
+            answer = await self._batch.script(
+                self._fenced_ack, [self.stream, key], [number, self.group, entry.id]
+            )
+        return answer == 1
 
     async def publish_and_ack(
         self,

@@ -52,6 +52,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import aio
 from .errors import Interrupted, ServiceUnavailable
+from .fencing import FencedOut
 from .streams import Consumer, PoisonEntry, StreamEntry, check_envelope
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,8 @@ class StreamWorker:
                 log.info("%s: entry %s left pending (the job stopped with us)", self.name, entry.id)
             elif isinstance(err, PoisonEntry):
                 await self._poisoned(entry, err)
+            elif isinstance(err, FencedOut):  # a newer trainer holds the run: stop here
+                raise err
             else:
                 self.failed += 1
                 log.error(

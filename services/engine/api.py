@@ -31,7 +31,7 @@ from millstream.common.http_limits import BodyLimit
 from millstream.common.prom import CONTENT_TYPE, render
 from millstream.common.telemetry import STAGE, context_from_headers, served_groups, tracer
 
-from .control_api import Unauthorized
+from .control_api import Fenced, Unauthorized
 from .control_api import router as control_router
 from .core import EngineCore
 from .generation import Job, job_from_generate, output_of, stream_outputs, submit, wait_done
@@ -253,6 +253,10 @@ def create_app(core: EngineCore) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _bad_request(_: Request, err: RequestError) -> JSONResponse:
         return error_response(str(err))
+
+    @app.exception_handler(Fenced)
+    async def _fenced(_: Request, err: Fenced) -> JSONResponse:
+        return error_response(str(err), status=409)
 
     @app.exception_handler(Unauthorized)
     async def _unauthorized(_: Request, err: Unauthorized) -> JSONResponse:

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 
 from millstream.common import aio
 from millstream.common.auth import refusal
+from millstream.common.fencing import FENCE_HEADER
 from millstream.common.tensor_share import Mappings, open_bucket
 
 from .core import EngineCore
@@ -57,13 +58,22 @@ class Unauthorized(Exception):
     """An admin call without the engine's admin token: a 401 (api.py renders it)."""
 
 
+class Fenced(Exception):
+    """An admin call from a run's older trainer (common/fencing.py): a 409 (api.py)."""
+
+
 def _core(request: Request) -> EngineCore:
     return request.app.state.core
 
 
 async def _check_token(request: Request) -> None:
-    if why := refusal(request.headers.get("authorization"), _core(request).config.admin_token):
+    """Every admin endpoint: the admin token, then the caller's fencing number."""
+    core = _core(request)
+    if why := refusal(request.headers.get("authorization"), core.config.admin_token):
         raise Unauthorized(why)
+    if why := core.fences.refusal(request.headers.get(FENCE_HEADER)):
+        log.warning("refused %s %s: %s", request.method, request.url.path, why)
+        raise Fenced(why)
 
 
 router = APIRouter(dependencies=[Depends(_check_token)])

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from millstream.common import tensor_share
+from millstream.common.fencing import FenceGate
 
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -28,6 +29,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         assert config.model_path is not None
         self.config = config
+        self.fences = FenceGate()  # a run's older trainer is refused (common/fencing.py)
         self.runner = ModelRunner(
             config.model_path, config.dtype, config.device, fp8_gemm=config.fp8_gemm
         )

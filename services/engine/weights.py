@@ -36,7 +36,7 @@ import binascii
 import inspect
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,11 @@ class _Group:
     world_size: int
     device: torch.device
     timeout: timedelta
+    # One receive at a time per group: two interleaving their broadcasts would corrupt both.
+    # Per group, not per engine: a group the trainer gave up on (its rank 0 timed out behind
+    # a network partition) leaves its receive here until the group's timeout, and the next
+    # group's receives must not wait behind it.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _new_group(
@@ -109,7 +114,6 @@ class UpdateGroups:
         self._timeout = timedelta(seconds=timeout_s)
         self._device = torch.device(device)  # the model's: where an nccl group receives
         self._groups: dict[str, _Group] = {}
-        self._lock = threading.Lock()
 
     @property
     def names(self) -> list[str]:
@@ -154,8 +158,7 @@ class UpdateGroups:
         if group is None:
             raise RequestError(f"group_name: no update group {name!r} (have {self.names})")
         specs = [(n, parse_dtype(d), s) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-        # Two updates interleaving their broadcasts on one group would corrupt both.
-        with self._lock:
+        with group.lock:
             return receive_broadcast(group.pg, specs, group.device, flattened, group.timeout)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 from contextlib import asynccontextmanager
 from typing import Any
@@ -40,6 +41,7 @@ from starlette.routing import Route
 
 from millstream.common import telemetry
 from millstream.common.auth import refusal
+from millstream.common.fencing import FENCE_HEADER, FENCED, FenceGate
 from millstream.common.http_limits import BodyLimit
 from millstream.common.http_pool import make_client
 
@@ -56,6 +58,7 @@ WORKER_FIELDS = {"url", "worker_url"}
 # sglang-router's worker spec fields we accept (and show in GET /workers) but do not act on.
 SGLANG_WORKER_FIELDS = {"url", "worker_type", "model_id", "priority", "cost", "labels"}
 ROUTER_ID_HEADER = "x-millstream-router"
+log = logging.getLogger("millstream.router")
 # SGLang's current name of a worker's info endpoint -> the name every worker answers.
 WORKER_INFO_PATHS = {"/server_info": "/get_server_info", "/model_info": "/get_model_info"}
 
@@ -78,6 +81,7 @@ class Router:
     ):
         self.cfg = cfg
         self.instance = secrets.token_hex(8)  # X-Millstream-Router: new at every start
+        self.fences = FenceGate()  # a run's older trainer is refused (common/fencing.py)
         self.registry = Registry(cfg.health_failure_threshold, cfg.health_success_threshold)
         self.policy = make_policy(
             cfg.router_policy,
@@ -101,6 +105,7 @@ class Router:
             tracer,
             version_wait_s=cfg.version_wait_timeout,
             admin_token=cfg.admin_token,
+            fences=self.fences,
         )
         for url in cfg.worker_urls:
             self.registry.add(url)
@@ -159,9 +164,13 @@ class Router:
 
 
 async def _check_token(request: Request) -> None:
-    token = request.app.state.router.cfg.admin_token
-    if why := refusal(request.headers.get("authorization"), token):
+    """Every admin endpoint: the admin token, then the caller's fencing number."""
+    router = request.app.state.router
+    if why := refusal(request.headers.get("authorization"), router.cfg.admin_token):
         raise ApiError(401, why, "unauthorized")
+    if why := router.fences.refusal(request.headers.get(FENCE_HEADER)):
+        log.warning("router: refused %s %s: %s", request.method, request.url.path, why)
+        raise ApiError(409, why, FENCED)
 
 
 admin = Depends(_check_token)

@@ -43,6 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from millstream.common import telemetry
 from millstream.common.auth import is_engine_admin_path, refusal
+from millstream.common.fencing import FENCE_HEADER, FENCED, FenceGate
 
 from .metrics import NO_WORKER, RouterMetrics
 from .policies import Policy, route_key
@@ -164,9 +165,11 @@ class Proxy:
         tracer: trace.Tracer | None = None,
         version_wait_s: float = 0.0,
         admin_token: str | None = None,
+        fences: FenceGate | None = None,
     ):
         self.registry = registry
         self.admin_token = admin_token
+        self.fences = fences
         self.version_wait_s = version_wait_s
         self.policy = policy
         self.client = client
@@ -206,8 +209,16 @@ class Proxy:
         return worker
 
     def _refused(self, request: Request) -> Response | None:
-        """A 401 for an engine admin path without the router's token (module docstring)."""
-        if self.admin_token is None or not is_engine_admin_path(request.url.path):
+        """A 401 for an engine admin path without the router's token (module docstring), a
+        409 for one from a run's older trainer (common/fencing.py)."""
+        if not is_engine_admin_path(request.url.path):
+            return None
+        if self.fences is not None and (
+            why := self.fences.refusal(request.headers.get(FENCE_HEADER))
+        ):
+            log.warning("router: refused %s %s: %s", request.method, request.url.path, why)
+            return error_response(409, why, FENCED)
+        if self.admin_token is None:
             return None
         why = refusal(request.headers.get("authorization"), self.admin_token)
         if why is None:

@@ -78,10 +78,15 @@ class Buffer:
         expected: Callable[[str], bool],
         max_consecutive_failed_groups: int = 0,
         run_instance: str = "",
+        fence: int | None = None,
     ):
+        # With the trainer's fencing number (lease.py) every ack and claim is fenced: once a
+        # newer trainer holds the run, a read here raises FencedOut, which `check` surfaces.
+        fenced = None if fence is None else (keys.fence, fence)
         self.consumer = Consumer(
             redis, keys.scored, GROUP_TRAINER, consumer_name,
             claim_idle_ms=claim_idle_ms, max_deliveries=max_deliveries, dead_stream=keys.dead, block_ms=block_ms,
+            fence=fenced,
         )  # fmt: skip
         # Many entries per read (an eval round's 200 groups arrive together): the handler
         # never yields before it holds `_arrived`, whose lock is FIFO, so groups still land
@@ -92,6 +97,7 @@ class Buffer:
         self.dead_consumer = Consumer(
             redis, keys.dead, GROUP_TRAINER, consumer_name,
             claim_idle_ms=claim_idle_ms, max_deliveries=DEAD_MAX_DELIVERIES, dead_stream=keys.dead, block_ms=block_ms,
+            fence=fenced,
         )  # fmt: skip
         self.dead_worker = StreamWorker(
             self.dead_consumer, self._handle_dead, concurrency=1, name="buffer:dead",

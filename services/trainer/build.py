@@ -32,6 +32,7 @@ from .checkpoints import checkpoint, megatron_ckpt
 from .data import EMPTY_PROMPTS, PluginDataSource, PromptDataSource, labels_are_text
 from .evaluate import Evaluator
 from .janitor import Tidied, run_janitor
+from .lease import Lease
 from .observe.metrics import MetricsLogger
 from .observe.profiler import TrainProfiler
 from .observe.prom import TrainerMetrics
@@ -212,6 +213,7 @@ async def build_trainer(
     budget: threads.CpuBudget | None = None,
     prepared: Prepared | None = None,
     placements: dict[str, dict[str, Any]] | None = None,
+    lease: Lease | None = None,
 ) -> tuple[Trainer, list[Closer]]:
     """The trainer and what to close after it; `budget`: the local launcher's CPU split, when
     it started the engines here (lend_idle_cores); `prepared`: `prepare(cfg)`, made already."""
@@ -252,7 +254,7 @@ async def build_trainer(
         on_terminal=lambda gid, st: holder["t"].on_terminal(gid, st),
         expected=admission.in_flight.__contains__,
         max_consecutive_failed_groups=cfg.service.max_consecutive_failed_groups,
-        run_instance=run_instance,
+        run_instance=run_instance, fence=None if lease is None else lease.fence,
     )  # fmt: skip
     lend_idle_cores(cfg, budget, backend, admission, buffer)
     iteration = version = 0
@@ -278,6 +280,8 @@ async def build_trainer(
             placements=placements, stall_timeout_s=cfg.service.stall_timeout,
         )  # fmt: skip
         closers.append(sync.close)
+        if lease is not None:  # every admin call carries the fencing number (lease.py)
+            sync.fence_headers = lease.headers
         metrics = TrainerMetrics()
         timed_sync = metrics.timed(sync)  # every sync's seconds, the resume sync's too
         evaluator = None
@@ -310,6 +314,7 @@ async def build_trainer(
             janitor,
             colocation(cfg, backend, sync),
             EngineBook(redis, keys),
+            lease,
         )
         trainer = holder["t"] = Trainer(cfg, parts, total, iteration=iteration, version=version)
         metrics.watch(trainer)

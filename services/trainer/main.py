@@ -31,8 +31,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from millstream.common import aio, debug, heap, threads
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
+from millstream.common.keys import RunKeys
 from millstream.common.redis_conn import connect, redact
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
+
+from .lease import Lease
 
 if TYPE_CHECKING:  # the heavy modules load only when a run starts
     from redis.asyncio import Redis
@@ -52,7 +55,17 @@ def _run(argv: Sequence[str], mode: str, prog: str) -> int:
         print("[trainer] --fully-async: running as millstream train-async", flush=True)
         return _run(argv, "async", "millstream train-async")
     from . import preflight  # after parsing: `--help` stays quick
+    from .checkpoints import atomic
+    from .observe.finished import finished_line
 
+    if (line := finished_line(cfg)) is not None:  # not trained again unless asked
+        if os.environ.get("RANK", "0") == "0":  # torchrun: each rank exits 0, one says why
+            print(line, flush=True)
+        return 0
+    # What a save killed mid-write left: put back or removed before preflight reads --load.
+    for root in dict.fromkeys(r for r in (cfg.ckpt.save, cfg.ckpt.load) if r):
+        for said in atomic.recover(root):
+            print(f"[trainer] checkpoints: {said}", flush=True)
     try:
         preflight.check(cfg)  # everything that needs no service, before anything starts
     except ConfigError as err:
@@ -271,10 +284,23 @@ async def train_with_cluster(
                 who="trainer",
             )
             try:
-                await config_store.publish(redis, cfg)
-                config_store.write_file(cfg, cfg.run_dir)
-                await run_all([cluster.finish_start(), preparing])
-                return await train_loop(cfg, redis, cluster, preparing.result(), stop, end)
+                # One trainer per run (lease.py): before anything of the run is written.
+                lease = Lease(
+                    redis, RunKeys(cfg.run_id), cfg.service.lease_ttl, held=cfg.service.lease_held
+                )
+                await lease.acquire()
+                keeping = asyncio.create_task(lease.keep(), name="lease")
+                try:
+                    await config_store.publish(redis, cfg)
+                    config_store.write_file(cfg, cfg.run_dir)
+                    await run_all([cluster.finish_start(), preparing])
+                    return await train_loop(
+                        cfg, redis, cluster, preparing.result(), stop, end, lease, keeping
+                    )
+                finally:
+                    keeping.cancel()
+                    await asyncio.gather(keeping, return_exceptions=True)
+                    await lease.release()
             finally:
                 await redis.aclose()
         finally:
@@ -300,13 +326,17 @@ async def train_loop(
     prepared: Prepared | None = None,
     stop: _Stop | None = None,
     end: RunEnd | None = None,
+    lease: Lease | None = None,
+    keeping: asyncio.Task[None] | None = None,
 ) -> int:
+    """Build the trainer and run it while the services live; `lease` (held, and renewed by
+    the task `keeping`) fences its side effects, and losing it ends the run (exit 5)."""
     from .build import build_trainer, close_all
     from .observe.watch import Stopped
 
     debug.dump_tasks_on_sigusr2()  # `kill -USR2`: where each coroutine waits
     trainer, closers = await build_trainer(
-        cfg, redis, cluster.budget, prepared, placements=cluster.engine_placements()
+        cfg, redis, cluster.budget, prepared, placements=cluster.engine_placements(), lease=lease
     )
     if end is not None:
         end.watch(trainer)
@@ -317,7 +347,10 @@ async def train_loop(
     if stop is not None:
         stop.graceful = functools.partial(_stop_between_iterations, trainer)
     try:
-        done, _ = await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+        waits = {run, watch} | ({keeping} if keeping is not None else set())
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if keeping in done and not run.done():
+            keeping.result()  # raises LeaseLost: another trainer holds the run now
         if watch in done and not run.done():
             watch.result()  # raises: which service died, with the tail of its log
         try:

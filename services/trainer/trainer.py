@@ -71,6 +71,7 @@ class Parts:
     janitor: Callable[[], Awaitable[None]] | None = None  # trims streams while the run goes
     colocation: Any | None = None  # --colocate: turns on one GPU (weights/colocate.py)
     engine_book: Any | None = None  # the run's engines in Redis (weights/keeper.py EngineBook)
+    lease: Any | None = None  # the run's lease (lease.py): checked before a step and a sync
 
 
 class Trainer:
@@ -222,6 +223,8 @@ class Trainer:
         ) as step_span:
             if self.p.teacher is not None:
                 samples = await self.p.teacher.score(samples)
+            if self.p.lease is not None:  # never train on a run another trainer holds
+                await self.p.lease.ready()
             steps = self.cfg.rollout.num_steps_per_rollout
             if self.p.colocation is not None:
                 await self.p.colocation.before_train()
@@ -233,6 +236,8 @@ class Trainer:
         telemetry.mirror(tracer, step_span, links)  # the step in each group's own trace
         t2 = time.monotonic()
         weights = self.p.backend.named_weights
+        if self.p.lease is not None:  # the step may have outlasted the lease
+            await self.p.lease.ready()
         if self.p.colocation is not None:  # read where the turns say the weights are
             weights = self.p.colocation.sync_source(weights)
         report = await self._watched(
@@ -400,6 +405,8 @@ class Trainer:
             self.p.backend,
             state,
             not self.cfg.ckpt.no_save_optim,
+            # Renamed into place only while this trainer holds the run (lease.py).
+            before_commit=None if self.p.lease is None else self.p.lease.check,
         )
         print(f"[trainer] saved checkpoint {path}", flush=True)
         return path

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from millstream.common.auth import ENGINE_ADMIN_PATHS
+from millstream.common.fencing import FENCE_HEADER
 from tests.support.engine_proc import EngineProcess
 from tests.support.router_proc import ServiceProcess, start_router
 
@@ -225,3 +226,40 @@ def test_the_router_refuses_50_mb_at_once_and_goes_on_serving(router):
         r = c.post("/generate", json=SMALL)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
         assert c.get("/readiness").status_code == 200
+
+
+def test_an_older_trainers_admin_calls_are_refused_by_the_engine_and_the_router(
+    client: httpx.Client, router
+):
+    """Fencing numbers (common/fencing.py): once a trainer of a run has called with number
+    N, a call of that run with a smaller one is a 409 and changes nothing, at the engine and
+    at the router (its own endpoints and the engine admin paths it proxies); other runs and
+    calls without the header are not fenced."""
+    new, old = {**AUTH, FENCE_HEADER: "fenced-run/200"}, {**AUTH, FENCE_HEADER: "fenced-run/199"}
+    assert client.post("/pause_generation", json={"mode": "abort"}, headers=new).status_code == 200
+    r = client.post("/continue_generation", json={}, headers=old)
+    assert r.status_code == 409 and "fenced" in r.json()["message"], r.text
+    assert "200" in r.json()["message"] and paused(client)  # names the holder's number
+    other_run = {**AUTH, FENCE_HEADER: "another-run/1"}
+    assert client.post("/continue_generation", json={}, headers=other_run).status_code == 200
+    assert client.post("/pause_generation", json={"mode": "abort"}, headers=AUTH).status_code == 200
+    assert client.post("/continue_generation", json={}, headers=new).status_code == 200
+    assert not paused(client)
+    bad = client.post("/continue_generation", json={}, headers={**AUTH, FENCE_HEADER: "x"})
+    assert bad.status_code == 409 and "malformed" in bad.json()["message"]
+
+    with httpx.Client(base_url=router.url, timeout=30.0) as via:
+        # Proxied to the engine: the router refuses before the engine sees it.
+        ok = via.post("/pause_generation", json={"mode": "abort"}, headers=new)
+        assert ok.status_code == 200, ok.text
+        r = via.post("/continue_generation", json={}, headers=old)
+        assert r.status_code == 409 and "fenced" in r.text and paused(client)
+        assert via.post("/continue_generation", json={}, headers=new).status_code == 200
+        # The router's own admin endpoints.
+        before = via.get("/get_weight_version").json()
+        r = via.post("/set_weight_version", json={"weight_version": "99"}, headers=old)
+        assert r.status_code == 409 and "fenced" in r.text
+        assert via.get("/get_weight_version").json() == before
+        r = via.post("/set_weight_version", json={"weight_version": "99"}, headers=new)
+        assert r.status_code == 200, r.text
+        via.post("/set_weight_version", json={"weight_version": None}, headers=new)

@@ -9,6 +9,7 @@ stays on the group's device, as an nccl bucket must stay on the engine's GPU.
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from millstream.engine import fp8
 from millstream.engine.scheduler import RequestError
-from millstream.engine.weights import UpdateGroups, WeightLoader, receive_broadcast
+from millstream.engine.weights import UpdateGroups, WeightLoader, _Group, receive_broadcast
 
 TIMEOUT = timedelta(seconds=5)
 SPECS = [  # mixed dtypes: the bf16 after the 3-byte-aligned uint8 sits at an odd offset
@@ -80,6 +81,54 @@ def test_a_bucket_received_on_the_cpu_holds_the_senders_values(flattened: bool):
     out = receive_broadcast(pg, SPECS, torch.device("cpu"), flattened, TIMEOUT)
     for (_, got), want in zip(out, values, strict=True):
         assert torch.equal(got, want)
+
+
+class StuckPG:
+    """A group whose rank 0 never sends: each broadcast waits until `release` (or times out)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> StuckPG:
+        self.entered.release()
+        return self
+
+    def wait(self, timeout: timedelta) -> bool:
+        if not self.release.wait(timeout.total_seconds()):
+            raise RuntimeError("timed out")
+        return True
+
+
+def _receiving(groups: UpdateGroups, name: str) -> threading.Thread:
+    names = [n for n, _, _ in SPECS]
+    dtypes = [str(d).removeprefix("torch.") for _, d, _ in SPECS]
+    args = (name, names, dtypes, [s for _, _, s in SPECS], True)
+    thread = threading.Thread(target=groups.receive, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_receive_stuck_in_an_abandoned_group_holds_up_that_group_only():
+    """A trainer whose rank 0 timed out behind a network partition rebuilds its group and
+    leaves the engine's receive in the old one waiting until --weight-update-timeout. The new
+    group's receive goes through meanwhile (with one lock for all groups it waited, the next
+    sync timed out twice and the trainer gave up: make chaos-net's only-engine scenario); a
+    second receive in the old group still waits for the first."""
+    groups = UpdateGroups(5, torch.device("cpu"))
+    stuck = StuckPG()
+    groups._groups["old"] = _Group(stuck, 1, 2, torch.device("cpu"), TIMEOUT)
+    groups._groups["new"] = _Group(SourcePG([_flat(_values())]), 1, 2, torch.device("cpu"), TIMEOUT)
+    first = _receiving(groups, "old")
+    assert stuck.entered.acquire(timeout=5)
+    second = _receiving(groups, "old")
+    _receiving(groups, "new").join(timeout=5)
+    assert second.is_alive() and not stuck.entered.acquire(timeout=0.2)
+    assert groups._groups["new"].pg.sent == []  # the new group's bucket was received
+    stuck.release.set()
+    first.join(timeout=5)
+    second.join(timeout=5)
+    assert not first.is_alive() and not second.is_alive()
 
 
 def test_an_nccl_group_needs_an_engine_on_a_gpu():

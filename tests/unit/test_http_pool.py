@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import sys
 from collections.abc import Awaitable, Callable
 
 import httpcore
@@ -122,6 +124,29 @@ def test_expired_and_half_read_connections_are_dropped():
         assert r.content == b"/c:" and pool.opened == 3  # the half-read one was closed
 
     run(check, keepalive_expiry=0.1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="TCP_KEEPIDLE and friends are Linux's")
+def test_every_connection_probes_a_silent_peer_after_30_s():
+    """TCP keepalive (30 s idle, then a probe every 10 s, 6 of them): a request whose peer
+    vanished in a network partition ends when the link is back (the peer's RST) or 90 s
+    into the silence, not at the request's own timeout (tests/chaos/net)."""
+
+    async def check(server, client, pool):
+        await client.get(server.url + "/a")
+        (stack,) = pool._idle.values()
+        sock = stack[0]._connection._network_stream.get_extra_info("socket")
+        options = {
+            "SO_KEEPALIVE": sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            "TCP_KEEPIDLE": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            "TCP_KEEPINTVL": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+            "TCP_KEEPCNT": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+        }
+        assert options == {
+            "SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 6
+        }  # fmt: skip
+
+    run(check)
 
 
 def test_connect_errors_are_httpx_errors():

@@ -91,10 +91,13 @@ def test_a_millstream_that_cannot_answer_gives_a_cpu_run_that_says_why(tmp_path)
 @pytest.mark.parametrize("flags", [(), ("--load", "CKPT"), ("--load=CKPT",)])
 def test_a_run_told_to_resume_keeps_its_run_dir_and_a_fresh_one_starts_empty(tmp_path, flags):
     """A restarted trainer (`--load` among the extra flags) resumes from the checkpoints in
-    RUN_DIR: run.sh used to delete them at every start (issue 42's chaos monkey)."""
+    RUN_DIR: run.sh used to delete them at every start (issue 42's chaos monkey). A fresh
+    start gets an empty RUN_DIR, the earlier one moved aside (tests/unit/test_rerun.py)."""
     kept = tmp_path / "run" / "ckpt" / "latest_checkpointed_iteration.txt"
     kept.parent.mkdir(parents=True)
     kept.write_text("60")
     fake = _millstream(tmp_path, "echo 0; exit 0")
     _run(fake, tmp_path, *[f.replace("CKPT", str(kept.parent)) for f in flags], COLOCATE="0")
     assert kept.exists() == bool(flags)
+    moved = list(tmp_path.glob("run.prev-*/ckpt/latest_checkpointed_iteration.txt"))
+    assert len(moved) == (0 if flags else 1)

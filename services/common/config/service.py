@@ -120,6 +120,17 @@ class ServiceConfig:
         "seconds every service keeps reconnecting to a Redis that went away (its work kept) "
         "before it fails",
     )
+    lease_ttl: float = flag(
+        60.0,
+        "one trainer per run: its lease in Redis expires this many seconds after its last "
+        "renewal (renewed every third of it); a second trainer may take the run only then",
+    )
+    lease_held: str = flag(
+        "wait",
+        "a trainer that finds its run held by another: wait for the lease (an orchestrator's "
+        "restart) or exit 5 naming the holder",
+        choices=("wait", "exit"),
+    )
     num_threads: int = flag(
         0, "the trainer's torch compute threads (0: half the cores when engines run here too)"
     )
@@ -143,7 +154,7 @@ class ServiceConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})"
                 )
-        for name in ("stall_timeout", "trim_interval", "redis_outage_timeout"):
+        for name in ("stall_timeout", "trim_interval", "redis_outage_timeout", "lease_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})"

@@ -5,21 +5,25 @@
     iter_0000012/trainer_state.json  iteration, policy version, data position, terminal counts,
                                    groups still in flight, RNG state
 
-A checkpoint is written to a temp dir and renamed into place; the `latest` file is written
-last, atomically, so a crash at any point leaves the previous checkpoint as the latest.
+A checkpoint is written to a temp dir of its writer's own and renamed into place (an iter_N/
+already there is moved aside first and removed after); the `latest` file is written last,
+atomically: atomic.py. So a kill at any point, SIGKILL included, leaves the previous
+checkpoint as the latest, whole, and loading reads only the iter_N/ the `latest` file names.
+What a killed save leaves is put back or removed at the next start (atomic.recover).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
 import random
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from millstream.common.errors import MillstreamError
+
+from . import atomic
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
@@ -64,25 +68,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save(
-    root: str | Path, iteration: int, backend: Any, state: dict[str, Any], save_optimizer: bool
+    root: str | Path,
+    iteration: int,
+    backend: Any,
+    state: dict[str, Any],
+    save_optimizer: bool,
+    *,
+    before_commit: Callable[[], None] | None = None,
 ) -> Path:
-    """Write iteration `iteration` and make it the latest. Returns its directory."""
-    final = iter_dir(root, iteration)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    backend.save(tmp, save_optimizer=save_optimizer)
-    (tmp / STATE).write_text(json.dumps({**state, "iteration": iteration, "rng": rng_state()}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _atomic_write(Path(root) / LATEST, str(iteration))
+    """Write iteration `iteration` and make it the latest. Returns its directory.
+
+    `before_commit` is called once every file is written, right before the rename into place:
+    what it raises (the trainer no longer holds the run) propagates, with the temp dir removed
+    and nothing renamed or made the latest."""
+
+    def fill(tmp: Path) -> None:
+        backend.save(tmp, save_optimizer=save_optimizer)
+        (tmp / STATE).write_text(json.dumps({**state, "iteration": iteration, "rng": rng_state()}))
+
+    final = atomic.write_dir(iter_dir(root, iteration), fill, before_commit)
+    atomic.write_text(Path(root) / LATEST, str(iteration))
     return final
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from millstream.common.config import ConfigError
 from millstream.common.errors import MillstreamError
 
-from . import megatron_ckpt
+from . import atomic, megatron_ckpt
 
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
 
@@ -110,10 +110,12 @@ def hf_to_torch_dist(hf_dir: Path, root: Path) -> Path:
     )
     megatron_model.load_into(model, state, f"--hf-checkpoint {hf_dir}")
     out = root / "release"
+    atomic.recover(root)  # a killed conversion's temp dir: never read, removed
     if out.exists():
         raise MillstreamError(f"--save {root}: {out} exists already; give an empty dir")
-    megatron_dist.save(model, out)
-    (root / megatron_ckpt.TRACKER).write_text("release")
+    # Whole or absent, as a run's checkpoints: a killed conversion leaves no release/
+    atomic.write_dir(out, lambda tmp: megatron_dist.save(model, tmp))
+    atomic.write_text(root / megatron_ckpt.TRACKER, "release")
     n = sum(p.numel() for p in model.parameters())
     print(f"[convert] {hf_dir} -> {out} (torch_dist, {n / 1e6:.2f}M parameters) in "
           f"{time.monotonic() - start:.1f}s", flush=True)  # fmt: skip
@@ -147,12 +149,15 @@ def torch_dist_to_hf(input_dir: Path, output_dir: Path, origin: Path) -> Path:
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise MillstreamError(f"{source}: the weights do not fit {origin}'s model ({missing[:3]})")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    hf.to(dtype).save_pretrained(output_dir, safe_serialization=True)
     weight_files = {p for pattern in _WEIGHT_FILES for p in origin.glob(pattern)}
-    for path in origin.iterdir():  # tokenizer, generation config, chat template, ...
-        if path.is_file() and path not in weight_files and not (output_dir / path.name).exists():
-            shutil.copy2(path, output_dir / path.name)
+
+    def fill(out: Path) -> None:
+        hf.to(dtype).save_pretrained(out, safe_serialization=True)
+        for path in origin.iterdir():  # tokenizer, generation config, chat template, ...
+            if path.is_file() and path not in weight_files and not (out / path.name).exists():
+                shutil.copy2(path, out / path.name)
+
+    atomic.write_dir(output_dir, fill)  # whole or absent: a killed conversion leaves none
     print(f"[convert] {source} -> {output_dir} (Hugging Face, {dtype}) in "
           f"{time.monotonic() - start:.1f}s", flush=True)  # fmt: skip
     return output_dir

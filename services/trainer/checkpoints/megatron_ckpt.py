@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OUR_STATE = "trainer_state.json"  # checkpoint.py STATE
+ITER = re.compile(r"iter_\d+")
 
 
 def _sharded_backend(path: Path) -> str | None:
@@ -77,7 +79,8 @@ def _named_dir(root: Path) -> tuple[Path, str] | None:
         )
         if name:
             return root / name, f"{TRACKER} says {text}, {name}/ holds"
-    subdirs = sorted(p for p in root.glob("iter_*") if p.is_dir())
+    # iter_N/ exactly: never a killed save's temp dir or a moved-aside copy (atomic.py)
+    subdirs = sorted(p for p in root.glob("iter_*") if p.is_dir() and ITER.fullmatch(p.name))
     candidates = ([root / "release"] if (root / "release").is_dir() else []) + subdirs[::-1]
     return (candidates[0], f"{candidates[0].name}/ holds") if candidates else None
 

@@ -4,5 +4,5 @@ Owns the stdout row and metrics.jsonl with their tensorboard/wandb mirrors (`met
 custom log functions (`log_hooks`), torch.profiler windows (`profiler`), the Prometheus
 metrics (`prom`), the stall watch that keeps every wait loud and where a stop ends the loop
 (`watch`), metrics.jsonl read across resumes (`history`), summary.json on every exit
-(`summary`), a crashing plugin's traceback and the stop after too many such groups (`plugin_failures`) and `millstream plot` (`plot`). Nothing here changes what is trained.
+(`summary`), a finished run not trained again when started again (`finished`), a crashing plugin's traceback and the stop after too many such groups (`plugin_failures`) and `millstream plot` (`plot`). Nothing here changes what is trained.
 """

@@ -46,7 +46,7 @@ def ended_by(err: BaseException | None, signal_name: str | None) -> tuple[str, i
             return f"stall timeout: {err}", 1
         if isinstance(err, PluginCrashed):  # its traceback: on the console, not in here
             return f"plugin failed: {err.summary}", 1
-        return f"error: {type(err).__name__}: {err}", 1
+        return f"error: {type(err).__name__}: {err}", getattr(err, "exit_code", 1)
     if signal_name is not None or isinstance(err, KeyboardInterrupt):
         return f"signal {signal_name or 'SIGINT'}", INTERRUPTED
     if err is not None:  # SystemExit and the like

@@ -21,6 +21,7 @@ import httpx
 
 from millstream.common import aio, telemetry
 from millstream.common.auth import bearer_headers
+from millstream.common.fencing import FencedOut
 
 ALIVE_PATHS = ("/health", "/get_server_info")  # `EngineCalls.alive`: either answering will do
 
@@ -85,6 +86,8 @@ class EngineCalls:
             ) from None
         except httpx.HTTPError as err:
             raise RuntimeError(f"{path}: {type(err).__name__}: {err}") from None
+        if resp.status_code == 409 and "fenced" in resp.text:  # common/fencing.py
+            raise FencedOut(f"engine {url}{path}: {resp.text[:300]}")
         if resp.status_code != 200 or not succeeded(resp):
             raise RuntimeError(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
 
@@ -97,6 +100,8 @@ class EngineCalls:
         async def one(i: int, url: str) -> Failure | None:
             try:
                 await self.post(url, path, body(i, url))
+            except FencedOut:  # not the engine's failure: this trainer must stop
+                raise
             except Exception as err:
                 return Failure(str(err), time.monotonic() - start)
             return None

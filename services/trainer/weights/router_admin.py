@@ -35,6 +35,7 @@ import httpx
 from millstream.common import aio, telemetry
 from millstream.common.auth import bearer_headers
 from millstream.common.errors import ServiceUnavailable
+from millstream.common.fencing import FencedOut
 
 ROUTER_ID_HEADER = "x-millstream-router"  # router/api.py's; no service imports another
 FIRST_DELAY_S, MAX_DELAY_S = 0.2, 2.0
@@ -110,6 +111,8 @@ class RouterAdmin:
         if resp.status_code >= 500:
             raise RouterAway(f"HTTP {resp.status_code}: {resp.text[:200]}")
         self._answered(resp)
+        if resp.status_code == 409 and "fenced" in resp.text:  # common/fencing.py
+            raise FencedOut(f"router {self.url}: {method} {path}: {resp.text[:300]}")
         if resp.status_code >= 400:
             raise RouterRefused(
                 f"router {self.url}: {method} {path} failed (HTTP {resp.status_code}: "

@@ -159,6 +159,9 @@ class WeightSync:
         self._http: httpx.AsyncClient | None = None
         self._calls: EngineCalls | None = None
         self._router: RouterAdmin | None = None
+        # The run's fencing header (common/fencing.py) on every admin call, once the trainer
+        # holds its run's lease (trainer/lease.py): an older holder's calls are refused.
+        self.fence_headers: dict[str, str] = {}
         # The engines that serve the last version synced (the router may forget them: a
         # restart), and the router restarts already answered by `readmit`.
         self._serving: list[str] = []
@@ -376,6 +379,8 @@ class WeightSync:
                 self._http, self.router_url, self.admin_token, self.timeout_s,
                 self.stall_timeout_s,
             )  # fmt: skip
+            self._calls.headers.update(self.fence_headers)
+            self._router.headers.update(self.fence_headers)
         assert self._calls is not None and self._router is not None
         return self._calls, self._router
 
