@@ -172,8 +172,10 @@ class LiveSglang:
 
     def load_base(self) -> None:
         """The model it started with, back (/update_weights_from_disk): the run's tests leave
-        their weights on the shared server; one that compares with the base model calls this."""
-        body = {"model_path": str(self.model), "weight_version": "base", "flush_cache": True}
+        their weights on the shared server; one that compares with the base model calls this.
+        As version "0", what a run's base weights are called: a sample's token versions are
+        integers (a name such as "base" would read back as the rollout's fallback, 0)."""
+        body = {"model_path": str(self.model), "weight_version": "0", "flush_cache": True}
         resp = httpx.post(self.url + "/update_weights_from_disk", json=body, timeout=120)
         assert resp.status_code == 200 and resp.json().get("success"), resp.text
 
