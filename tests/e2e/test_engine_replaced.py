@@ -93,7 +93,8 @@ def test_the_only_engine_killed_mid_run_is_replaced_and_the_run_goes_on(
         assert after_kill.count("[trainer] no engine left: waiting up to 60 s for one") == 1, text
         assert f"--coordinator {_coordinator(text)}" in text, text
         (back,) = re.findall(
-            r"engine\(s\) \['(.+?)'\] joined and hold version (\d+), after ([\d.]+) s", text
+            r"engine\(s\) \['(.+?)'\] joined and hold version (\d+), after ([\d.]+) s",
+            after_kill,
         )
         assert back[0] == second.url and int(back[1]) >= 3, text
         waited = float(back[2])
