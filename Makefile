@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 # make test's processes: both of CI's 2 cores (pytest-xdist; a file's tests stay on one).
 TEST_WORKERS ?= 2
 
-.PHONY: bootstrap run test test-sglang test-long lint format protos bench chaos chaos-monkey chaos-monkey-compose clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
+.PHONY: bootstrap run test test-sglang test-long lint format protos bench chaos chaos-net chaos-monkey chaos-monkey-compose clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -46,6 +46,11 @@ protos: bootstrap
 # The chaos suite at full length (about 15 minutes): kills, restarts, poison; prints its table.
 chaos: bootstrap
 	$(PY) -m tests.chaos
+
+# Network partitions as silence (about 8 minutes; root: each service in a network namespace of
+# its own, elsewhere it says why and runs nothing); prints its table (tests/chaos/net/).
+chaos-net: bootstrap
+	$(PY) -m tests.chaos.net $(ARGS)
 
 # Random kills and stops on the arith job until it ends, three seeds, against the same runs
 # without faults (about an hour on 2 cores); prints its table (tests/chaos/monkey.py).

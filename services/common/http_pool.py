@@ -38,14 +38,15 @@ import httpx
 KEEPALIVE_EXPIRY_S = 4.0
 MAX_IDLE_PER_ORIGIN = 256
 
-# TCP keepalive on every connection: after 30 s without a byte the kernel probes the peer
-# every 10 s and gives up after 6 unanswered probes. A request whose peer vanished without a
-# word (a network partition that outlasted the peer's own retransmissions: its socket is gone
-# while ours waits to read) then ends with the peer's RST at the first probe after the link
-# is back, or with a timeout 90 s into the silence, instead of waiting out the request's
-# timeout (the router's 600 s: make chaos-net's only-engine scenario stalled on one). A live
+# TCP keepalive on every connection: after 10 s without a byte the kernel probes the peer
+# every 5 s and gives up after 6 unanswered probes. Across a network partition nothing refuses
+# or resets: a request waiting for its answer ends 40 s into the silence (a connection error,
+# which the router retries elsewhere and the rollout client retries), or, when the peer's
+# socket died in the silence (its answer, its FIN and its retransmissions all lost), with the
+# peer's RST at the first probe after the heal; without this it waited out the request's own
+# timeout (the router's: 600 s; make chaos-net's only-engine scenario stalled on one). A live
 # peer's kernel answers the probes, however long its answer takes to compute.
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 6
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 6
 SOCKET_OPTIONS = [
     (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
     *(

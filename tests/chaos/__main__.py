@@ -59,8 +59,9 @@ def cells(row: Row) -> list[str]:
     return [str(v) for v in values]
 
 
-def table(rows: list[tuple[Row, float]]) -> str:
-    head = ["fault", "injected", "outcome", *COLUMNS, "longest stall", "seconds", "ok"]
+def table(rows: list[tuple[Row, float]], first: str = "fault") -> str:
+    """The Markdown table of `rows` (each with its seconds); `first` names the first column."""
+    head = [first, "injected", "outcome", *COLUMNS, "longest stall", "seconds", "ok"]
     body = [
         [
             row.fault,
@@ -86,8 +87,13 @@ def table(rows: list[tuple[Row, float]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    chosen = {k: v for k, v in FULL.items() if not argv or any(a in k for a in argv)}
+def main(
+    argv: list[str], suite: dict[str, Callable[[Path, Path], Row]] = FULL, first: str = "fault"
+) -> int:
+    """Run the scenarios of `suite` whose names contain an argument (all without one), each
+    in a directory of its own, and print the table (`first`: its first column's name); 1 when
+    any promise broke."""
+    chosen = {k: v for k, v in suite.items() if not argv or any(a in k for a in argv)}
     rows: list[tuple[Row, float]] = []
     with tempfile.TemporaryDirectory(prefix="millstream-chaos-") as tmp:
         model = build_tiny_model(Path(tmp) / "model")
@@ -100,7 +106,7 @@ def main(argv: list[str]) -> int:
             rows.append((row, time.monotonic() - start))
             for problem in row.problems:
                 print(f"   problem: {problem[:2000]}", flush=True)
-    print(table(rows))
+    print(table(rows, first))
     return 0 if all(row.ok for row, _ in rows) else 1
 
 

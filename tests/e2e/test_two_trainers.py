@@ -77,8 +77,10 @@ def test_one_trainer_per_run_the_second_exits_or_waits_and_an_old_holder_stops(
         text = d.trainer_log.read_text()
         # Whichever noticed first (the buffer's fenced ack, the renewal) says the same.
         assert "lost the lease" in text and "without training on" in text, text[-3000:]
-        summary = json.loads((d.run_dir / "summary.json").read_text())
-        assert summary["exit_code"] == 5 and "lost the lease" in summary["ended"], summary
+        # Its end beside the run's summary, which is the holder's to write (a shared run dir).
+        assert not (d.run_dir / "summary.json").exists()
+        lost = json.loads((d.run_dir / f"summary.lost-lease-{first.pid}.json").read_text())
+        assert lost["exit_code"] == 5 and "lost the lease" in lost["ended"], lost
         assert trained < 400 and d.iterations() == trained  # it trained no more
 
         # The run is "node-b"'s now: the waiting trainer goes on waiting, naming it.

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from millstream.common.errors import MillstreamError
+from millstream.common.fencing import FencedOut
 
 from ..evaluate import format_accuracies
 from .history import RESUMED_FROM, read
@@ -35,6 +36,7 @@ from .plugin_failures import PluginCrashed
 from .watch import Stalled
 
 TERMINAL = ("trained", "filtered", "failed", "dropped_stale", "dropped_at_end")
+FENCED_OUT_EXIT = FencedOut.exit_code  # another trainer holds the run (lost lease, or held)
 INTERRUPTED = 130  # the CLI's exit code for a run stopped by a signal (as a shell's Ctrl-C)
 
 
@@ -91,6 +93,11 @@ class RunEnd:
         _print(summary)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "summary.json"
+        if exit_code == FENCED_OUT_EXIT:
+            # The run is another trainer's now (trainer/lease.py), which may share this run
+            # dir and write the run's summary: this one's end goes beside it, never over it.
+            path = self.run_dir / f"summary.lost-lease-{os.getpid()}.json"
+            print(f"[trainer] this trainer's end: {path} (the run's summary is its holder's)")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, path)
