@@ -41,7 +41,7 @@ run: bootstrap
 	@bash examples/run_main.sh
 
 protos: bootstrap
-	$(PY) -m millstream.common.protogen
+	$(PY) -m millstream.tools.protogen
 
 # The chaos suite at full length (about 15 minutes): kills, restarts, poison; prints its table.
 chaos: bootstrap

@@ -3,12 +3,12 @@
     .venv/bin/python bench/bench_attention.py [--device cpu|cuda] [--rows 64] [--short 100]
 
 One layer's decode attention (Qwen2.5-0.5B's heads: 14 query, 2 kv, dim 64) for `--rows`
-requests whose keys sit on pages scattered over a pool (token_pool.py: a row's tokens run
+requests whose keys sit on pages scattered over a pool (engine/kv/token_pool.py: a row's tokens run
 in order within a page of 16), in two shapes: every row `--short` tokens long, and one row
 of `--long` tokens beside the others. Each way reads the same keys and must give the same
 output (checked against the first):
 
-  grouped SDPA    what the engine runs (engine/paged_attention.py): rows grouped by length
+  grouped SDPA    what the engine runs (engine/executor/paged_attention.py): rows grouped by length
                   (at most 2 tokens read per live one), each group's keys gathered from the
                   pool and attended with PyTorch's SDPA, GQA packed;
   slot at a time  the same, with every key at a slot of its own scattered over the pool:
@@ -59,13 +59,13 @@ def case(lengths: list[int], args: argparse.Namespace) -> list[tuple[str, float,
     import torch
     import torch.nn.functional as F
 
-    from millstream.engine.paged_attention import (
+    from millstream.engine.executor.paged_attention import (
         StepPlan,
         decode_group,
         length_groups,
         paged_attention,
     )
-    from millstream.engine.token_pool import PAGE
+    from millstream.engine.kv.token_pool import PAGE
 
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)

@@ -55,7 +55,8 @@ def soak(label: str, minutes: float, every_s: float, trim_interval: str, workdir
     data.mkdir(parents=True)
     server = subprocess.Popen(
         [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--dir", str(data), "--save", "", "--appendonly", "no"],
+         "127.0.0.1", "--dir", str(data), "--save", "", "--appendonly", "no",
+         "--maxmemory-policy", "noeviction"],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"redis://127.0.0.1:{port}/0"

@@ -61,7 +61,7 @@ def raw_broadcast(tensors, rounds: int) -> tuple[float, float]:
     """Median seconds to broadcast `tensors` one by one, and as one flat tensor."""
     import torch
 
-    from millstream.trainer.weights.process_group import UpdateGroup
+    from millstream.trainer.weights.routes.process_group import UpdateGroup
 
     group = UpdateGroup("raw", 2, "gloo", "127.0.0.1", 60.0)
     specs = repr([list(t.shape) for t in tensors])

@@ -69,7 +69,8 @@ def decode_step_rows(model_dir: Path, args: argparse.Namespace, add: Add) -> Non
     docstring), in process, with the weights-read limit in the note."""
     import torch
 
-    from millstream.engine.model_runner import ModelRunner, kv_bytes_per_token
+    from millstream.engine.executor.model_runner import ModelRunner
+    from millstream.engine.kv.sizing import kv_bytes_per_token
 
     cuda = args.device == "cuda"
     n, length = (8 if args.small else DECODE_ROWS[0]), DECODE_ROWS[1]
@@ -101,10 +102,10 @@ def _decode_ms(runner: Any, tokens: int, n: int, length: int, args: argparse.Nam
     """The fastest decode step (ms) of n rows of `length` tokens over a pool of `tokens`."""
     import random
 
+    from millstream.engine.kv.token_pool import TokenPool
     from millstream.engine.paged_batch import PagedBatch
     from millstream.engine.sampling import SamplingParams
     from millstream.engine.sequence import Sequence
-    from millstream.engine.token_pool import TokenPool
 
     pool = TokenPool(runner.model.config, tokens, runner.dtype, runner.device)
     batch = PagedBatch(runner.model, pool, max_rows=n, context_length=4 * length,
@@ -261,7 +262,7 @@ def variant_engine_row(
     """The engine once more at the highest concurrency, as a variant of the rows measured:
     `graphs` False, the bf16 engine with --disable-cuda-graph (eager decoding over the live
     columns); None, the FP8 engine on an FP8 copy of the model (examples/arith/make_fp8.py:
-    e4m3 weights with 128 x 128 block scales, engine/fp8.py). Ratio to HF generate; to the
+    e4m3 weights with 128 x 128 block scales, engine/quant/fp8.py). Ratio to HF generate; to the
     bf16 engine with graphs in the note."""
     from engine_load import engine_run
 

@@ -34,14 +34,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("services", "bench", "tests/support", "examples")
 # This repository's own top-level names: the package (services/ is `millstream`), the test
 # and bench folders, and Miles' module names, which millstream's import hook serves
-# (services/common/miles/importer.py).
+# (services/compat/miles/importer.py).
 OWN = {"millstream", "services", "tests", "bench", "miles"}
 # Imported only behind a flag or a guard that the GPU run does not take: not carried. By module
 # prefix: `opentelemetry` is needed, its OTLP exporter is not.
 OPTIONAL = {
     # SGLang's own server and weight format: the GPU check runs millstream's engine, and the
     # launcher uses SGLang only when it is importable (services/launch/engines.py; the
-    # sglang_route is guarded by `unavailable()`); the contract tier skips without it.
+    # trainer's weights/routes/sglang_format.py is guarded by `unavailable()`); the contract
+    # tier skips without it.
     "sglang": "SGLang's server and weight format, used only where sglang is importable",
     # --use-wandb only (trainer/observe/metrics.py raises a named error without it).
     "wandb": "--use-wandb only",
@@ -51,7 +52,7 @@ OPTIONAL = {
     # `make protos` regenerates services/common/pb/ at development time; the GPU runs the
     # generated modules.
     "grpc_tools": "make protos (development time)",
-    # Miles' multimodal prompts (common/miles/processing_utils.py), for a processor that has
+    # Miles' multimodal prompts (compat/miles/processing_utils.py), for a processor that has
     # no extract_media: no text-only run reaches it.
     "qwen_vl_utils": "Miles' multimodal prompts only",
     # Spans exported over OTLP only where OTEL_EXPORTER_OTLP_ENDPOINT is set (the otlp extra;

@@ -137,7 +137,7 @@ def whole_traces(run: str) -> tuple[int, int, dict[str, int]]:
     lack -> how many lack each), from the run's span files as `millstream trace` reads them."""
     from pathlib import Path
 
-    from millstream.common import trace_cli
+    from millstream.tools import trace_cli
 
     spans, _ = trace_cli.read_spans(Path(run))
     index = trace_cli.Run.index(spans)

@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "engine": (
         "millstream.engine.main:main",
-        "CPU/dev inference server speaking SGLang's HTTP API",
+        "millstream's inference engine, speaking SGLang's HTTP API (CPU or GPU)",
     ),
     "router": ("millstream.router.main:main", "HTTP router in front of engines"),
     "rollout": ("millstream.rollout.main:main", "rollout worker: {run}:prompts -> {run}:generated"),
@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "print the GPU plan of `train` flags ([--gpus N]; starts nothing)",
     ),
     "gpus": ("millstream.launch.plan:gpus_main", "print how many GPUs torch sees here"),
-    "trace": ("millstream.common.trace_cli:main", "summarise a run's traces"),
+    "trace": ("millstream.tools.trace_cli:main", "summarise a run's traces"),
     "plot": ("millstream.trainer.observe.plot:main", "draw a run's metric curves"),
     "convert": (
         "millstream.trainer.checkpoints.convert:main",

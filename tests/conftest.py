@@ -82,7 +82,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir: Path):
     """The engine's model runner on the tiny model (one a module: tests update its weights)."""
-    from millstream.engine.model_runner import ModelRunner
+    from millstream.engine.executor.model_runner import ModelRunner
 
     return ModelRunner(str(tiny_model_dir))
 

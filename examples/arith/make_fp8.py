@@ -6,7 +6,7 @@ block-wise layout of Qwen3-*-FP8 checkpoints, for FP8 rollout (docs/fp8.md).
 1. Each decoder Linear weight (`model.layers.N.self_attn.{q,k,v,o}_proj.weight`,
    `model.layers.N.mlp.{gate,up,down}_proj.weight`) becomes float8_e4m3fn beside its
    `weight_scale_inv` (fp32, one scale per 128x128 block; the arith model's dims, 32 to 256,
-   give partial blocks), quantized by the engine's own cast (millstream.engine.fp8.quantize),
+   give partial blocks), quantized by the engine's own cast (millstream.engine.quant.fp8.quantize),
    so a weight update of the same weights lands bit for bit on this checkpoint.
 2. Everything else (embeddings, norms, biases, a tied or untied lm_head) is copied as it is.
 3. config.json gains the quantization_config; the tokenizer and the other files are copied.
@@ -35,7 +35,7 @@ def make_fp8(model_dir: Path, out_dir: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from millstream.engine.fp8 import SCALE_SUFFIX, quantize
+    from millstream.engine.quant.fp8 import SCALE_SUFFIX, quantize
 
     config = json.loads((model_dir / "config.json").read_text())
     if "quantization_config" in config:

@@ -12,7 +12,7 @@ endpoints (health, info, /generate) never ask for it, as in SGLang, whose API ke
 only its admin routes. Nothing here logs or echoes a token.
 
 `ENGINE_ADMIN_PATHS` is the one list of an engine's admin paths (SGLang's names): the engine
-guards exactly these (engine/control_api.py, checked by tests/integration/test_admin_auth.py),
+guards exactly these (engine/http/control.py, checked by tests/integration/test_admin_auth.py),
 and the router asks its own token for them before it proxies one (router/proxy.py), whether
 or not the engine behind has a token.
 

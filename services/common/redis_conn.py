@@ -12,6 +12,17 @@ last error reaches the caller, as without retries. Pipelines are not commands of
 to one more try at once on a fresh connection: a pooled connection that a restart (already
 over) left dead is replaced without a console line.
 
+A full Redis (`maxmemory` reached under `maxmemory-policy noeviction`, which every Redis
+millstream starts is given: evicting would drop stream entries without a trace) refuses writes
+that add data with OOM while it still serves reads, acks and trims. Such a write waits for room
+(`Outages.call`, backoff to 2 s), with no deadline of its own: room comes back as the trainer
+takes groups and trims the streams. Said when it starts, every minute while it lasts, and when
+it ends ("[trainer] Redis at redis://...: room again after 12.3 s"). A caller that must not
+wait (a heartbeat: the next one will do) calls inside `not_waiting_for_room()` and gets the
+OutOfMemoryError at once. Writes that only move data (XACK, XTRIM, XCLAIM, PEXPIRE) are never
+refused, and neither is a script once it has written: the hand-off script acks first, so
+hand-offs pass a full Redis (bounded by the groups in flight) and the run drains.
+
 A command may run twice when its reply was lost; every write millstream makes is safe to
 repeat (XADD duplicates are dropped by group id downstream, hand-offs are guarded scripts,
 XACK is idempotent). A read whose reply was lost leaves its entries pending under the
@@ -30,19 +41,21 @@ Every write is bounded by the socket timeout with `asyncio.timeout`, not redis-p
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import logging
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -62,6 +75,24 @@ OUTAGE_TIMEOUT_S = 120.0
 OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 """What an outage looks like to a caller (BusyLoadingError, Redis loading its AOF, is a
 ConnectionError)."""
+
+FULL_SAY_EVERY_S = 60.0
+"""While Redis stays full, say so again this often."""
+
+_WAIT_FOR_ROOM: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "millstream_wait_for_room", default=True
+)
+
+
+@contextlib.contextmanager
+def not_waiting_for_room() -> Iterator[None]:
+    """Calls made inside (this task's) fail at once with OutOfMemoryError when Redis is full
+    instead of waiting for room (module docstring)."""
+    token = _WAIT_FOR_ROOM.set(False)
+    try:
+        yield
+    finally:
+        _WAIT_FOR_ROOM.reset(token)
 
 
 class Outages:
@@ -89,7 +120,10 @@ class Outages:
         self.max_delay_s = max_delay_s
         self.say = say or _print
         self.reconnects = 0
+        self.fulls = 0  # times Redis was found full (writes refused with OOM), so far
         self._since: float | None = None  # the outage's start (monotonic), while one lasts
+        self._full_since: float | None = None  # while Redis is full: when it was found so
+        self._full_said = 0.0
         self._noticed = 0.0  # when it was noticed: only calls started later can end it
         self._gave_up = False
 
@@ -103,6 +137,7 @@ class Outages:
         """`await attempt()`, again after each outage error until the outage has lasted
         `timeout_s`; then that error is raised. `attempt` makes a new call each time."""
         delay = self.first_delay_s
+        waited_for_room = False
         while True:
             started = time.monotonic()
             try:
@@ -114,9 +149,44 @@ class Outages:
                 await asyncio.sleep(min(delay, left))
                 delay = min(2 * delay, self.max_delay_s)
                 continue
+            except OutOfMemoryError as err:
+                if not _WAIT_FOR_ROOM.get():
+                    raise
+                self._full(err)
+                waited_for_room = True
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, self.max_delay_s)
+                continue
             if self._since is not None and started >= self._noticed:
                 self._back()
+            if waited_for_room and self._full_since is not None:
+                self._room()
             return result
+
+    def _full(self, err: BaseException) -> None:
+        """Note a write refused for want of memory; say so at first and every minute."""
+        now = time.monotonic()
+        if self._full_since is None:
+            self._full_since = self._full_said = now
+            self.fulls += 1
+            reason = str(err).rstrip(".") or type(err).__name__
+            self.say(
+                f"[{self.who}] Redis at {self.url} is full ({reason}): writes wait for room, "
+                "which comes back as the trainer takes groups and trims the streams "
+                "(--max-buffer-bytes keeps a run's groups below a bound)"
+            )
+        elif now - self._full_said >= FULL_SAY_EVERY_S:
+            self._full_said = now
+            self.say(
+                f"[{self.who}] Redis at {self.url}: still full after "
+                f"{now - self._full_since:.0f} s; writes still waiting for room"
+            )
+
+    def _room(self) -> None:
+        assert self._full_since is not None
+        lasted = time.monotonic() - self._full_since
+        self._full_since = None
+        self.say(f"[{self.who}] Redis at {self.url}: room again after {lasted:.1f} s")
 
     def _lost(self, err: BaseException, started: float) -> float:
         """Note a failed call; the seconds the outage may still last."""
@@ -196,6 +266,31 @@ def outages_of(redis: aioredis.Redis) -> Outages:
         return redis.outages
     kw = redis.connection_pool.connection_kwargs
     return Outages(f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}")
+
+
+async def eviction_warning(redis: aioredis.Redis) -> str | None:
+    """What to say when Redis may evict keys at its `maxmemory`: an evicted stream loses its
+    groups without a trace, and a full Redis under `noeviction` only makes writes wait (module
+    docstring). None under noeviction, or when CONFIG cannot be asked (a managed Redis)."""
+    try:
+        found = await redis.config_get("maxmemory-policy")
+    except (ResponseError, OSError, RedisError):
+        return None
+    policy = next(iter(found.values()), b"") if found else b""
+    policy = policy.decode() if isinstance(policy, bytes) else str(policy)
+    if not policy or policy == "noeviction":
+        return None
+    what = (
+        "any key, the run's streams among them"
+        if policy.startswith("allkeys")
+        else ("keys with a TTL: heartbeats, the trainer's lease")
+    )
+    return (
+        f"Redis has maxmemory-policy {policy}: at its maxmemory it evicts {what}, and a group "
+        "whose entry is evicted is lost without a trace. Set it to noeviction (CONFIG SET "
+        "maxmemory-policy noeviction, or in redis.conf): a full Redis then makes writes wait "
+        "for room instead"
+    )
 
 
 def _one_fresh_try() -> Retry:

@@ -20,8 +20,8 @@ a fleet that failed together does not retry together). Who retries what:
 | caller | on | policy |
 |---|---|---|
 | rollout/client.py `/generate` | a retryable GenerationFailed | 8 attempts, 0.5 s to 15 s |
-| engine/registration.py add_worker, remove_worker | httpx errors but 401/403 | 10 / 3 attempts |
-| engine/registration.py JoinEngine | gRPC errors but refusals | for 600 s, 0.5 s to 5 s |
+| engine/http/registration.py add_worker, remove_worker | httpx errors but 401/403 | 10 / 3 attempts |
+| engine/http/registration.py JoinEngine | gRPC errors but refusals | for 600 s, 0.5 s to 5 s |
 | reward/scorer.py a reward attempt (remote RM included) | timeouts, errors but PluginFailed | --reward-retries |
 | reward/celery_app.py send and collect a task | Redis and kombu connection errors | --redis-outage-timeout |
 

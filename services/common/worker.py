@@ -29,7 +29,10 @@ Redis outages: every Redis call here rides out an outage of up to --redis-outage
 (`redis_conn.Outages`): the reader, the ticker and each job's hand-off wait for Redis to come
 back, and in-flight jobs run on meanwhile and hand off after it; the first read after a
 reconnect takes back this consumer's pending entries that no job holds (`Consumer.read`).
-Past the timeout the worker drains and `run()` raises `RedisGone`.
+Past the timeout the worker drains and `run()` raises `RedisGone`. A full Redis (OOM under
+noeviction) holds a hand-off or a read no longer than it holds any write that waits for room
+(redis_conn.py); the heartbeat alone does not wait: a beat refused for want of memory is
+skipped, said once, and the next one is sent a tick later.
 
 Invariant: an entry is acked only by its handler's hand-off (or by the worker after a clean
 return in auto-ack mode) or by dead-lettering; a crash, a cancel or a timeout leaves it pending
@@ -48,11 +51,13 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import aio
 from .errors import Interrupted, ServiceUnavailable
 from .fencing import FencedOut
+from .redis_conn import not_waiting_for_room
 from .streams import Consumer, PoisonEntry, StreamEntry, check_envelope
 
 log = logging.getLogger(__name__)
@@ -292,9 +297,16 @@ class StreamWorker:
     async def _tick(self) -> None:
         """Beat and renew leases every tick until told to stop. It is stopped by an event,
         not cancelled, because redis-py on Python 3.11 can swallow a cancel (see above)."""
+        full = False  # the last beat was refused for want of memory (said once)
         while not self._ticks_done.is_set():
             try:
-                await self._beat()
+                try:
+                    await self._beat()
+                    full = False
+                except OutOfMemoryError as err:  # a full Redis: skip this beat, not the renew
+                    if not full:
+                        log.warning("%s: heartbeat skipped, Redis is full: %s", self.name, err)
+                    full = True
                 await self.consumer.renew(list(self._in_flight.values()))
             except REDIS_LOST as err:  # past --redis-outage-timeout: the reader stops us
                 log.warning("%s: heartbeat failed, Redis unreachable: %s", self.name, err)
@@ -314,7 +326,8 @@ class StreamWorker:
             "dead_lettered": self.dead_lettered,
             "unix": time.time(),
         }
-        await client.set(key, json.dumps(state), ex=ttl_s)
+        with not_waiting_for_room():
+            await client.set(key, json.dumps(state), ex=ttl_s)
 
     def _redis_gone(self, err: BaseException) -> RedisGone:
         outages, reason = self.consumer.outages, str(err).rstrip(".")

@@ -17,9 +17,10 @@ from millstream.common.config.errors import ConfigError
 from millstream.common.config.schema import add_group, flag, from_namespace
 from millstream.common.http_limits import DEFAULT_MAX_REQUEST_BYTES
 
+from .kv.sizing import DEFAULT_MEM_FRACTION
+
 DTYPES = ("auto", "float32", "bfloat16")
-FP8_GEMMS = ("auto", "scaled_mm", "dequant")  # engine/fp8.py GEMMS; this module imports no torch
-DEFAULT_MEM_FRACTION = 0.85
+FP8_GEMMS = ("auto", "scaled_mm", "dequant")  # quant/fp8.py GEMMS; this module imports no torch
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,11 @@
 EngineCore owns the model runner, the scheduler thread, the weight update groups and the
 engine RNG (which seeds requests that carry no sampling_seed, so a whole engine run is
 reproducible under --seed). Routes get it from `app.state.core`; nothing is global.
+
+`new_batch` is the one way the running batch is built from the flags: the pool sized by
+kv/sizing.py (--max-total-tokens, --mem-fraction-static), the context capped at the pool,
+CUDA graphs on a GPU. The Scheduler takes that batch; tests build theirs the same way
+(tests/support/engine_scheduler.py).
 """
 
 from __future__ import annotations
@@ -17,12 +22,55 @@ from millstream.common import tensor_share
 from millstream.common.fencing import FenceGate
 
 from .config import EngineConfig
-from .model_runner import ModelRunner
-from .paged_batch import new_batch
+from .executor.model_runner import ModelRunner
+from .kv.sizing import pool_size
+from .kv.token_pool import TokenPool
+from .paged_batch import PagedBatch
 from .scheduler import Scheduler
 from .weights import NamedTensors, UpdateGroups, WeightLoader
 
 log = logging.getLogger(__name__)
+
+
+def new_batch(runner: ModelRunner, config: EngineConfig) -> PagedBatch:
+    """The running batch `millstream engine` runs with these flags: --max-running-requests
+    rows over a pool of kv/sizing.py's size (on a GPU allocated at once, on the CPU growing
+    to its limit), each row up to --context-length (the model's by default) or the pool,
+    whichever is less; on a GPU its CUDA graphs, not captured yet."""
+    model_config, dtype, device = runner.model.config, runner.dtype, runner.device
+    size = pool_size(
+        model_config,
+        dtype,
+        device,
+        max_total_tokens=config.max_total_tokens,
+        mem_fraction=config.mem_fraction_static,
+    )
+    pool = TokenPool(model_config, size.capacity, dtype, device, limit=size.limit)
+    graphs = None
+    if device.type == "cuda" and not config.disable_cuda_graph:
+        graphs = config.cuda_graph_max_bs or config.max_running_requests
+    context_length = config.context_length or runner.context_length
+    batch = PagedBatch(
+        runner.model,
+        pool,
+        max_rows=config.max_running_requests,
+        context_length=min(context_length, pool.limit),
+        cuda_graph_max_bs=graphs,
+    )
+    log.info(
+        "KV token pool: %d tokens (%.1f MiB) on %s%s, shared by up to %d requests of up to %d "
+        "tokens; CUDA graphs: %s",
+        pool.capacity,
+        pool.nbytes / 2**20,
+        device,
+        f", growing up to {pool.limit}" if pool.limit > pool.capacity else "",
+        batch.max_rows,
+        batch.context_length,
+        f"batch sizes {batch.graphs.sizes}, key buckets {batch.graphs.buckets}"
+        if batch.graphs
+        else "off",
+    )
+    return batch
 
 
 class EngineCore:
@@ -33,27 +81,10 @@ class EngineCore:
         self.runner = ModelRunner(
             config.model_path, config.dtype, config.device, fp8_gemm=config.fp8_gemm
         )
-        context_length = config.context_length or self.runner.context_length
-        graphs = None
-        if self.runner.device.type == "cuda" and not config.disable_cuda_graph:
-            graphs = config.cuda_graph_max_bs or config.max_running_requests
-        batch = new_batch(
-            self.runner,
-            max_rows=config.max_running_requests,
-            context_length=context_length,
-            max_total_tokens=config.max_total_tokens,
-            mem_fraction=config.mem_fraction_static,
-            cuda_graph_max_bs=graphs,
-        )
+        batch = new_batch(self.runner, config)
         if batch.graphs is not None:
             batch.graphs.capture_all()
-        self.scheduler = Scheduler(
-            self.runner,
-            max_running_requests=config.max_running_requests,
-            context_length=batch.context_length,
-            weight_version=config.weight_version,
-            batch=batch,
-        )
+        self.scheduler = Scheduler(self.runner, batch, weight_version=config.weight_version)
         self.groups = UpdateGroups(config.weight_update_timeout, self.runner.device)
         self.loader = WeightLoader(self.runner.model)
         self.started_at = time.time()

@@ -31,8 +31,8 @@ def advertised_url(config: EngineConfig) -> str:
 async def _serve(core: Any, config: EngineConfig) -> None:
     import uvicorn
 
-    from .api import create_app
-    from .registration import join, register, unregister
+    from .http.api import create_app
+    from .http.registration import join, register, unregister
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -7,40 +7,38 @@ table lives on the model's device with one row per --max-running-requests and on
 per token of the context length, so a step's index tensors are slices of it, built without
 a Python loop over tokens.
 
-Prefill (`prefill`): the pages the prefix cache has are reused (prefix_cache.py); the rest
-of several prompts' tokens are packed into one forward (no padding; paged_attention.py),
-their slots allocated at once (each prompt's on pages of its own) and held by the prefill;
-`add` gives a row a prefill's context (one more holder of each slot), so the n copies of a
-prompt share its keys; `drop` lets the prefill's own hold go, freeing what no row took.
-Decode (`decode`): one new slot per row, written by the step: the next one of the row's
-last page (a row first fills the rest of its prompt's last page, if no other copy took it),
-a fresh page when that is full; the rows' lengths grouped (paged_attention.length_groups)
-or, on a GPU with graphs, one captured shape per batch size and context bucket
-(decode_graphs.py). Leave (`keep`): a leaving row's whole pages go to the prefix cache, its
-own hold on its slots is dropped; the survivors' table rows move up.
+Prefill (`prefill`): the pages the prefix cache has are reused (kv/prefix_cache.py); the
+rest of several prompts' tokens are packed into one forward (no padding;
+executor/paged_attention.py), their slots allocated at once (each prompt's on pages of its
+own) and held by the prefill; `add` gives a row a prefill's context (one more holder of each
+slot), so the n copies of a prompt share its keys; `drop` lets the prefill's own hold go,
+freeing what no row took. Decode (`decode`): one new slot per row, written by the step: the
+next one of the row's last page (a row first fills the rest of its prompt's last page, if no
+other copy took it), a fresh page when that is full; the rows' lengths grouped
+(executor/paged_attention.py `length_groups`) or, on a GPU with graphs, one captured shape
+per batch size and context bucket (executor/decode_graphs.py). Leave (`keep`): a leaving
+row's whole pages go to the prefix cache, its own hold on its slots is dropped; the
+survivors' table rows move up.
 
 The pool can run out (on a GPU it never grows): before a step the scheduler asks
 `make_free` for a page for each row whose last page is full (`step_tokens`; the prefix
 cache's unused pages are evicted first, then the CPU's pool grows) and retracts rows until
 it gets them (scheduler.py), so no row ever ends for lack of memory while others could make
-way.
+way. The pool comes sized and allocated (kv/sizing.py; core.py `new_batch` builds the batch
+as `millstream engine` runs it).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .config import DEFAULT_MEM_FRACTION
-from .decode_graphs import DecodeGraphs
-from .host import host_tensor
-from .model_runner import ModelRunner, kv_bytes_per_token, kv_token_budget
-from .paged_attention import (
+from .executor.decode_graphs import DecodeGraphs
+from .executor.host import host_tensor
+from .executor.paged_attention import (
     AttnGroup,
     StepPlan,
     decode_group,
@@ -49,67 +47,13 @@ from .paged_attention import (
     prefill_group,
     use_paged_attention,
 )
-from .prefix_cache import Node, PrefixCache
+from .kv.prefix_cache import Node, PrefixCache
+from .kv.token_pool import NULL_SLOT, PAGE, PoolFull, TokenPool, pages_for
 from .sequence import Sequence
-from .token_pool import NULL_SLOT, PAGE, PoolFull, TokenPool, pages_for
 
-log = logging.getLogger(__name__)
-
-CPU_START_TOKENS = 4096  # the CPU pool's first size; it doubles as steps need
-CPU_MEMORY_SHARE = 0.25  # of the host's available memory: the CPU pool's limit by default
 # Tokens the prefix cache gives up at least when the pool is short: a decode step needs one
 # slot a row, and evicting just that would walk the cache's tree every step of a full pool.
 EVICT_BATCH = 16 * PAGE
-
-
-def host_token_budget(bytes_per_token: int) -> int:
-    """Tokens of KV that CPU_MEMORY_SHARE of the host's available memory holds."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(CPU_START_TOKENS, int(available * CPU_MEMORY_SHARE) // bytes_per_token)
-
-
-def new_batch(
-    runner: ModelRunner,
-    *,
-    max_rows: int,
-    context_length: int,
-    max_total_tokens: int | None = None,
-    mem_fraction: float | None = None,
-    cuda_graph_max_bs: int | None = None,
-) -> PagedBatch:
-    """The running batch over a pool sized SGLang's way (token_pool.py): on a GPU,
-    --max-total-tokens or what --mem-fraction-static leaves after the weights, allocated
-    at once; on the CPU, --max-total-tokens or a share of the host's memory as the limit
-    it grows to."""
-    config, dtype, device = runner.model.config, runner.dtype, runner.device
-    if device.type == "cuda":
-        fraction = mem_fraction or DEFAULT_MEM_FRACTION
-        capacity = max_total_tokens or kv_token_budget(config, dtype, device, fraction)
-        limit = capacity
-    else:
-        limit = max_total_tokens or host_token_budget(kv_bytes_per_token(config, dtype))
-        capacity = min(limit, CPU_START_TOKENS)
-    pool = TokenPool(config, capacity, dtype, device, limit=limit)
-    batch = PagedBatch(
-        runner.model,
-        pool,
-        max_rows=max_rows,
-        context_length=min(context_length, pool.limit),
-        cuda_graph_max_bs=cuda_graph_max_bs,
-    )
-    graphs = batch.graphs
-    log.info(
-        "KV token pool: %d tokens (%.1f MiB) on %s%s, shared by up to %d requests of up to %d "
-        "tokens; CUDA graphs: %s",
-        pool.capacity,
-        pool.nbytes / 2**20,
-        device,
-        f", growing up to {pool.limit}" if pool.limit > pool.capacity else "",
-        max_rows,
-        batch.context_length,
-        f"batch sizes {graphs.sizes}, key buckets {graphs.buckets}" if graphs else "off",
-    )
-    return batch
 
 
 @dataclass
@@ -135,6 +79,7 @@ class PagedBatch:
         cuda_graph_max_bs: int | None = None,
     ):
         self.model, self.pool = model, pool
+        self.max_rows = max_rows
         use_paged_attention(model)
         self.device = pool.device
         self.cache = PrefixCache(pool)
@@ -348,7 +293,7 @@ class PagedBatch:
         if full:
             for r, first in zip(full, self.pool.take_pages(len(full)).tolist(), strict=True):
                 self._next[r], self._end[r] = first, first + PAGE
-        # The step's small vectors in one host tensor (host.py):
+        # The step's small vectors in one host tensor (executor/host.py):
         # new slots, their cells of the flattened table, last tokens, positions.
         context = self.table_RL.shape[1]
         step_4B = host_tensor(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .host import host_tensor
+from .executor.host import host_tensor
 
 GREEDY_TEMPERATURE = 1e-6
 

@@ -8,7 +8,7 @@ a forward pass.
 
 One step (`_step`):
   1. admit waiting sequences while the batch has room: --max-running-requests rows, and
-     free tokens in the KV token pool (token_pool.py) for their prompts plus
+     free tokens in the KV token pool (kv/token_pool.py) for their prompts plus
      DECODE_RESERVE tokens a row;
   2. prefill them in packed forwards (`prefill_groups`: no padding, up to PREFILL_TOKENS
      new tokens each), each distinct prefix once: the n copies of a request share its
@@ -32,7 +32,7 @@ While paused, new requests queue up and run after /continue_generation.
 
 Memory occupation (SGLang's /release_memory_occupation, for a trainer sharing the GPU:
 --colocate): releasing "kv_cache" frees the cache, and the running sequences go back to the
-head of the queue as in a retract; releasing "weights" discards them (model_runner.py: no
+head of the queue as in a retract; releasing "weights" discards them (executor/model_runner.py: no
 copy to host memory); releasing anything drops the CUDA graphs ("cuda_graph" alone too).
 /resume_memory_occupation allocates what it names again: the cache zeroed, the weights
 uninitialized. No step runs while anything is released, nor while the weights are invalid
@@ -58,12 +58,12 @@ from typing import Any
 
 import torch
 
-from .model_runner import ModelRunner
-from .paged_batch import PagedBatch, new_batch
+from .executor.model_runner import ModelRunner
+from .kv.token_pool import PAGE, pages_for
+from .paged_batch import PagedBatch
 from .prefill import prefill_groups, score_prompt
 from .sampling import sample_next
 from .sequence import FinishReason, Sequence, StopChecker
-from .token_pool import PAGE, pages_for
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +102,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        *,
-        max_running_requests: int = 64,
-        max_total_tokens: int | None = None,
-        context_length: int | None = None,
-        weight_version: str = "default",
-        batch: PagedBatch | None = None,
-    ):
+    def __init__(self, runner: ModelRunner, batch: PagedBatch, *, weight_version: str = "default"):
+        """`batch` is built by the caller (core.py `new_batch`, from the flags): its rows
+        are --max-running-requests, its context length the longest a request may grow to."""
         self.runner = runner
-        self.max_running_requests = max_running_requests
-        self.context_length = context_length or runner.context_length
+        self.max_running_requests = batch.max_rows
+        self.context_length = batch.context_length
         self.weight_version = weight_version
         self.stats = SchedulerStats()
         self.paused = False
@@ -122,16 +115,7 @@ class Scheduler:
         self._stop_checker = StopChecker(runner.tokenizer, runner.eos_token_ids)
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
-        self._batch = (
-            batch
-            if batch is not None
-            else new_batch(
-                runner,
-                max_rows=max_running_requests,
-                context_length=self.context_length,
-                max_total_tokens=max_total_tokens,
-            )
-        )
+        self._batch = batch
         self._prefilling: list[Sequence] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
@@ -164,17 +148,18 @@ class Scheduler:
                 f"input_ids: token ids {bad[:5]} are outside the vocabulary "
                 f"[0, {self.runner.vocab_size})"
             )
-        if n_prompt >= self.context_length:
-            raise RequestError(
-                f"input_ids: the prompt has {n_prompt} tokens, the context length is "
-                f"{self.context_length}"
+        # The pool caps the context (core.py new_batch): then the message names the pool.
+        limit = self._batch.pool.limit
+        context = min(self.context_length, limit)
+        if n_prompt >= context:
+            why = (
+                f" (the KV token pool holds {limit}: --max-total-tokens, or "
+                "--mem-fraction-static on a GPU)"
+                if limit <= self.context_length
+                else ""
             )
-        if n_prompt >= self._batch.pool.limit:
-            raise RequestError(
-                f"input_ids: the prompt has {n_prompt} tokens, the KV token pool holds "
-                f"{self._batch.pool.limit} (--max-total-tokens, or --mem-fraction-static on "
-                "a GPU)"
-            )
+            where = f"the context length is {context}{why}"
+            raise RequestError(f"input_ids: the prompt has {n_prompt} tokens, {where}")
 
     def submit(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -493,7 +478,8 @@ class Scheduler:
         return allocated
 
     def _warm_graphs(self) -> None:
-        """The CUDA graphs captured again as soon as the engine can step (decode_graphs.py)."""
+        """The CUDA graphs captured again as soon as the engine can step
+        (executor/decode_graphs.py)."""
         if not self.released and self.runner.weights_valid:
             self._batch.warm_graphs()
 

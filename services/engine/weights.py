@@ -26,7 +26,7 @@ decoded without executing anything.
 `/update_weights_from_disk` reads every `*.safetensors` file in `model_path`.
 
 Every update reports the parameters it wrote (`WeightLoader.copy_in`): after a resume the
-weights are garbage until updates have written all of them (model_runner.py).
+weights are garbage until updates have written all of them (executor/model_runner.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from . import fp8
+from .quant import fp8
 from .scheduler import RequestError
 
 log = logging.getLogger(__name__)
@@ -244,13 +244,13 @@ def read_safetensors_dir(model_path: str) -> NamedTensors:
 class WeightLoader:
     """Checks named tensors against the model and copies them in (scheduler thread).
 
-    An FP8 layer (fp8.py) takes its weight in full precision, of the full [out, in] shape,
+    An FP8 layer (quant/fp8.py) takes its weight in full precision, of the full [out, in] shape,
     cast to FP8 here; or already in FP8 with its `weight_scale_inv` in the same update
     (Miles' megatron sender quantizes before sending)."""
 
     def __init__(self, model: torch.nn.Module):
         self._params = dict(model.named_parameters(remove_duplicate=False))
-        # Shapes as loaded: a released parameter's data is empty (model_runner.py).
+        # Shapes as loaded: a released parameter's data is empty (executor/model_runner.py).
         self._shapes = {name: list(p.shape) for name, p in self._params.items()}
         self._fp8 = fp8.fp8_layers(model)
 

@@ -410,6 +410,9 @@ class LocalCluster:
             'save ""',
             'logfile ""',
             "loglevel notice",
+            # Never evict: an evicted stream entry is a group lost without a trace; at a
+            # maxmemory, writes wait for room instead (common/redis_conn.py).
+            "maxmemory-policy noeviction",
         ]
         if self.redis_password:
             lines.append(f'requirepass "{_conf_quote(self.redis_password)}"')

@@ -2,7 +2,7 @@
 
 A filter is Miles' `fn(args, samples, **kwargs) -> DynamicFilterOutput`, sync or async, called
 after every sample has its reward, where `args` is Miles' read-only namespace of the run's
-flags and `samples` the group's list of Miles `Sample`s with their rewards (common/miles/).
+flags and `samples` the group's list of Miles `Sample`s with their rewards (compat/miles/).
 It returns a DynamicFilterOutput (ours, Miles' or any object with `keep` and optionally
 `reason`), a dict with `keep`, or a bare bool (read as `keep`, as Miles' call_dynamic_filter
 does).
@@ -31,14 +31,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from millstream.common.miles import (
+from millstream.common.types import SampleGroup
+from millstream.compat.miles import (
     DynamicFilterOutput,
     check_not_old_signature,
     samples_from_pb,
 )
-from millstream.common.miles.filter_hub import check_no_aborted, check_reward_nonzero_std
-from millstream.common.plugins import load_function
-from millstream.common.types import SampleGroup
+from millstream.compat.miles.filter_hub import check_no_aborted, check_reward_nonzero_std
+from millstream.compat.plugins import load_function
 
 FilterOutput = DynamicFilterOutput  # the name this module used before Miles' own
 

@@ -3,7 +3,7 @@
 For eval loops and agents that want a verdict now rather than through `{run}:scored`. It uses
 the same GroupScorer as the stream path, so verdicts, rewards and reasons are identical; the
 caller's trace context arrives in the gRPC metadata. Nothing is published on a stream, and
-nothing in a request can choose code: the reward is the run config's (see plugins.py).
+nothing in a request can choose code: the reward is the run config's (see compat/plugins.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One attempt at a reward: which function runs for a sample, and how it runs.
 
 The reward of a sample comes from, in order: `--custom-rm-path` (your `fn(args, sample)`, or
-with `--group-rm` your `fn(args, samples) -> list`, Miles' signatures: common/miles/), the
+with `--group-rm` your `fn(args, samples) -> list`, Miles' signatures: compat/miles/), the
 sample's metadata `rm_type`, then `--rm-type`. Functions may be sync or async and may return a
 number or a dict (`to_reward` reads `--reward-key`). `args` is Miles' read-only namespace of
 the run's flags, `sample` Miles' `Sample` (converted from the wire message here, with the
@@ -33,15 +33,15 @@ from typing import Any, TypeVar
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import (
+from millstream.common.plugin_errors import PluginFailed, reraise
+from millstream.common.types import Sample
+from millstream.compat.miles import (
     check_not_old_signature,
     is_async,
     make_args,
     samples_from_pb,
 )
-from millstream.common.plugin_errors import PluginFailed, reraise
-from millstream.common.plugins import load_function
-from millstream.common.types import Sample
+from millstream.compat.plugins import load_function
 
 from .math_utils import last_boxed
 from .remote_rm import RemoteRM

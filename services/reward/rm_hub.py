@@ -1,7 +1,7 @@
 """The built-in rewards (`--rm-type`): Miles' values, value for value (`--rm-compat miles`).
 
 With `--rm-compat miles` (the default) every Miles rm_type below calls Miles' grader, the
-very function a plugin gets from `miles.rollout.rm_hub` (millstream.common.miles.rm_hub), so a
+very function a plugin gets from `miles.rollout.rm_hub` (millstream.compat.miles.rm_hub), so a
 (response, label) pair gets the reward Miles gives it, edge cases included
 (tests/unit/test_rm_miles_parity.py):
 
@@ -37,7 +37,7 @@ looks at Sample.status; the text is what SGLang returned, with no_stop_trim and
 
 A sample's metadata may name its own built-in rm_type (`{"rm_type": "f1"}`), as in Miles, so
 one data set can mix tasks; `--custom-rm-path` wins over both. Only built-ins can be chosen
-that way: code is loaded from the run config alone (see plugins.py).
+that way: code is loaded from the run config alone (see compat/plugins.py).
 
 `to_reward` turns what any reward returned into the float stored in `Sample.reward` (Miles'
 dapo returns a dict: its "score" is taken unless `--reward-key` says otherwise).
@@ -56,11 +56,11 @@ from collections.abc import Callable
 from typing import Any
 
 from millstream.common.errors import MillstreamError
-from millstream.common.miles.rm_hub.deepscaler import get_deepscaler_rule_based_reward
-from millstream.common.miles.rm_hub.f1 import f1_score
-from millstream.common.miles.rm_hub.math_dapo_utils import compute_score
-from millstream.common.miles.rm_hub.math_utils import extract_answer as miles_boxed
-from millstream.common.miles.rm_hub.math_utils import grade_answer_verl
+from millstream.compat.miles.rm_hub.deepscaler import get_deepscaler_rule_based_reward
+from millstream.compat.miles.rm_hub.f1 import f1_score
+from millstream.compat.miles.rm_hub.math_dapo_utils import compute_score
+from millstream.compat.miles.rm_hub.math_utils import extract_answer as miles_boxed
+from millstream.compat.miles.rm_hub.math_utils import grade_answer_verl
 
 from .math_utils import after_think, extract_answer, is_equiv, last_boxed
 

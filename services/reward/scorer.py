@@ -40,10 +40,10 @@ from typing import Any, Protocol
 
 from millstream.common import aio
 from millstream.common.config import RunConfig
-from millstream.common.miles import make_args
 from millstream.common.plugin_errors import PluginFailed, find
 from millstream.common.retry import Backoff, retrying
 from millstream.common.types import Sample, SampleGroup, SampleStatus, ScoredGroup, Verdict
+from millstream.compat.miles import make_args
 
 from .filters import (
     FilterOutput,

@@ -22,9 +22,9 @@ then the function is called again with the sample: with `--partial-rollout` as i
 `generate_and_rm` does), without it from a fresh copy of the sample. After `max_aborts`
 aborts it is published as aborted.
 
-`args` is Miles' (common/miles/) with `sglang_router_ip` and `sglang_router_port` set to the
+`args` is Miles' (compat/miles/) with `sglang_router_ip` and `sglang_router_port` set to the
 router this worker uses. Miles' `miles.utils.http_utils.post(url, payload)` is stood in for
-(common/miles/ `http_post`), so a function that imports it runs as it is. An exception in
+(compat/miles/ `http_post`), so a function that imports it runs as it is. An exception in
 the function, or an answer that is no Sample, is a plugin's bug: the group fails at once with
 the error and its traceback (common/plugin_errors.py, rollout/worker.py), never retried. A
 failure to reach the router (an HTTP or connection error, after `http_post`'s own retries)
@@ -42,10 +42,10 @@ from urllib.parse import urlsplit
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import Args, Sample, is_async, make_args, sample_to_pb
 from millstream.common.plugin_errors import PluginFailed, is_infrastructure, reraise
-from millstream.common.plugins import load_function
 from millstream.common.types import PromptGroup, SampleGroup
+from millstream.compat.miles import Args, Sample, is_async, make_args, sample_to_pb
+from millstream.compat.plugins import load_function
 
 from .client import GenerationFailed, RouterClient
 from .config import plan_for

@@ -14,7 +14,7 @@ renewing it because the job is still running) until the sync looks over:
     caller bounds.
 
 Groups released together are ordered by the buffer filter, Miles' `fn(args, rollout_id,
-buffer, num_samples) -> list[list[Sample]]` (common/miles/), called with `rollout_id=None`
+buffer, num_samples) -> list[list[Sample]]` (compat/miles/), called with `rollout_id=None`
 (as Miles calls it) and `num_samples=len(buffer)`, where `buffer` holds one list of Miles
 Samples per group: its `partial_samples`, where its samples stand (default: Miles'
 `pop_first`, first in, first out). The lists it returns (the buffer's own, or any whose
@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from millstream.common.miles import Sample, groups_from_pb
 from millstream.common.types import PromptGroup
+from millstream.compat.miles import Sample, groups_from_pb
 
 from .client import RouterClient
 

@@ -4,7 +4,7 @@ Owns one consumer in group `rollout` and runs the common StreamWorker over it. E
 job decodes the PromptGroup, runs the rollout function (the default, or the user's
 `--rollout-function-path` fn(group, cfg, client) -> SampleGroup: per group, millstream's own
 form; Miles' whole-batch `generate_rollout(args, rollout_id, data_source, evaluation=False)`
-is refused, see `check_rollout_function` and common/miles/; or Miles' per-sample
+is refused, see `check_rollout_function` and compat/miles/; or Miles' per-sample
 `--custom-generate-function-path`, miles_generate.py) under a `rollout.group`
 span continuing the entry's trace, and hands the SampleGroup off with `publish_and_ack`, which
 carries the span's context on. Timings: `rollout` (seconds in the rollout function) and,
@@ -39,17 +39,17 @@ from opentelemetry.trace import SpanKind
 from millstream.common import telemetry
 from millstream.common.config import RunConfig
 from millstream.common.keys import GROUP_ROLLOUT, RunKeys
-from millstream.common.miles import (
-    check_not_old_signature,
-    check_rollout_function,
-    make_args,
-)
 from millstream.common.plugin_errors import PluginFailed, error_key, find, reraise
-from millstream.common.plugins import load_function
 from millstream.common.streams import Consumer, StreamEntry, decode
 from millstream.common.telemetry import context_from_fields, inject_fields, tracer
 from millstream.common.types import PromptGroup, SampleGroup
 from millstream.common.worker import StreamWorker
+from millstream.compat.miles import (
+    check_not_old_signature,
+    check_rollout_function,
+    make_args,
+)
+from millstream.compat.plugins import load_function
 
 from .client import GenerationFailed, RouterClient
 from .group import DefaultRollout

@@ -9,7 +9,14 @@ weights stays out until it reports the expected one. Outcomes
 go to the Registry, which owns the state transitions; this module only does the I/O and the
 schedule.
 
-Invariant: one round never takes longer than `timeout` (+ scheduling) per version path tried
+Spread: with more than SPREAD_BATCH workers, a round at `interval` checks them SPREAD_BATCH at
+a time, the batches spread evenly over the interval, instead of all at once: a round of 256
+checks at once held the router's event loop for tens of ms every interval, and every request
+that arrived meanwhile waited (the router's p99 grew with the fleet, bench/bench_fleet.py).
+Each worker is still checked once an interval. Fast rounds (nothing can take traffic) and the
+first round check every worker at once.
+
+Invariant: one batch never takes longer than `timeout` (+ scheduling) per version path tried
 (three at most, once per worker), whatever the workers do, and a failing round never stops the
 loop.
 """
@@ -28,6 +35,7 @@ from .registry import HEALTHY, Registry, Worker
 log = logging.getLogger("millstream.router")
 
 FAST_INTERVAL_S = 0.05
+SPREAD_BATCH = 8  # workers checked together in a spread round (module docstring)
 # Where a worker says its weight version: millstream's engine, then SGLang (0.5.23: /model_info;
 # older: /get_model_info). `weight_version` in the JSON of each.
 VERSION_PATHS = ("/get_weight_version", "/model_info", "/get_model_info")
@@ -127,11 +135,30 @@ class HealthChecker:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.next_wait())
             try:
-                await self.check_all()
+                wait = self.next_wait()
+                if wait < self.interval or len(self.registry) <= SPREAD_BATCH:
+                    await asyncio.sleep(wait)
+                    await self.check_all()
+                else:
+                    await self.spread_round()
+            except asyncio.CancelledError:
+                raise
             except Exception:  # a bug here must not end health checking for good
                 log.exception("router: health-check round failed")
+
+    async def spread_round(self) -> None:
+        """Every worker once, SPREAD_BATCH at a time, the batches spread over `interval`
+        (module docstring); over early when no worker can take traffic any more (then fast
+        rounds check them all at once)."""
+        workers = self.registry.all()
+        batches = [workers[i : i + SPREAD_BATCH] for i in range(0, len(workers), SPREAD_BATCH)]
+        gap = self.interval / max(1, len(batches))
+        for batch in batches:
+            await asyncio.sleep(gap)
+            if self.next_wait() < self.interval:
+                return
+            await asyncio.gather(*(self.check(w) for w in batch if self.registry.get(w.url) is w))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="router-health")

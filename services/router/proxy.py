@@ -189,7 +189,7 @@ class Proxy:
 
     def _pick(self, tried: list[Worker], broken: set[str], key) -> Worker | None:
         eligible = self.registry.eligible()
-        fresh = [w for w in eligible if w not in tried]
+        fresh = [w for w in eligible if w not in tried] if tried else eligible
         candidates = fresh or [w for w in eligible if w.id not in broken]
         return self.policy.choose(candidates, key) if candidates else None
 

@@ -17,6 +17,11 @@ Invariants:
 
 Pure state, no I/O: the health checker and the proxy report outcomes into it. Every change
 that can make a worker eligible wakes the requests waiting for one (`wait_for_change`).
+
+The eligible workers are kept as one list, made again only after a change of what decides
+eligibility (membership, a worker's status or version, the expected version): every proxied
+request reads it, and building it per request cost O(workers) each (bench/bench_fleet.py). A
+passed check that changes nothing (the steady state: every worker every interval) is no change.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class Registry:
         self.expected_version: str | None = None
         self._workers: dict[str, Worker] = {}  # by url, in registration order
         self._change = asyncio.Event()
+        self._eligible: list[Worker] | None = None  # `eligible()`, until the next change
 
     # -- membership -------------------------------------------------------------------------
 
@@ -99,7 +105,11 @@ class Registry:
         )
 
     def eligible(self) -> list[Worker]:
-        return [w for w in self._workers.values() if self.is_eligible(w)]
+        """The workers that take new traffic, in registration order (the caller must not
+        change the list: it is kept until the next change)."""
+        if self._eligible is None:
+            self._eligible = [w for w in self._workers.values() if self.is_eligible(w)]
+        return self._eligible
 
     def version_pending(self) -> bool:
         """A version change is under way: a worker is healthy but not yet confirmed at the
@@ -113,8 +123,14 @@ class Registry:
             await aio.wait_for(self._change.wait(), timeout)
 
     def _changed(self) -> None:
+        self._eligible = None
         self._change.set()
         self._change = asyncio.Event()
+
+    def _changed_if(self, worker: Worker, before: tuple[str, str | None]) -> None:
+        """`_changed()` when `worker`'s status or version is not `before` any more."""
+        if (worker.status, worker.weight_version) != before:
+            self._changed()
 
     def why_none(self) -> str:
         """Why no worker is eligible, for the 503 message."""
@@ -143,6 +159,7 @@ class Registry:
 
     def record_success(self, worker: Worker, weight_version: str | None = None) -> None:
         """A passed check; `weight_version` is what the worker reported (None: not asked)."""
+        before = (worker.status, worker.weight_version)
         worker.last_check = time.time()
         worker.consecutive_failures = 0
         worker.consecutive_successes += 1
@@ -153,25 +170,27 @@ class Registry:
             worker.status == UNHEALTHY and worker.consecutive_successes >= self.success_threshold
         ):
             worker.status = HEALTHY
-        self._changed()
+        self._changed_if(worker, before)
 
     def record_failure(self, worker: Worker, error: str) -> None:
         """A failed check or a refused/broken connection while proxying."""
+        before = (worker.status, worker.weight_version)
         worker.last_check = time.time()
         worker.consecutive_successes = 0
         worker.consecutive_failures += 1
         worker.last_error = error
         if worker.consecutive_failures >= self.failure_threshold:
             worker.status = UNHEALTHY
-        self._changed()
+        self._changed_if(worker, before)
 
     def record_version(self, worker: Worker, version: str | None, probed_at: float) -> None:
         """The version a health probe sent at `probed_at` (time.monotonic()) read. A probe
         sent before the last vouch may have read the version from before the update: then
         the vouched version stays."""
         if probed_at >= worker.vouched_at:
+            before = (worker.status, worker.weight_version)
             worker.weight_version = version
-            self._changed()
+            self._changed_if(worker, before)
 
     def vouch(self, worker: Worker, version: str) -> None:
         """The caller (a weight sync that heard the worker confirm it) says `worker` holds
@@ -182,9 +201,10 @@ class Registry:
 
     def record_version_unknown(self, worker: Worker, error: str) -> None:
         """Healthy, but its weight version could not be read: gated until it can."""
+        before = (worker.status, worker.weight_version)
         worker.weight_version = None
         worker.last_error = error
-        self._changed()
+        self._changed_if(worker, before)
 
     def set_expected_version(self, version: str | None) -> None:
         self.expected_version = version

@@ -6,5 +6,6 @@ loop), `admission`, `buffer`, `batch`, `data`, `evaluate`, `teacher`, `janitor`,
 Rooms: `algorithms/` (the objective), `backends/` (the train step: torch, FSDP2, data
 parallel, `megatron/`), `weights/` (getting weights to the engines), `observe/` (metrics,
 log hooks, profiler, Prometheus, stall watch, plots), `checkpoints/` (save, resume, convert).
-The local cluster it may start is `millstream.launch`'s; flag checks are the config's.
+The local cluster it may start is the `launch` package's (only `main` and `preflight` import
+it); flag checks are the config's.
 """

@@ -20,8 +20,11 @@ kept failing, too many deliveries) is decoded as far as it can be, and its group
 run expects it, ends `failed` with the dead letter's reason, which frees its admission slot.
 
 Kept training groups wait in arrival order until `take` hands `rollout_batch_size` of them to
-the train step. Staleness is measured there, against the version being trained: a sample's
-lag is V minus the version of its oldest token; with --max-weight-staleness a group beyond it
+the train step. The buffer knows what they weigh: `held_bytes` is the wire size of the kept
+groups not yet terminal (`held_groups`), and `on_size` hears the size of every kept or filtered
+training group that arrives (admission's --max-buffer-bytes, admission.py `ByteBound`).
+Staleness is measured at `take`, against the version being trained: a sample's lag is V minus
+the version of its oldest token; with --max-weight-staleness a group beyond it
 is dropped and counted. Eval groups go to whoever waits for them (`wait_eval`).
 """
 
@@ -79,6 +82,7 @@ class Buffer:
         max_consecutive_failed_groups: int = 0,
         run_instance: str = "",
         fence: int | None = None,
+        on_size: Callable[[int], None] | None = None,
     ):
         # With the trainer's fencing number (lease.py) every ack and claim is fenced: once a
         # newer trainer holds the run, a read here raises FencedOut, which `check` surfaces.
@@ -113,6 +117,9 @@ class Buffer:
         self._on_terminal = on_terminal
         self._kept: deque[ScoredGroup] = deque()
         self._waiting: set[str] = set()  # ids of the kept groups in `_kept`
+        self._on_size = on_size
+        self._sizes: dict[str, int] = {}  # kept group id -> its entry's bytes
+        self.held_bytes = 0  # the sum of `_sizes`
         self._arrived = asyncio.Condition()
         self._eval: dict[str, ScoredGroup] = {}
         # gid -> (the trace context it arrived with, its XADD time in ns)
@@ -165,11 +172,18 @@ class Buffer:
                 self.plugins.observe(scored)
                 self._kept.append(scored)
                 self._waiting.add(gid)
+                size = len(entry.data or b"")
+                self._sizes[gid] = size
+                self.held_bytes += size
+                if self._on_size is not None:
+                    self._on_size(size)
                 parent = telemetry.context_from_fields(entry.trace_fields)
                 if trace.get_current_span(parent).get_span_context().is_valid:
                     self._contexts[gid] = (parent, telemetry.entry_time_ns(entry.id))
             else:
                 state = "filtered" if scored.verdict == Verdict.VERDICT_FILTERED else "failed"
+                if self._on_size is not None and state == "filtered":
+                    self._on_size(len(entry.data or b""))
                 self.plugins.observe(scored)
                 self._terminal(gid, state)
                 if state == "failed":
@@ -225,6 +239,7 @@ class Buffer:
 
     def _terminal(self, gid: str, state: str) -> None:
         self._waiting.discard(gid)
+        self.held_bytes -= self._sizes.pop(gid, 0)
         if state != "trained":
             self._contexts.pop(gid, None)
         self._on_terminal(gid, state)
@@ -232,6 +247,12 @@ class Buffer:
     @property
     def ready(self) -> int:
         return len(self._kept)
+
+    @property
+    def held_groups(self) -> int:
+        """Kept groups here, not yet terminal: those waiting and those a `take` has in hand
+        (`held_bytes` is their size)."""
+        return len(self._sizes)
 
     async def take(self, n: int, version: int, max_lag: int | None) -> list[ScoredGroup]:
         """Wait for n kept groups within the staleness bound; drop (and count) staler ones."""

@@ -22,9 +22,10 @@ from millstream.common.redis_conn import outages_of
 from millstream.common.streams import default_consumer_name
 
 from . import preflight
-from .admission import Admission, TerminalCounts
+from .admission import Admission, ByteBound, TerminalCounts, prior_group_bytes
 from .backends import distributed
 from .backends.distributed import DataParallel
+from .backends.loop import StepLoop
 from .backends.offload import TrainOffload
 from .backends.torch_backend import TorchBackend
 from .buffer import Buffer
@@ -188,7 +189,7 @@ class Prepared:
     total: int  # rollouts in the run
     resume_from: int | None  # the --load iteration to resume, if any
     state: dict[str, Any] | None  # the trainer state saved there
-    backend: TorchBackend | DataParallel
+    backend: StepLoop | DataParallel
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -198,7 +199,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     total = num_rollouts(cfg, source)
     resume_from = resume_iteration(cfg)
     state = checkpoint.load_state(cfg.ckpt.load, resume_from) if resume_from is not None else None  # type: ignore[arg-type]
-    backend: TorchBackend | DataParallel = build_backend(cfg, total)
+    backend: StepLoop | DataParallel = build_backend(cfg, total)
     backend.profiler = TrainProfiler.from_config(cfg)  # rank 0 only, as Megatron's default
     if distributed.world_size_from_env() > 1:
         if state is not None and cfg.ckpt.train_backend == "fsdp":  # before sharding
@@ -237,6 +238,13 @@ async def build_trainer(
     )
     r = cfg.rollout
     slack = (r.over_sampling_batch_size - r.rollout_batch_size) if r.over_sampling_batch_size else 0
+    holder: dict[str, Trainer] = {}
+    bound = None
+    if cfg.service.max_buffer_bytes:  # the buffer's bytes, known once it exists (below)
+        prior = prior_group_bytes(r.n_samples_per_prompt, r.rollout_max_response_len)
+        bound = ByteBound(
+            cfg.service.max_buffer_bytes, prior, lambda: (buffer.held_bytes, buffer.held_groups)
+        )
     admission = Admission(
         redis,
         keys.prompts,
@@ -246,8 +254,8 @@ async def build_trainer(
         cfg.max_staleness,
         slack,
         run_instance=run_instance,
+        bytes=bound,
     )
-    holder: dict[str, Trainer] = {}
     buffer = Buffer(
         redis, keys, default_consumer_name("trainer"), claim_idle_ms=cfg.service.claim_idle_ms,
         max_deliveries=cfg.service.max_deliveries, block_ms=cfg.service.stream_block_ms,
@@ -255,6 +263,7 @@ async def build_trainer(
         expected=admission.in_flight.__contains__,
         max_consecutive_failed_groups=cfg.service.max_consecutive_failed_groups,
         run_instance=run_instance, fence=None if lease is None else lease.fence,
+        on_size=None if bound is None else lambda n: holder["t"].on_group_bytes(n),
     )  # fmt: skip
     lend_idle_cores(cfg, budget, backend, admission, buffer)
     iteration = version = 0
@@ -370,7 +379,7 @@ def resume_iteration(cfg: RunConfig) -> int | None:
     return checkpoint.latest_iteration(cfg.ckpt.load)
 
 
-def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
+def build_backend(cfg: RunConfig, total_rollouts: int) -> StepLoop:
     """The actor from --hf-checkpoint (an FP8 one: from --ref-load, docs/fp8.md); the reference
     when a KL needs it; the critic (ppo) from --critic-load or the actor's weights; a local
     teacher from --opd-teacher-load."""
@@ -385,7 +394,7 @@ def build_backend(cfg: RunConfig, total_rollouts: int) -> TorchBackend:
     ref = (ref_load or cfg.ckpt.hf_checkpoint) if needs_ref else None
     critic = (a.critic_load or actor) if a.uses_critic else None
     teacher = a.opd_teacher_load if a.distills else None
-    cls = TorchBackend
+    cls: type[StepLoop] = TorchBackend
     if cfg.ckpt.train_backend == "megatron":
         from .backends.megatron.backend import MegatronBackend
 
@@ -415,7 +424,7 @@ def build_follower(cfg: RunConfig) -> DataParallel:
 
 
 def restore(
-    cfg: RunConfig, state: dict[str, Any], backend: TorchBackend | DataParallel, source: PromptDataSource | PluginDataSource,
+    cfg: RunConfig, state: dict[str, Any], backend: StepLoop | DataParallel, source: PromptDataSource | PluginDataSource,
     admission: Admission, iteration: int,
 ) -> tuple[int, int]:  # fmt: skip
     checkpoint.set_rng_state(state["rng"])

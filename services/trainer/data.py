@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import Sample, make_args
-from millstream.common.plugins import load_function
+from millstream.compat.miles import Sample, make_args
+from millstream.compat.plugins import load_function
 
 
 @dataclass(frozen=True)
@@ -295,7 +295,7 @@ class PluginDataSource:
             if not isinstance(first, Sample):
                 raise MillstreamError(
                     f"{self.FLAG} {self.path}: get_samples returned {type(first).__name__} "
-                    "where a group (a list of millstream.common.miles / miles.utils.types "
+                    "where a group (a list of millstream.compat.miles / miles.utils.types "
                     "Sample) belongs"
                 )
             row = self._row(first, self.position.offset)

@@ -17,8 +17,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from millstream.common import streams, telemetry
-from millstream.common.miles import Sample, miles_samples
 from millstream.common.types import PromptGroup, Verdict
+from millstream.compat.miles import Sample, miles_samples
 
 from .buffer import Buffer
 from .data import PromptDataSource

@@ -32,7 +32,7 @@ from millstream.common import aio, debug, heap, threads
 from millstream.common.config import ConfigError, RunConfig, parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.keys import RunKeys
-from millstream.common.redis_conn import connect, redact
+from millstream.common.redis_conn import connect, eviction_warning, redact
 from millstream.common.telemetry import setup_tracing, shutdown_tracing
 
 from .lease import Lease
@@ -283,6 +283,8 @@ async def train_with_cluster(
                 outage_timeout_s=cfg.service.redis_outage_timeout,
                 who="trainer",
             )
+            if warning := await eviction_warning(redis):
+                print(f"[trainer] WARNING: {warning}", flush=True)
             try:
                 # One trainer per run (lease.py): before anything of the run is written.
                 lease = Lease(

@@ -18,8 +18,8 @@ In order, cheapest first:
 3. the user's code (--custom-rm-path, --rollout-function-path, --buffer-filter-path,
    --dynamic-sampling-filter-path, --rollout-sample-filter-path,
    --custom-generate-function-path), imported with the loader the workers use
-   (common/plugins.py), from the directory they run in, so the rules are theirs (a
-   --rollout-function-path in Miles' whole-batch form is refused: common/miles/); and the
+   (compat/plugins.py), from the directory they run in, so the rules are theirs (a
+   --rollout-function-path in Miles' whole-batch form is refused: compat/miles/); and the
    trainer's own (--custom-rollout-log-function-path,
    --custom-eval-rollout-log-function-path, --data-source-path), loaded as the trainer loads
    them (observe/log_hooks.py), whether or not the workers run here;
@@ -50,12 +50,12 @@ from millstream.common.config import ConfigError, RunConfig, checks, refusals
 from millstream.common.config.profiling import MEMORY_SNAPSHOT_NEEDS_CUDA
 from millstream.common.config.rollout import is_default_source
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import (
+from millstream.compat.miles import (
     OLD_SIGNATURES,
     check_not_old_signature,
     check_rollout_function,
 )
-from millstream.common.plugins import load_function, workers_sys_path
+from millstream.compat.plugins import load_function, workers_sys_path
 from millstream.launch.plan import given_router_url
 
 from .checkpoints import megatron_ckpt

@@ -339,6 +339,13 @@ class Trainer:
         self.p.admission.terminal(gid, state)
         self._wake.set()
 
+    def on_group_bytes(self, nbytes: int) -> None:
+        """A training group came back weighing `nbytes` on the wire: --max-buffer-bytes counts
+        it from now on (admission.py ByteBound), which may make room."""
+        if self.p.admission.bytes is not None:
+            self.p.admission.bytes.observe(nbytes)
+            self._wake.set()
+
     def _publish_version(self, version: int) -> None:
         self.version = self._admit_version = version
         if self.p.coordinator is not None:

@@ -30,10 +30,11 @@ import pytest
 import torch
 
 from millstream.common import tensor_share
+from millstream.common.weight_routes import TENSOR
 from millstream.trainer.weights.colocate import Colocation
-from millstream.trainer.weights.process_group import plan_buckets
+from millstream.trainer.weights.routes.base import SHM, Route, plan_buckets
+from millstream.trainer.weights.routes.tensor import push_tensors
 from millstream.trainer.weights.sync import WeightSync
-from millstream.trainer.weights.transport import SHM, TENSOR, Route, push_tensors
 from tests.contract.sglang_server import (
     ADMIN_PATHS,
     SESSION_PATHS,
@@ -252,7 +253,7 @@ def test_millstreams_own_tensor_body_is_not_for_sglang(tmp_path: Path):
     """The tensor route's body for millstream's engine (JSON of a shared-memory or CUDA IPC
     handle) is no UpdateWeightsFromTensorReqInput: SGLang takes base64 of
     MultiprocessingSerializer bytes per TP rank, which SGLang servers get instead
-    (sglang_route.py, test_tensor_route.py). This pins the difference."""
+    (routes/sglang_format.py, test_tensor_route.py). This pins the difference."""
     sent: list[dict[str, Any]] = []
 
     class Capture:

@@ -8,7 +8,7 @@
   * SGLang's own dequantization (`block_quant_dequant`) of what the trainer sends is within
     e4m3's rounding of the trainer's weight: |w - q*s| <= |w|/16 + s/1024.
 
-Two broken casts show the first check can fail: the engine's floor (engine/fp8.py: absmax
+Two broken casts show the first check can fail: the engine's floor (engine/quant/fp8.py: absmax
 floored at 1e-12, not SGLang's 1e-4) on a tiny block, and a scale made by a multiplication by
 1/448 instead of a division.
 """
@@ -67,7 +67,7 @@ def test_the_trainers_cast_is_sglangs_bit_for_bit():
 
 
 def test_a_cast_with_another_floor_or_rounding_is_caught():
-    from millstream.engine import fp8 as engine_fp8
+    from millstream.engine.quant import fp8 as engine_fp8
 
     floor = differences(engine_fp8.quantize)
     assert floor == ["fp32 300x200 (partial, zero, tiny, large blocks): 16384 e4m3 value(s) and 2 "

@@ -27,10 +27,10 @@ import httpx
 import pytest
 
 from millstream.common.config import parse_run_config
-from millstream.common.miles import Sample as MilesSample
-from millstream.common.miles import install_miles_modules, make_args
 from millstream.common.retry import Backoff
 from millstream.common.types import PromptGroup
+from millstream.compat.miles import Sample as MilesSample
+from millstream.compat.miles import install_miles_modules, make_args
 from millstream.rollout.client import RouterClient
 from millstream.rollout.group import DefaultRollout
 from millstream.rollout.partial import PartialBuffer
@@ -215,8 +215,8 @@ def test_default_rollout_first_round_and_partial_resume_bodies(tokenizer):
 
 
 def test_miles_generate_bodies_fresh_and_continuing(tokenizer, tokenizer_dir):
-    from millstream.common.miles import http_utils
-    from millstream.common.miles.misc import SingletonMeta
+    from millstream.compat.miles import http_utils
+    from millstream.compat.miles.misc import SingletonMeta
 
     install_miles_modules()
     from miles.rollout.sglang_rollout import GenerateState, generate

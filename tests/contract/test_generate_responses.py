@@ -12,7 +12,7 @@ own code can tell on a CPU is checked here, so a fixture cannot drift from SGLan
     `add_weight_versions_to_meta_info` make.
 Then the parsers: the default rollout's `append_answer` (rollout/generate.py), the router
 client's split of a batched answer (rollout/client.py), and Miles' `generate`
-(common/miles/sglang_rollout.py).
+(compat/miles/sglang_rollout.py).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from millstream.common.miles import Sample as MilesSample
-from millstream.common.miles import install_miles_modules, make_args
 from millstream.common.retry import Backoff
 from millstream.common.types import Sample, SampleStatus
+from millstream.compat.miles import Sample as MilesSample
+from millstream.compat.miles import install_miles_modules, make_args
 from millstream.rollout.client import RouterClient
 from millstream.rollout.generate import append_answer
 
@@ -174,8 +174,8 @@ def test_miles_generate_reads_sglangs_answer(tmp_path, name, status, versions):
     """Miles' generate (a --custom-generate-function-path's building block) on the same
     answers; SGLang's weight_version strings are kept as Miles keeps them."""
     from millstream.common.config import parse_run_config
-    from millstream.common.miles import http_utils
-    from millstream.common.miles.misc import SingletonMeta
+    from millstream.compat.miles import http_utils
+    from millstream.compat.miles.misc import SingletonMeta
     from tests.support.tiny_model import build_tokenizer
 
     install_miles_modules()

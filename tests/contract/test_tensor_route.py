@@ -1,4 +1,4 @@
-"""The tensor route to a real SGLang server (sglang_route.py), judged by SGLang's own code.
+"""The tensor route to a real SGLang server (routes/sglang_format.py), judged by SGLang's own code.
 
 The trainer's side runs as it does in a sync (`push_sglang`: SGLang's FlattenedTensorBucket,
 its MultiprocessingSerializer, one payload per TP rank, the body of each bucket); each body
@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 import torch
 
-from millstream.trainer.weights import sglang_route
-from millstream.trainer.weights.process_group import plan_buckets
+from millstream.trainer.weights.routes import sglang_format
+from millstream.trainer.weights.routes.base import plan_buckets
 from tests.contract.sglang_server import admin_problems, digest
 
 pytestmark = pytest.mark.timeout(300)
@@ -154,7 +154,7 @@ def push(decoder: Decoder, named: list[tuple[str, torch.Tensor]]) -> Engine:
 
     engine = Engine(decoder)
     buckets = plan_buckets(named, BUCKET_BYTES)
-    failed = asyncio.run(sglang_route.push_sglang(engine, {URL: TP}, buckets, 7))
+    failed = asyncio.run(sglang_format.push_sglang(engine, {URL: TP}, buckets, 7))
     assert failed == {}
     return engine
 
@@ -236,13 +236,13 @@ def test_each_rank_gets_a_serialization_of_its_own(decoder, monkeypatch):
     buckets = len(plan_buckets(named, BUCKET_BYTES))
     assert len(calls) == TP * buckets
 
-    serialize = sglang_route.serialize_bucket
+    serialize = sglang_format.serialize_bucket
 
     def one_for_all(bucket: Any, copies: int, to_host: bool) -> tuple[list[str], torch.Tensor]:
         payloads, flat = serialize(bucket, 1, to_host)
         return payloads * copies, flat
 
-    monkeypatch.setattr(sglang_route, "serialize_bucket", one_for_all)
+    monkeypatch.setattr(sglang_format, "serialize_bucket", one_for_all)
     calls.clear()
     check(push(decoder, named), named)  # each rank reads it
     assert len(calls) == buckets  # one for both: what the count catches
@@ -294,9 +294,9 @@ def test_a_session_left_open_is_closed_and_one_without_sessions_goes_without():
                     failed[url] = f"{path}: HTTP 404: Not Found"
                 elif url == "broken":
                     failed[url] = f"{path}: HTTP 400: scheduler gone"
-                elif path == sglang_route.BEGIN_PATH and url in self.open:
+                elif path == sglang_format.BEGIN_PATH and url in self.open:
                     failed[url] = f"{path}: HTTP 400: a weight-update session is already open"
-                elif path == sglang_route.BEGIN_PATH:
+                elif path == sglang_format.BEGIN_PATH:
                     self.open.add(url)
                 else:
                     self.open.discard(url)
@@ -304,7 +304,7 @@ def test_a_session_left_open_is_closed_and_one_without_sessions_goes_without():
 
     servers = Servers()
     urls = ["fresh", "left-open", "older", "broken"]
-    opened, failed = asyncio.run(sglang_route.open_sessions(servers, urls))
+    opened, failed = asyncio.run(sglang_format.open_sessions(servers, urls))
     assert opened == ["fresh", "left-open"] and list(failed) == ["broken"]
     assert ("left-open", "/end_weight_update") in servers.sent
     assert servers.open == {"fresh", "left-open"}

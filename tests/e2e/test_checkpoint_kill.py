@@ -5,7 +5,6 @@ tests/unit/test_checkpoint_atomic.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from millstream.trainer.checkpoints import checkpoint
+from tests.support.tiny_job import job_flags, write_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -27,11 +27,7 @@ TEMP = re.compile(r"iter_(\d{7})\.(saving-.+(?<!\.lock)|tmp)")
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(40))
-    )
-    return path
+    return write_prompts(tmp_path_factory.mktemp("data") / "prompts.jsonl")
 
 
 def _start(flags: list[str]) -> subprocess.Popen:
@@ -66,13 +62,10 @@ def test_a_trainer_killed_inside_a_save_resumes_from_the_checkpoint_before(
     tiny_model_dir, prompts, tmp_path
 ):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    flags = [
-        "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(prompts),
-        "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-        "--rollout-max-response-len", "6", "--run-dir", str(run_dir), "--run-id", "ckpt-kill",
-        "--log-level", "warning", "--num-rollout", "40", "--save", str(ckpt),
-    ]  # fmt: skip
+    flags = job_flags(
+        tiny_model_dir, prompts, run_dir, "--num-rollout", "40", "--save", str(ckpt),
+        run_id="ckpt-kill",
+    )  # fmt: skip
     first = _start([*flags, "--save-interval", "1"])
     try:
         temp = _kill_inside_a_save(first, ckpt, deadline_s=240)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import crashing_plugins
+from tests.support.tiny_job import job_flags, write_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -26,20 +27,11 @@ PLUGINS = "tests.support.crashing_plugins"
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(40))
-    )
-    return path
+    return write_prompts(tmp_path_factory.mktemp("data") / "prompts.jsonl")
 
 
 def _train(model: Path, prompts: Path, run_dir: Path, *extra: str) -> tuple[int, str, float]:
-    flags = [
-        "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--input-key", "prompt",
-        "--label-key", "label", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-        "--rollout-max-response-len", "6", "--run-dir", str(run_dir), "--run-id", run_dir.name,
-        "--num-rollout", "3", "--log-level", "warning", *extra,
-    ]  # fmt: skip
+    flags = job_flags(model, prompts, run_dir, "--num-rollout", "3", *extra, rm_type=None)
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "millstream.cli", "train", *flags],

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from millstream.trainer.observe import history
+from tests.support.tiny_job import job_flags, write_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -24,21 +25,13 @@ TERMINAL = ("trained", "filtered", "failed", "dropped_stale", "dropped_at_end")
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(40))
-    )
-    return path
+    return write_prompts(tmp_path_factory.mktemp("data") / "prompts.jsonl")
 
 
 def _flags(model: Path, prompts: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--input-key", "prompt",
-        "--label-key", "label", "--rm-type", "exact", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--rollout-temperature", "1.0",
-        "--run-dir", str(run_dir), "--run-id", run_dir.name, "--lr", "1e-3", "--log-level", "warning",
-        *extra,
-    ]  # fmt: skip
+    return job_flags(
+        model, prompts, run_dir, "--rollout-temperature", "1.0", "--lr", "1e-3", *extra
+    )
 
 
 def _start(command: str, flags: list[str]) -> subprocess.Popen:

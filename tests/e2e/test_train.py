@@ -19,28 +19,22 @@ import httpx
 import pytest
 import torch
 
-from millstream.common import trace_cli
+from millstream.tools import trace_cli
+from tests.support.tiny_job import job_flags, write_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(40))
-    )
-    return path
+    return write_prompts(tmp_path_factory.mktemp("data") / "prompts.jsonl")
 
 
 def _flags(model: Path, prompts: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--input-key", "prompt",
-        "--label-key", "label", "--rm-type", "exact", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--rollout-temperature", "1.0",
-        "--run-dir", str(run_dir), "--run-id", run_dir.name, "--lr", "1e-3", "--log-level", "warning",
+    return job_flags(
+        model, prompts, run_dir, "--rollout-temperature", "1.0", "--lr", "1e-3",
         "--num-rollout-workers", "2", "--num-reward-workers", "1", *extra,
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
 SPREAD = "tests.support.reward_plugins.spread"

@@ -95,9 +95,9 @@ def paused(client: httpx.Client) -> bool:
 
 
 def test_every_engine_route_is_either_admin_or_open():
-    from millstream.engine.api import router as api_router
-    from millstream.engine.control_api import router as control_router
-    from millstream.engine.openai_api import router as openai_router
+    from millstream.engine.http.api import router as api_router
+    from millstream.engine.http.control import router as control_router
+    from millstream.engine.http.openai import router as openai_router
 
     assert routes_of(control_router) == ADMIN_ROUTES
     assert routes_of(api_router) | routes_of(openai_router) == OPEN_ROUTES

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from millstream.common.errors import ServiceUnavailable
 from millstream.common.keys import RunKeys
 from millstream.common.pb import services_pb2, services_pb2_grpc
-from millstream.engine.registration import join
+from millstream.engine.http.registration import join
 from millstream.trainer.weights.coordinator import Coordinator
 from tests.support.engine_proc import EngineProcess
 

@@ -53,7 +53,7 @@ async def _engine_admin(peer: str) -> None:
 
 
 async def _update_group(peer: str) -> None:
-    from millstream.trainer.weights.process_group import UpdateGroup
+    from millstream.trainer.weights.routes.process_group import UpdateGroup
 
     # Rank 0 waits for engines that never join (one partitioned away).
     group = UpdateGroup("deadline", 2, "gloo", "127.0.0.1", timeout_s=2.0)
@@ -61,13 +61,13 @@ async def _update_group(peer: str) -> None:
 
 
 async def _join_engine(peer: str) -> None:
-    from millstream.engine.registration import join
+    from millstream.engine.http.registration import join
 
     await join(peer, "http://127.0.0.1:1", timeout_s=1.0)
 
 
 async def _register(peer: str) -> None:
-    from millstream.engine.registration import register
+    from millstream.engine.http.registration import register
 
     await register(f"http://{peer}", "http://127.0.0.1:1", None, attempts=1)
 

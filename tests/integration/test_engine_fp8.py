@@ -1,21 +1,20 @@
 """An engine serving an FP8 checkpoint (examples/arith/make_fp8.py's copy of the arith model):
 it says so in /get_server_info, and a weight update in bf16 lands cast to FP8, so the engine then
-generates exactly what an FP8 checkpoint made from those weights gives (engine/fp8.py)."""
+generates exactly what an FP8 checkpoint made from those weights gives (engine/quant/fp8.py)."""
 
 from __future__ import annotations
 
 import base64
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from millstream.engine.model_runner import ModelRunner
+from millstream.engine.executor.model_runner import ModelRunner
 from tests.integration.test_engine_weights import assert_matches_hf, engine_greedy, post
-from tests.support.engine_proc import EngineProcess
+from tests.support.engine_proc import EngineProcess, engine_fixtures
 from tests.unit.test_fp8 import ARITH, make_fp8_copy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -26,17 +25,7 @@ def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_fp8_copy(tmp_path_factory.mktemp("arith-fp8"))
 
 
-@pytest.fixture(scope="module")
-def engine(fp8_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    proc = EngineProcess(fp8_dir, tmp_path_factory.mktemp("engine-fp8"), "--weight-version", "v0")
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine: EngineProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=engine.url, timeout=60.0) as c:
-        yield c
+engine, client = engine_fixtures("--weight-version", "v0", model="fp8_dir")
 
 
 def test_the_engine_says_it_serves_fp8(client: httpx.Client, engine: EngineProcess, fp8_dir):

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from tests.support.engine_proc import EngineProcess
+from tests.support.engine_proc import EngineProcess, engine_fixtures
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -25,19 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 LONG = {"max_new_tokens": 1000, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def engine(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    proc = EngineProcess(tiny_model_dir, tmp_path_factory.mktemp("engine-http"), "--seed", "3")
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine: EngineProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=engine.url, timeout=60.0) as c:
-        yield c
+engine, client = engine_fixtures("--seed", "3")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from tests.support.engine_proc import EngineProcess
+from tests.support.engine_proc import EngineProcess, engine_fixtures
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -32,19 +31,7 @@ OTHER = list(b"The quick brown fox jumps over the lazy dog")
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def engine(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    proc = EngineProcess(tiny_model_dir, tmp_path_factory.mktemp("engine-inlp"), "--seed", "5")
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine: EngineProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=engine.url, timeout=60.0) as c:
-        yield c
+engine, client = engine_fixtures("--seed", "5")
 
 
 @pytest.fixture(scope="module")

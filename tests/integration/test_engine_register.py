@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from millstream.common.trace_cli import read_spans
+from millstream.tools.trace_cli import read_spans
 from tests.support.engine_proc import EngineProcess
 from tests.support.router_proc import start_router
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from millstream.common.trace_cli import Span, read_mirrors, read_spans
+from millstream.tools.trace_cli import Span, read_mirrors, read_spans
 from tests.support.engine_proc import EngineProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

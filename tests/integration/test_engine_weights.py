@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from tests.support.engine_proc import REPO_ROOT, EngineProcess
+from tests.support.engine_proc import REPO_ROOT, EngineProcess, engine_fixtures
 from tests.support.redis_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -29,26 +28,9 @@ NEW_TOKENS = 16
 TIMEOUT_S = 5
 
 
-@pytest.fixture(scope="module")
-def engine(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    proc = EngineProcess(
-        tiny_model_dir,
-        tmp_path_factory.mktemp("engine-weights"),
-        "--weight-version",
-        "v0",
-        "--weight-update-timeout",
-        str(TIMEOUT_S),
-    )
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine: EngineProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=engine.url, timeout=60.0) as c:
-        yield c
+engine, client = engine_fixtures(
+    "--weight-version", "v0", "--weight-update-timeout", str(TIMEOUT_S)
+)
 
 
 def post(client: httpx.Client, engine: EngineProcess, path: str, body: Any) -> Any:

@@ -18,10 +18,10 @@ from millstream.common.keys import GROUP_ROLLOUT, RunKeys
 from millstream.common.redis_conn import connect
 from millstream.common.retry import Backoff
 from millstream.common.streams import publish
-from millstream.common.trace_cli import read_spans
 from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
 from millstream.rollout.client import RouterClient
 from millstream.rollout.worker import RolloutWorker
+from millstream.tools.trace_cli import read_spans
 from tests.support.engine_proc import EngineProcess
 from tests.support.prom import metrics_url, scrape_until
 from tests.support.redis_server import free_port

@@ -218,9 +218,9 @@ def _rank0(url: str, redis_url: str, run: str) -> None:
 
     from millstream.common.redis_conn import connect
     from millstream.trainer.weights.calls import EngineCalls, SyncReport
-    from millstream.trainer.weights.group_route import GroupRoute
     from millstream.trainer.weights.keeper import EngineBook
-    from millstream.trainer.weights.process_group import FLATTENED_BUCKET, plan_buckets
+    from millstream.trainer.weights.routes.base import FLATTENED_BUCKET, plan_buckets
+    from millstream.trainer.weights.routes.nccl import GroupRoute
 
     weights = load_file(ARITH_MODEL / "model.safetensors")
     buckets = plan_buckets(weights.items(), 1 << 30)

@@ -10,7 +10,7 @@ pushed version in /model_info.
   tensor  --update-weight-transport tensor: SGLang's format (a FlattenedTensorBucket through
           its MultiprocessingSerializer, one payload per TP rank) inside the same session, the
           CPU bucket's bytes in the payload: torch's handles to shared memory do not suit a
-          server that is no child of the trainer (sglang_route.py `_by_value` says why; the
+          server that is no child of the trainer (routes/sglang_format.py `_by_value` says why; the
           default, file descriptors behind an authkey, kills SGLang's scheduler);
   disk    --update-weight-transport disk: safetensors files and /update_weights_from_disk.
 

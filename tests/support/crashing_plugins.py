@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from millstream.common.miles import Sample
+from millstream.compat.miles import Sample
 
 REWARD_MESSAGE = "the reward table has no entry 'arith'"
 GENERATE_MESSAGE = "generate: sampling_params lacks 'temperature_schedule'"

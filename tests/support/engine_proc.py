@@ -12,9 +12,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.redis_server import free_port
 
@@ -92,3 +95,25 @@ class EngineProcess:
         if not self._log.closed:
             self._log.close()
         return self.proc.returncode
+
+
+def engine_fixtures(*extra_args: str, model: str = "tiny_model_dir") -> tuple[Any, Any]:
+    """A test module's own engine and an HTTP client to it, both module-scoped: the engine on
+    the model that fixture `model` names, with `extra_args`. Use as
+    `engine, client = engine_fixtures("--seed", "3")` at the module's top level."""
+
+    @pytest.fixture(scope="module")
+    def engine(
+        request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[EngineProcess]:
+        model_dir = request.getfixturevalue(model)
+        proc = EngineProcess(model_dir, tmp_path_factory.mktemp("engine"), *extra_args)
+        yield proc
+        proc.stop()
+
+    @pytest.fixture(scope="module")
+    def client(engine: EngineProcess) -> Iterator[httpx.Client]:
+        with httpx.Client(base_url=engine.url, timeout=60.0) as c:
+            yield c
+
+    return engine, client

@@ -1,5 +1,5 @@
 """Plugins written exactly as Miles' docs show them (docs/user-guide/customization.md), Miles'
-imports and all (millstream stands in for those modules: common/miles/):
+imports and all (millstream stands in for those modules: compat/miles/):
 
 --custom-rm-path tests.support.miles_plugins.custom_rm
 --custom-rm-path tests.support.miles_plugins.batched_custom_rm   (with --group-rm)

@@ -16,9 +16,17 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """`appendonly`: AOF on (fsync every second), so `restart()` finds its streams again."""
+    """`appendonly`: AOF on (fsync every second), so `restart()` finds its streams again;
+    `maxmemory`: bytes Redis may hold (0: no bound), under maxmemory-policy noeviction."""
 
-    def __init__(self, workdir: Path, password: str | None = None, *, appendonly: bool = False):
+    def __init__(
+        self,
+        workdir: Path,
+        password: str | None = None,
+        *,
+        appendonly: bool = False,
+        maxmemory: int = 0,
+    ):
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
@@ -42,6 +50,12 @@ class RedisServer:
             "no",
             "--loglevel",
             "warning",
+            # As every Redis millstream starts: never evict (a lost stream entry is a lost
+            # group); at `maxmemory` (0: none) writes that add data wait for room.
+            "--maxmemory-policy",
+            "noeviction",
+            "--maxmemory",
+            str(maxmemory),
         ]
         if password:
             args += ["--requirepass", password]

@@ -1,6 +1,6 @@
 """Custom reward functions and filters for the reward tests (`--custom-rm-path tests.support...`),
 with Miles' signatures: a reward is `fn(args, sample)` (with --group-rm `fn(args, samples)`), a
-dynamic-sampling filter `fn(args, samples, **kwargs)`; `sample` is millstream.common.miles.Sample.
+dynamic-sampling filter `fn(args, samples, **kwargs)`; `sample` is millstream.compat.miles.Sample.
 
 Each misbehaves only for samples whose label asks for it ("boom", "hang", "flaky"), so one
 run config can carry good and bad groups and a test can check that the worker goes on.
@@ -14,7 +14,7 @@ import time
 import zlib
 from typing import Any
 
-from millstream.common.miles import Sample
+from millstream.compat.miles import Sample
 
 _lock = threading.Lock()
 _flaky_seen: set[tuple[str, int]] = set()

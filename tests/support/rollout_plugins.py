@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from millstream.common.config import RunConfig
-from millstream.common.miles import Sample as MilesSample
 from millstream.common.types import PromptGroup, Sample, SampleGroup
+from millstream.compat.miles import Sample as MilesSample
 from millstream.rollout.client import RouterClient
 from millstream.rollout.config import plan_for
 from millstream.rollout.generate import append_answer, append_tokens, new_sample, next_input_ids

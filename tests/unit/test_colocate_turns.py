@@ -3,7 +3,7 @@
 On the CPU nothing moves (no GPU memory to free), so what these tests watch is the books:
 TrainOffload's residency (a real torch backend on the tiny model, its offload copying CPU
 tensors as a GPU's would) and the engines' memory as engines answering like
-engine/control_api.py hold it. The engines here are recorded stand-ins for WeightSync's
+engine/http/control.py hold it. The engines here are recorded stand-ins for WeightSync's
 `each_engine`: each call is logged with the trainer's residency at that moment, read from
 the offload itself, so the order is checked from outside Colocation as well as by its own
 invariant. Reordering the turns (the trainer back on the device before the engines release,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from millstream.common import tensor_share
-from millstream.trainer.weights.process_group import flatten_bytes
+from millstream.trainer.weights.routes.base import flatten_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -122,7 +122,7 @@ class _Consumer:
 
 
 def _share_bucket(device: torch.device) -> tuple[tensor_share.Shared, str, list[dict], int]:
-    """The bucket shared as the trainer shares it (transport.py `_share_bucket`): the handle,
+    """The bucket shared as the trainer shares it (routes/tensor.py `_share_bucket`): the handle,
     the request entry, what the consumer must report, and the bucket's size; nothing of it is
     left referenced here but `shared`."""
     named = _bucket(device)

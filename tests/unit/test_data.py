@@ -161,7 +161,7 @@ def test_a_label_of_any_json_type_travels_as_json(tmp_path, tokenizer):
     """The label key's value, whatever its JSON type, reaches the wire as JSON text (label_json)
     beside its text (label), from the JSONL through admission's PromptGroup to the rollout's
     wire Samples, and back to the value at the Miles edge."""
-    from millstream.common.miles import sample_from_pb
+    from millstream.compat.miles import sample_from_pb
     from millstream.rollout.generate import new_sample
     from millstream.trainer.admission import Admission
 

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from millstream.common.errors import MillstreamError
-from millstream.engine import fp8
 from millstream.engine.config import parse_engine_config
-from millstream.engine.model_runner import ModelRunner, kv_bytes_per_token, kv_token_budget
-from millstream.engine.paged_batch import PagedBatch, new_batch
+from millstream.engine.core import new_batch
+from millstream.engine.executor.model_runner import ModelRunner
+from millstream.engine.kv.sizing import kv_bytes_per_token, kv_token_budget
+from millstream.engine.kv.token_pool import TokenPool
+from millstream.engine.paged_batch import PagedBatch
+from millstream.engine.quant import fp8
 from millstream.engine.scheduler import Scheduler
-from millstream.engine.token_pool import TokenPool
 from millstream.engine.weights import WeightLoader, receive_broadcast
 from tests.support.tiny_model import build_tiny_model
 from tests.unit.test_engine_scheduler import PROMPTS, Tracked
@@ -49,7 +51,7 @@ def test_release_gives_the_weights_and_the_kv_cache_back_to_the_gpu(tmp_path: Pa
     pool = TokenPool(runner.model.config, 16 * 1024, runner.dtype, runner.device)
     # No CUDA graphs: only the weights and the pool.
     batch = PagedBatch(runner.model, pool, max_rows=16, context_length=1024)
-    sched = Scheduler(runner, max_running_requests=16, batch=batch, context_length=1024)
+    sched = Scheduler(runner, batch)
     sched.start()
     try:
         params = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}
@@ -100,10 +102,7 @@ def test_the_kv_budget_leaves_total_times_one_minus_fraction_free(tmp_path: Path
          "--max-running-requests", "64"]
     )  # fmt: skip
     reserved_before = torch.cuda.memory_reserved()
-    batch = new_batch(
-        runner, max_rows=64, context_length=runner.context_length,
-        mem_fraction=cfg.mem_fraction_static, cuda_graph_max_bs=64,
-    )  # fmt: skip
+    batch = new_batch(runner, cfg)  # --cuda-graph-max-bs: --max-running-requests, 64
     assert batch.graphs is not None
     tokens = 256 * MIB // kv_bytes_per_token(config, runner.dtype)  # 32768, shared by all rows
     assert abs(batch.pool.capacity - tokens) <= 64, (batch.pool.capacity, tokens)
@@ -127,9 +126,7 @@ def test_the_kv_budget_leaves_total_times_one_minus_fraction_free(tmp_path: Path
     graphs = free_pool - _free()
     print(f"captured {batch.graphs.sizes} in {captured_s:.2f} s, {graphs / MIB:.1f} MiB")
     assert graphs < keep_free
-    sched = Scheduler(
-        runner, max_running_requests=64, batch=batch, context_length=batch.context_length
-    )
+    sched = Scheduler(runner, batch)
     sched.start()
     try:
         tracked = [Tracked(f"r{i}", p, max_new_tokens=8) for i, p in enumerate(PROMPTS * 4)]
@@ -143,7 +140,7 @@ def test_the_kv_budget_leaves_total_times_one_minus_fraction_free(tmp_path: Path
 
 
 def test_fp8_scaled_mm_on_cuda_agrees_with_the_dequantized_linear():
-    """The W8A8 block GEMM (fp8.py `scaled_mm`) on the GPU: within bf16 rounding of the same
+    """The W8A8 block GEMM (engine/quant/fp8.py `scaled_mm`) on the GPU: within bf16 rounding of the same
     arithmetic in fp32, and within activation quantization (~2^-4 per element) of the W8A16
     dequant path."""
     if torch.cuda.get_device_capability() < (8, 9):

@@ -1,4 +1,4 @@
-"""The static KV cache's budget on a GPU (engine/model_runner.py `kv_tokens_for`): SGLang's
+"""The static KV cache's budget on a GPU (engine/kv/sizing.py `kv_tokens_for`): SGLang's
 profile_max_num_token, checked against numbers worked by hand; the GPU's own numbers are
 checked by tests/unit/test_engine_gpu.py under `make gpu-check`."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from millstream.common.errors import MillstreamError
-from millstream.engine.model_runner import kv_bytes_per_token, kv_token_budget, kv_tokens_for
+from millstream.engine.kv.sizing import kv_bytes_per_token, kv_token_budget, kv_tokens_for
 
 GIB = 2**30
 # Qwen2.5-7B in bf16: 28 layers x (keys + values) x 4 kv heads x 128 x 2 bytes.

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from millstream.engine.model_runner import ModelRunner
+from millstream.engine.executor.model_runner import ModelRunner
+from millstream.engine.kv.token_pool import PAGE
 from millstream.engine.sampling import SamplingParams
 from millstream.engine.scheduler import RequestError, Scheduler
 from millstream.engine.sequence import Sequence, output_text
+from tests.support.engine_scheduler import engine_scheduler
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,7 +71,7 @@ def scheduler(runner: ModelRunner, request) -> Iterator[Scheduler]:
     TIGHT_POOL tokens that never grows (a GPU's is fixed): there the rows outgrow it, the
     newest are retracted and prefilled again later, and every result must be the same."""
     tight = request.param == "tight"
-    sched = Scheduler(
+    sched = engine_scheduler(
         runner, max_running_requests=8, max_total_tokens=TIGHT_POOL if tight else None
     )
     sched.start()
@@ -137,7 +139,7 @@ def test_a_burst_of_mixed_lengths_and_copies_is_prefilled_in_one_forward(
     """Four prompts of 2..64 tokens, three copies each (a request with n = 3), arriving
     together: one packed prefill of the four distinct prefixes (93 tokens, no padding), and
     every copy's logprobs still equal a fresh full forward of its own prompt + response."""
-    sched = Scheduler(runner, max_running_requests=16)
+    sched = engine_scheduler(runner, max_running_requests=16)
     tracked = [
         Tracked(f"p{i}-{j}", prompt, seed=10 * i + j, max_new_tokens=8, ignore_eos=True)
         for i, prompt in enumerate(PROMPTS)
@@ -185,7 +187,7 @@ def test_a_seeded_request_is_reproducible_and_the_seed_matters(scheduler: Schedu
 
 
 def test_max_running_requests_bounds_the_batch_and_the_rest_wait(runner: ModelRunner):
-    sched = Scheduler(runner, max_running_requests=2)
+    sched = engine_scheduler(runner, max_running_requests=2)
     seen: list[int] = []
     sched.start()
     try:
@@ -328,7 +330,7 @@ def test_requests_that_can_never_run_are_rejected_naming_the_input(scheduler: Sc
 
 def test_pool_tokens_follow_the_live_rows(runner: ModelRunner):
     """The pool holds each live row's tokens, the n copies' prompt once, and nothing after."""
-    scheduler = Scheduler(runner, max_running_requests=8)
+    scheduler = engine_scheduler(runner, max_running_requests=8)
     scheduler.start()
     try:
         _follow_the_live_rows(scheduler)
@@ -353,7 +355,7 @@ def _follow_the_live_rows(scheduler: Scheduler) -> None:
 
 
 def test_max_total_tokens_sizes_the_pool_and_admits_only_what_fits(runner: ModelRunner):
-    sched = Scheduler(runner, max_running_requests=8, max_total_tokens=48)
+    sched = engine_scheduler(runner, max_running_requests=8, max_total_tokens=48)
     sizes: list[int] = []
     sched.start()
     try:
@@ -365,16 +367,31 @@ def test_max_total_tokens_sizes_the_pool_and_admits_only_what_fits(runner: Model
         assert all(len(t.result().output_ids) == 20 for t in tracked)
         with pytest.raises(RequestError, match="KV token pool holds 48"):
             sched.submit([Tracked("big", [1] * 48, max_new_tokens=1).seq])
-        # Alone and still growing when the pool is full: it ends, saying why (never a
-        # silent "length").
+        # Alone, a request grows to the context, which the flags cap at the pool's size.
         alone = Tracked("alone", PROMPTS[1], max_new_tokens=60, ignore_eos=True)
         sched.submit([alone.seq])
-        finish = alone.result().finish
-        assert finish.type == "abort" and "KV token pool (48 tokens) is full" in finish.message
-        assert len(alone.seq.output_ids) == 48 - len(PROMPTS[1]) + 1  # every slot of 3 pages
+        assert alone.result().finish.type == "length"
+        assert len(PROMPTS[1]) + len(alone.seq.output_ids) == 48
     finally:
         sched.stop()
     assert max(sizes) == 1  # a page of prompt + 2 of reserve each: a second would exceed 48
+    # Alone in a full pool short of the context, a row ends saying why (never a silent
+    # "length"): the second copy of a prompt decodes on pages of its own, past the rest of
+    # the prompt's page, which the first copy took. On 96 tokens both are admitted (a page of
+    # prompt, a page and 4 of reserve); once the first is done, the second has 1 + 5 pages.
+    sched = engine_scheduler(runner, max_running_requests=8, max_total_tokens=96)
+    sched.start()
+    try:
+        first = Tracked("first", PROMPTS[1], max_new_tokens=2, ignore_eos=True)
+        second = Tracked("second", PROMPTS[1], max_new_tokens=100, ignore_eos=True)
+        sched.submit([first.seq, second.seq])
+        assert first.result().finish.type == "length"
+        finish = second.result().finish
+        assert finish.type == "abort" and "KV token pool (96 tokens) is full" in finish.message
+        assert len(second.seq.output_ids) == 5 * PAGE + 1  # its 5 pages full, then one more
+        assert len(PROMPTS[1]) + len(second.seq.output_ids) < sched.context_length == 96
+    finally:
+        sched.stop()
 
 
 def test_abort_by_the_client_rid_reaches_all_n_copies(scheduler: Scheduler):
@@ -396,7 +413,7 @@ def test_rows_that_outgrow_a_full_pool_are_retracted_and_finish_unchanged(
     admitted (19 + DECODE_RESERVE each fits, in pages) and then outgrow it. The newest is retracted
     to the queue, not cut short, and prefilled again (from its cached pages) once the other
     is done: both end at 150 tokens, greedy outputs equal to each run alone, logprobs equal to a full forward."""
-    alone = Scheduler(runner, max_running_requests=8)
+    alone = engine_scheduler(runner, max_running_requests=8)
     alone.start()
     try:
         (solo,) = run(
@@ -404,7 +421,7 @@ def test_rows_that_outgrow_a_full_pool_are_retracted_and_finish_unchanged(
         )
     finally:
         alone.stop()
-    sched = Scheduler(runner, max_running_requests=8, max_total_tokens=192)
+    sched = engine_scheduler(runner, max_running_requests=8, max_total_tokens=192)
     sched.start()
     try:
         pair = [

@@ -6,7 +6,7 @@ import asyncio
 import random
 import threading
 
-from millstream.engine.generation import Waiter
+from millstream.engine.http.generation import Waiter
 from millstream.engine.sampling import SamplingParams
 from millstream.engine.sequence import FinishReason, Sequence
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from millstream.engine import fp8
+from millstream.engine.quant import fp8
 from millstream.engine.scheduler import RequestError
 from millstream.engine.weights import UpdateGroups, WeightLoader, _Group, receive_broadcast
 

@@ -11,7 +11,8 @@ from millstream.common.config import parse_run_config
 from millstream.common.types import PromptGroup, Sample, SampleGroup, ScoredGroup
 from millstream.trainer.algorithms.advantages import token_advantages
 from millstream.trainer.algorithms.loss import approx_kl
-from millstream.trainer.backends.torch_backend import TorchBackend, pad
+from millstream.trainer.backends.rows import pad
+from millstream.trainer.backends.torch_backend import TorchBackend
 from millstream.trainer.batch import build_samples
 from millstream.trainer.checkpoints import checkpoint
 from tests.support.tiny_model import build_tiny_model

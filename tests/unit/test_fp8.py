@@ -1,4 +1,4 @@
-"""FP8 rollout in the engine (engine/fp8.py, engine/fp8_gemm.py): the block-wise e4m3 cast and
+"""FP8 rollout in the engine (engine/quant/fp8.py, engine/quant/fp8_gemm.py): the block-wise e4m3 cast and
 its error bound, the W8A8 forwards against the same arithmetic in float64 (the per-block loop as
 it runs on the CPU; the one block-scaled GEMM through torch's own checks of its CUDA operands and
 an emulation of the kernel, since the CPU has no such kernel), which forward each device and
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from millstream.common.errors import MillstreamError
-from millstream.engine import fp8, fp8_gemm
-from millstream.engine.model_runner import ModelRunner
+from millstream.engine.executor.model_runner import ModelRunner
+from millstream.engine.quant import fp8, fp8_gemm
 from millstream.engine.scheduler import RequestError
 from millstream.engine.weights import WeightLoader
 
@@ -59,7 +59,7 @@ def blocky_weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(200, 300), (64, 64), (256, 128), (32, 64), (129, 1)])
 def test_the_round_trip_is_within_e4m3_precision(shape):
     """|w - q * s| <= |w| / 16 + s / 1024: half a step of e4m3's 3 mantissa bits in its normal
-    range, half the subnormal step 2^-9 below it (the bound of engine/fp8.py's docstring);
+    range, half the subnormal step 2^-9 below it (the bound of engine/quant/fp8.py's docstring);
     partial blocks (dims not a multiple of 128) are scaled by their own absmax."""
     w = blocky_weight(*shape)
     q, scale_inv = fp8.quantize(w)

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from millstream.engine import fp8, fp8_gemm
-from millstream.engine.model_runner import ModelRunner
+from millstream.engine.executor.model_runner import ModelRunner
+from millstream.engine.quant import fp8, fp8_gemm
 from tests.unit.test_fp8 import emulate_blockwise, make_fp8_copy, one_gemm_layers
 
 pytestmark = pytest.mark.timeout(120)

@@ -27,16 +27,27 @@ def test_every_service_folder_is_a_listed_package():
 
 
 SERVICES = ("router", "engine", "rollout", "reward", "trainer")
+# No service's: the local cluster (`launch`), Miles' stand-ins and the plugin loader (`compat`),
+# the command-line tools over a run's files and the protos (`tools`). Each imports only `common`.
+NOT_SERVICES = ("launch", "compat", "tools")
+# Who may import one of them: the services that run users' plugins `compat`, and the trainer's
+# entry point `launch` (main.py starts the cluster; preflight.py, which main.py runs before
+# anything starts, asks launch's plan what it would start). Nothing imports `tools`.
+MAY_IMPORT = {"trainer": {"launch", "compat"}, "rollout": {"compat"}, "reward": {"compat"}}
+ENTRY_POINT = ("trainer/main.py", "trainer/preflight.py")
 
 
-@pytest.mark.parametrize("folder", ["common", "launch", *SERVICES])
+@pytest.mark.parametrize("folder", ["common", *NOT_SERVICES, *SERVICES])
 def test_services_never_import_each_other(folder):
-    """Services meet on the wire. `launch` (the local cluster) is no service: it imports only
-    `common`, and only the trainer's entry point starts it; `common` imports neither."""
-    may_import = {"trainer": {"launch"}}.get(folder, set())
-    others = ({"launch", *SERVICES} - {folder}) - may_import
+    """Services meet on the wire. `common` imports none of the others; `launch`, `compat` and
+    `tools` only `common`; the trainer, rollout and reward workers `compat`, and only the
+    trainer's entry point `launch` (MAY_IMPORT)."""
+    may_import = MAY_IMPORT.get(folder, set())
     for path in (REPO / "services" / folder).rglob("*.py"):
         text = path.read_text()
+        rel = str(path.relative_to(REPO / "services"))
+        allowed = may_import - ({"launch"} if rel not in ENTRY_POINT else set())
+        others = ({*NOT_SERVICES, *SERVICES} - {folder}) - allowed
         for other in others:
             assert f"millstream.{other}" not in text, f"{path} imports millstream.{other}"
             assert not re.search(rf"^\s*from \.\.+{other}\b", text, re.M), (
@@ -103,6 +114,57 @@ def test_the_trainer_keeps_its_rooms():
         if "pb" in init.parts:
             continue
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init} says nothing of its room"
+
+
+ENGINE = REPO / "services" / "engine"
+
+
+def _engine_layer(parts: list[str], folders: set[str]) -> str:
+    """The layer of an engine module, from its path under engine/ (or its dotted name under
+    millstream.engine): its folder's, main.py's own, else the top level's, `scheduling`."""
+    if parts[0] in folders:
+        return parts[0]
+    return "main" if parts[0] == "main" else "scheduling"
+
+
+def test_the_engine_keeps_its_layers():
+    """engine/__init__.py states the layers, lowest first; each of its modules imports its own
+    layer and those below, never one above (lazy imports in functions included). Every folder
+    of engine/ is a layer of that table, and its __init__ names each of its files."""
+    doc = ast.get_docstring(ast.parse((ENGINE / "__init__.py").read_text())) or ""
+    order = re.search(r"Layers, lowest first: ([\w <]+)\.", doc)
+    assert order, "engine/__init__.py states no layer order"
+    layers = [name.strip() for name in order.group(1).split("<")]
+    rank = {name: i for i, name in enumerate(layers)}
+    folders = {p.name for p in ENGINE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders | {"scheduling", "main"} == set(layers), layers
+    for folder in sorted(folders):
+        assert f"`{folder}/`" in doc, f"engine/__init__.py's table has no row for {folder}/"
+        room = ast.get_docstring(ast.parse((ENGINE / folder / "__init__.py").read_text())) or ""
+        for path in sorted((ENGINE / folder).glob("*.py")):
+            assert path.name == "__init__.py" or f"`{path.name}`" in room, (
+                f"engine/{folder}/__init__.py does not name {path.name}"
+            )
+    upward = []
+    for path in sorted(ENGINE.rglob("*.py")):
+        rel = path.relative_to(ENGINE)
+        own = _engine_layer(list(rel.with_suffix("").parts), folders)
+        package = ".".join(["millstream", "engine", *rel.parts[:-1]])
+        for name in sorted(_imports(path, package)):
+            if not name.startswith("millstream.engine."):
+                continue
+            layer = _engine_layer(name.split(".")[2:], folders)
+            if rank[layer] > rank[own]:
+                upward.append(f"engine/{rel} ({own}) imports {name} ({layer})")
+    assert not upward, "a lower layer imports an upper one:\n" + "\n".join(upward)
+
+
+def test_the_engine_flags_import_no_torch():
+    """engine/config.py reads DEFAULT_MEM_FRACTION from kv/sizing.py, which imports torch only
+    when it asks the GPU: parsing the engine's flags stays light."""
+    code = "import sys, millstream.engine.config; sys.exit('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"millstream.engine.config imports torch: {proc.stderr}"
 
 
 @pytest.mark.parametrize(

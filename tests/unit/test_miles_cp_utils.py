@@ -1,4 +1,4 @@
-"""Miles' cp_utils stood in for (common/miles/cp_utils.py): a CP-aware TIS function in the shape
+"""Miles' cp_utils stood in for (compat/miles/cp_utils.py): a CP-aware TIS function in the shape
 of Miles' mis.py `compute_mis_weights_with_cp` (tests/support/tis_plugins.py), imports and all,
 runs unchanged through the loss, the torch backend, and megatron's context parallel ranks, and
 gives what the same weights computed without CP give; the stand-in's functions are Miles' at
@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from millstream.common.config import parse_run_config
-from millstream.common.miles import install_miles_modules, make_args
+from millstream.compat.miles import install_miles_modules, make_args
 from millstream.trainer.algorithms.loss import Denominator, policy_loss
 from millstream.trainer.algorithms.tis import CustomTis
 from tests.unit.test_data_parallel import FLAGS, _free_port, _rank, build_backend

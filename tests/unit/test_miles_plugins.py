@@ -1,4 +1,4 @@
-"""Miles' plugin interfaces (common/miles/): the read-only `args`, the Sample and its wire
+"""Miles' plugin interfaces (compat/miles/): the read-only `args`, the Sample and its wire
 conversion both ways, and each hook called with Miles' signature (reward, group reward,
 dynamic-sampling filter, buffer filter; the whole-batch rollout function refused)."""
 
@@ -16,7 +16,10 @@ import pytest
 
 from millstream.common.config import GROUPS, parse_run_config
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import (
+from millstream.common.plugin_errors import PluginFailed
+from millstream.common.types import PromptGroup, SampleGroup, SampleStatus, Verdict
+from millstream.common.types import Sample as PbSample
+from millstream.compat.miles import (
     DynamicFilterOutput,
     Sample,
     check_not_old_signature,
@@ -27,9 +30,6 @@ from millstream.common.miles import (
     sample_from_pb,
     sample_to_pb,
 )
-from millstream.common.plugin_errors import PluginFailed
-from millstream.common.types import PromptGroup, SampleGroup, SampleStatus, Verdict
-from millstream.common.types import Sample as PbSample
 from millstream.reward.filters import apply_filter
 from millstream.reward.rewarder import Rewarder
 from millstream.reward.scorer import GroupScorer
@@ -101,7 +101,7 @@ def test_args_has_every_flag_by_its_miles_name_and_is_read_only():
 
 
 def test_common_miles_imports_without_torch():
-    code = "import sys, millstream.common.miles; assert 'torch' not in sys.modules, 'torch'"
+    code = "import sys, millstream.compat.miles; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -290,8 +290,8 @@ def test_a_plugin_written_for_the_old_signatures_is_refused_saying_what_to_write
 
 
 def test_a_plugin_keeps_miles_imports_and_gets_millstreams_types():
-    import millstream.common.miles as ours
-    from millstream.common.plugins import load_function
+    import millstream.compat.miles as ours
+    from millstream.compat.plugins import load_function
 
     cls = load_function(f"{MILES}.JsonlDataSource", "--data-source-path")
     import miles.rollout.data_source
@@ -306,7 +306,7 @@ def test_a_miles_module_not_stood_in_for_is_named(tmp_path, monkeypatch):
         "from miles.utils.timer import Timer\n\ndef reward(args, sample):\n    return 1.0\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    from millstream.common.plugins import load_function
+    from millstream.compat.plugins import load_function
 
     with pytest.raises(MillstreamError) as info:
         load_function("uses_miles_timer.reward", "--custom-rm-path")
@@ -413,7 +413,7 @@ def test_a_per_sample_generate_gets_the_workers_router_in_miles_args():
     assert rollout.args.custom_generate_function_path.endswith(".generate")
     import miles.utils.http_utils
 
-    from millstream.common.miles import http_post
+    from millstream.compat.miles import http_post
 
     assert miles.utils.http_utils.post is http_post
 
@@ -424,7 +424,7 @@ def test_miles_post_tries_again_after_an_http_error_as_miles_does():
     import http.server
     import threading
 
-    from millstream.common import miles
+    from millstream.compat import miles
 
     answers = [503, 200]
 

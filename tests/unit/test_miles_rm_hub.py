@@ -1,4 +1,4 @@
-"""Miles' `miles.rollout.rm_hub` (common/miles/rm_hub/): the graders are the built-ins' own, and
+"""Miles' `miles.rollout.rm_hub` (compat/miles/rm_hub/): the graders are the built-ins' own, and
 `async_rm` / `batched_async_rm` dispatch on Miles' Samples as Miles does (issue 34)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import importlib
 
 import pytest
 
-from millstream.common.miles import Args, RewardSpec, Sample, install_miles_modules
-from millstream.common.miles import rm_hub as hub
-from millstream.common.miles.misc import function_registry
-from millstream.common.miles.rm_hub import deepscaler, f1, math_dapo_utils, math_utils
+from millstream.compat.miles import Args, RewardSpec, Sample, install_miles_modules
+from millstream.compat.miles import rm_hub as hub
+from millstream.compat.miles.misc import function_registry
+from millstream.compat.miles.rm_hub import deepscaler, f1, math_dapo_utils, math_utils
 from millstream.reward import rm_hub as builtins
 
 

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from millstream.common.config import ConfigError, checks, foreign, parse_run_config
-from millstream.common.miles import make_args
 from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus, ScoredGroup
+from millstream.compat.miles import make_args
 from millstream.launch import engines
 from millstream.rollout.config import plan_for
 from millstream.trainer import build

@@ -1,4 +1,4 @@
-"""Miles' modules stood in for (common/miles/): each Miles name is our module, refused names
+"""Miles' modules stood in for (compat/miles/): each Miles name is our module, refused names
 say why, and the stand-ins behave as Miles' do (Sample, SingletonMeta, labels on the wire,
 GenerateState, generate against an HTTP server, the default data source, loss masks)."""
 
@@ -16,7 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from millstream.common.config import parse_run_config
-from millstream.common.miles import (
+from millstream.common.types import PromptGroup
+from millstream.common.types import Sample as PbSample
+from millstream.compat.miles import (
     MILES_MODULES,
     RewardSpec,
     Sample,
@@ -25,9 +27,7 @@ from millstream.common.miles import (
     sample_from_pb,
     sample_to_pb,
 )
-from millstream.common.miles.importer import REFUSED
-from millstream.common.types import PromptGroup
-from millstream.common.types import Sample as PbSample
+from millstream.compat.miles.importer import REFUSED
 
 install_miles_modules()
 
@@ -47,7 +47,7 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture
 def fresh_state():
-    from millstream.common.miles.misc import SingletonMeta
+    from millstream.compat.miles.misc import SingletonMeta
 
     SingletonMeta.clear_all_instances()
     yield
@@ -95,12 +95,12 @@ def test_what_miles_examples_import_is_there():
     assert not missing
     from miles.utils import misc  # a submodule through its stand-in package
 
-    assert misc is importlib.import_module("millstream.common.miles.misc")
+    assert misc is importlib.import_module("millstream.compat.miles.misc")
 
 
 def test_installing_and_importing_the_light_stand_ins_loads_no_torch():
     code = (
-        "import sys; from millstream.common.miles import install_miles_modules as i; i(); "
+        "import sys; from millstream.compat.miles import install_miles_modules as i; i(); "
         "import miles.utils.types, miles.utils.misc, miles.rollout.sglang_rollout, "
         "miles.rollout.data_source, miles.utils.mask_utils, miles.utils.data; "
         "sys.exit(', '.join(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules))) or None)"
@@ -341,7 +341,7 @@ class _Engine(BaseHTTPRequestHandler):
 def test_generate_posts_tokens_and_fills_the_sample_as_miles_does(tokenizer_dir, fresh_state):
     from miles.rollout.sglang_rollout import GenerateState, generate
 
-    from millstream.common.miles import http_utils
+    from millstream.compat.miles import http_utils
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -384,7 +384,7 @@ def test_generate_posts_tokens_and_fills_the_sample_as_miles_does(tokenizer_dir,
 def test_whole_batch_generate_rollout_is_refused_with_what_to_write():
     from miles.rollout.sglang_rollout import generate_rollout
 
-    from millstream.common.miles import PluginSignatureError
+    from millstream.compat.miles import PluginSignatureError
 
     with pytest.raises(PluginSignatureError, match="per-group form"):
         generate_rollout(None, 0, None)

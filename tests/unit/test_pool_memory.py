@@ -1,4 +1,4 @@
-"""The token pool's memory (engine/token_pool.py): its host books cost what the slots a call
+"""The token pool's memory (engine/kv/token_pool.py): its host books cost what the slots a call
 names do, never the pool's size (a tiny model's pool on a 141 GB GPU is ~300M tokens, and a
 colocated run allocates it again at every resume); pages are handed out in a fixed order;
 and a released pool leaves no tensor of it reachable, so its memory really goes back."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from millstream.engine.model_runner import ModelRunner
+from millstream.engine.executor.model_runner import ModelRunner
+from millstream.engine.kv.token_pool import PAGE, TokenPool
 from millstream.engine.paged_batch import PagedBatch
 from millstream.engine.scheduler import Scheduler
-from millstream.engine.token_pool import PAGE, TokenPool
 from tests.unit.test_engine_scheduler import PROMPTS, Tracked
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,7 +127,7 @@ def test_after_a_release_no_tensor_of_the_pool_is_reachable(
     )
     if batch.graphs is not None:
         batch.graphs.capture_all()
-    sched = Scheduler(runner, max_running_requests=8, batch=batch, context_length=1024)
+    sched = Scheduler(runner, batch)
     sched.start()
     try:
         tracked = [

@@ -1,4 +1,4 @@
-"""The prefix cache (engine/prefix_cache.py): pages kept after a row leaves and reused by the
+"""The prefix cache (engine/kv/prefix_cache.py): pages kept after a row leaves and reused by the
 next prefill that starts the same way, with exact logprobs, evicted least recently used
 first, never reused after a weight update."""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from millstream.engine.model_runner import ModelRunner
+from millstream.engine.executor.model_runner import ModelRunner
+from millstream.engine.kv.prefix_cache import PAGE, PrefixCache
+from millstream.engine.kv.token_pool import TokenPool
 from millstream.engine.paged_batch import EVICT_BATCH
-from millstream.engine.prefix_cache import PAGE, PrefixCache
-from millstream.engine.scheduler import Scheduler
-from millstream.engine.token_pool import TokenPool
 from millstream.engine.weights import WeightLoader
+from tests.support.engine_scheduler import engine_scheduler
 from tests.unit.test_engine_scheduler import PROMPTS, Tracked, full_forward_logprobs
 from tests.unit.test_token_pool import _batch, send_back, weights_of
 
@@ -87,7 +87,7 @@ def test_a_resumed_rollout_prefills_only_what_the_cache_lacks(runner: ModelRunne
     partial rollout sent back to continue) reuses the cached pages: only the tail is
     computed, and its logprobs still equal a full forward. A weight update drops the cache:
     the same request then computes everything again."""
-    sched = Scheduler(runner, max_running_requests=4)
+    sched = engine_scheduler(runner, max_running_requests=4)
     batch = sched._batch
     sched.start()
     try:
@@ -142,7 +142,7 @@ def test_a_row_running_through_an_update_to_new_weights_leaves_no_old_keys_behin
     with torch.no_grad():
         for name, t in new:
             reference.get_parameter(name).copy_(t)
-    sched = Scheduler(runner, max_running_requests=4)
+    sched = engine_scheduler(runner, max_running_requests=4)
     batch = sched._batch
     sched.start()
     try:

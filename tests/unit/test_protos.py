@@ -5,7 +5,6 @@ from __future__ import annotations
 import filecmp
 from pathlib import Path
 
-from millstream.common import protogen
 from millstream.common.types import (
     PromptGroup,
     Sample,
@@ -15,6 +14,7 @@ from millstream.common.types import (
     Verdict,
     status_from_finish_reason,
 )
+from millstream.tools import protogen
 
 
 def test_generated_code_is_not_stale(tmp_path: Path):

@@ -11,9 +11,9 @@ import pytest
 
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import Sample as MilesSample
-from millstream.common.miles import make_args
 from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus, Verdict
+from millstream.compat.miles import Sample as MilesSample
+from millstream.compat.miles import make_args
 from millstream.reward.filters import check_no_aborted, check_reward_nonzero_std, resolve_filter
 from millstream.reward.rewarder import Rewarder
 from millstream.reward.scorer import GroupScorer

@@ -13,11 +13,12 @@ import pytest
 import redis.asyncio as aioredis
 from opentelemetry.sdk.trace import TracerProvider
 
-from millstream.common import miles, telemetry
+from millstream.common import telemetry
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
 from millstream.common.retry import Backoff
 from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
+from millstream.compat import miles
 from millstream.rollout.client import FRESH, RouterClient
 from millstream.rollout.generate import append_answer, new_sample
 from millstream.rollout.partial import PartialBuffer

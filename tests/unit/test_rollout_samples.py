@@ -13,9 +13,9 @@ import pytest
 
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import Sample as MilesSample
-from millstream.common.plugins import load_function
 from millstream.common.types import PromptGroup, SampleStatus
+from millstream.compat.miles import Sample as MilesSample
+from millstream.compat.plugins import load_function
 from millstream.rollout.client import FRESH, Slots
 from millstream.rollout.config import (
     SEED_MODULUS,

@@ -179,3 +179,59 @@ def test_router_does_not_import_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_eligible_list_is_kept_until_what_decides_eligibility_changes():
+    reg = Registry()
+    a, _ = reg.add("http://a:1")
+    b, _ = reg.add("http://b:1")
+    reg.record_success(a, weight_version="1")
+    kept = reg.eligible()
+    assert kept == [a] and reg.eligible() is kept
+    woken = reg._change
+    reg.record_success(a, weight_version="1")  # a check that changes nothing: the steady state
+    assert reg.eligible() is kept and not woken.is_set()
+    reg.record_success(b, weight_version="1")  # pending -> healthy
+    assert woken.is_set() and reg.eligible() == [a, b]
+    reg.set_expected_version("2")
+    assert reg.eligible() == []
+    reg.vouch(b, "2")
+    assert reg.eligible() == [b]
+    for _ in range(3):
+        reg.record_failure(b, "refused")
+    assert reg.eligible() == []
+    reg.remove("http://b:1")
+    reg.vouch(a, "2")
+    assert reg.eligible() == [a]
+
+
+def test_a_large_fleet_is_checked_in_batches_spread_over_the_interval():
+    """Every worker once a round, SPREAD_BATCH at a time, not all in the same instant (a
+    round of hundreds at once held the router's loop for tens of ms: bench/bench_fleet.py)."""
+    import httpx
+
+    from millstream.router.health import SPREAD_BATCH, HealthChecker
+
+    checked: dict[str, float] = {}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        checked[f"{request.url.host}"] = time.monotonic()
+        return httpx.Response(200)
+
+    async def scenario() -> float:
+        reg = Registry()
+        for i in range(4 * SPREAD_BATCH + 1):
+            w, _ = reg.add(f"http://w{i}:1")
+            reg.record_success(w)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            checker = HealthChecker(reg, client, interval=0.5, timeout=1.0)
+            start = time.monotonic()
+            await checker.spread_round()
+            return time.monotonic() - start
+
+    took = asyncio.run(scenario())
+    assert len(checked) == 4 * SPREAD_BATCH + 1  # each worker once
+    times = sorted(checked.values())
+    assert times[-1] - times[0] >= 0.3  # five batches, 0.1 s apart
+    assert max(sum(1 for t in times if abs(t - u) < 0.01) for u in times) <= SPREAD_BATCH
+    assert took < 1.5

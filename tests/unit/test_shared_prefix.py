@@ -9,7 +9,8 @@ import torch
 from millstream.common.config import parse_run_config
 from millstream.trainer.backends import batching, shared_prefix
 from millstream.trainer.backends.base import TrainSample
-from millstream.trainer.backends.torch_backend import Prepared, TorchBackend
+from millstream.trainer.backends.forwards import Prepared
+from millstream.trainer.backends.torch_backend import TorchBackend
 
 
 def _sample(prompt: list[int], response: list[int], reward: float = 0.0) -> TrainSample:

@@ -13,7 +13,7 @@ import torch
 from millstream.common.config import parse_run_config
 from millstream.common.config.algo import AlgoConfig
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import make_args
+from millstream.compat.miles import make_args
 from millstream.trainer.algorithms.loss import Denominator, policy_loss
 from millstream.trainer.algorithms.tis import CustomTis
 from millstream.trainer.backends.base import TrainSample

@@ -1,4 +1,4 @@
-"""The KV token pool (engine/token_pool.py) and the batch over it (paged_batch.py) on the CPU.
+"""The KV token pool (engine/kv/token_pool.py) and the batch over it (paged_batch.py) on the CPU.
 
 Every scheduler test also runs on a growing and on a tight pool (test_engine_scheduler.py's
 `scheduler` fixture); here are what only the pool shows: its slots and reference counts,
@@ -21,14 +21,17 @@ import torch
 
 from millstream.common.errors import MillstreamError
 from millstream.engine.config import parse_engine_config
-from millstream.engine.decode_graphs import context_buckets, graph_sizes
-from millstream.engine.model_runner import ModelRunner
-from millstream.engine.paged_attention import PAD_RATIO
-from millstream.engine.paged_batch import CPU_START_TOKENS, PagedBatch, new_batch
+from millstream.engine.core import new_batch
+from millstream.engine.executor.decode_graphs import context_buckets, graph_sizes
+from millstream.engine.executor.model_runner import ModelRunner
+from millstream.engine.executor.paged_attention import PAD_RATIO
+from millstream.engine.kv.sizing import CPU_START_TOKENS
+from millstream.engine.kv.token_pool import PAGE, PoolFull, TokenPool
+from millstream.engine.paged_batch import PagedBatch
 from millstream.engine.scheduler import RequestError, Scheduler
 from millstream.engine.sequence import Sequence
-from millstream.engine.token_pool import PAGE, PoolFull, TokenPool
 from millstream.engine.weights import WeightLoader
+from tests.support.engine_scheduler import engine_scheduler
 from tests.support.tiny_model import build_tiny_model
 from tests.unit.test_engine_scheduler import PROMPTS, Tracked, full_forward_logprobs
 
@@ -120,7 +123,7 @@ def _decode_reads(runner: ModelRunner, batch: PagedBatch, tracked: list[Tracked]
         return logits
 
     batch.decode = counted  # type: ignore[method-assign]
-    sched = Scheduler(runner, max_running_requests=8, batch=batch)
+    sched = Scheduler(runner, batch)
     sched.start()
     try:
         sched.submit([t.seq for t in tracked])
@@ -174,14 +177,11 @@ def _config(tiny_model_dir: Path, *flags: str):
 
 
 def test_max_total_tokens_sizes_the_pool(runner: ModelRunner, tiny_model_dir: Path):
-    default = new_batch(runner, max_rows=8, context_length=runner.context_length)
+    default = new_batch(runner, _config(tiny_model_dir, "--max-running-requests", "8"))
     assert default.pool.capacity == CPU_START_TOKENS < default.pool.limit
     assert default.graphs is None  # no CUDA graphs on the CPU
     cfg = _config(tiny_model_dir, "--max-running-requests", "8", "--max-total-tokens", "512")
-    batch = new_batch(
-        runner, max_rows=cfg.max_running_requests, context_length=runner.context_length,
-        max_total_tokens=cfg.max_total_tokens,
-    )  # fmt: skip
+    batch = new_batch(runner, cfg)
     assert batch.pool.capacity == batch.pool.limit == 512
     assert batch.table_RL.shape == (8, min(512, runner.context_length))
 
@@ -232,7 +232,7 @@ def test_released_memory_holds_every_request_until_resumed_and_updated(own_runne
     retracted request ends as it would have without the release."""
     runner = own_runner
     weights, loader = weights_of(runner), WeightLoader(runner.model)
-    sched = Scheduler(runner, max_running_requests=4, context_length=256)
+    sched = engine_scheduler(runner, max_running_requests=4, context_length=256)
     batch = sched._batch
     sched.start()
     try:
@@ -290,7 +290,7 @@ def test_released_weights_are_freed_and_a_resume_serves_nothing_until_all_are_wr
     assert tied["lm_head.weight"] is tied["model.embed_tokens.weight"]  # sent once, freed once
     expected = sum(t.nbytes for _, t in weights)
     assert runner.weight_bytes == expected
-    sched = Scheduler(runner, max_running_requests=4)
+    sched = engine_scheduler(runner, max_running_requests=4)
     sched.start()
     try:
         params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}
@@ -324,7 +324,9 @@ def test_released_weights_are_freed_and_a_resume_serves_nothing_until_all_are_wr
 HOST_RELEASE = """
 import json, os, sys
 from millstream.common import heap
-from millstream.engine.model_runner import ModelRunner
+from millstream.engine.executor.model_runner import ModelRunner
+from millstream.engine.config import EngineConfig
+from millstream.engine.core import new_batch
 from millstream.engine.scheduler import Scheduler
 
 
@@ -337,7 +339,7 @@ heap.keep_freed_memory()  # as the engine runs (engine/main.py)
 import torch
 runner = ModelRunner(sys.argv[1], dtype="bfloat16")  # cast: in the heap, not the file's pages
 runner.model(input_ids=torch.tensor([list(b"every weight is read")]))
-sched = Scheduler(runner)
+sched = Scheduler(runner, new_batch(runner, EngineConfig(model_path=sys.argv[1])))
 sched.start()
 before = rss()
 freed = sched.release_memory(["weights"]).result(30)["weights"]
@@ -407,7 +409,7 @@ def _graphs_decode_as_eager(tiny_model_dir: Path, device: str) -> None:
                 return replay(key, *args)
 
             batch.graphs.step = step  # type: ignore[method-assign]
-        sched = Scheduler(runner, max_running_requests=8, batch=batch, context_length=1024)
+        sched = Scheduler(runner, batch)
         sched.start()
         done: list[Sequence] = []
         try:
@@ -454,7 +456,7 @@ def _graphs_decode_as_eager(tiny_model_dir: Path, device: str) -> None:
 def test_a_failed_forward_fails_its_requests_and_leaks_no_slot(runner: ModelRunner):
     """A forward that raises (a prefill, then a decode step) ends the requests in it with an
     abort naming the error; every pool slot is free again and the engine serves the next."""
-    sched = Scheduler(runner, max_running_requests=4)
+    sched = engine_scheduler(runner, max_running_requests=4)
     batch = sched._batch
     calls = {"n": 0}
     forward = runner.model.forward
@@ -492,7 +494,7 @@ def test_other_decoders_attend_over_the_pool_too(tmp_path: Path, arch: str):
     model_dir = build_tiny_model(tmp_path, arch=arch)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
     runner = ModelRunner(str(model_dir))
-    sched = Scheduler(runner, max_running_requests=4)
+    sched = engine_scheduler(runner, max_running_requests=4)
     sched.start()
     try:
         first = Tracked("a", PROMPTS[0], max_new_tokens=20, ignore_eos=True)

@@ -12,13 +12,9 @@ import torch
 from millstream.common.config import parse_run_config
 from millstream.trainer.admission import Admission, TerminalCounts
 from millstream.trainer.backends.base import TrainSample
-from millstream.trainer.backends.torch_backend import (
-    TorchBackend,
-    fusable,
-    load_causal_lm,
-    lr_factor,
-    make_optimizer,
-)
+from millstream.trainer.backends.loop import load_causal_lm
+from millstream.trainer.backends.optim import fusable, lr_factor, make_optimizer
+from millstream.trainer.backends.torch_backend import TorchBackend
 from millstream.trainer.checkpoints import checkpoint
 
 

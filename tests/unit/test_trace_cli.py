@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from millstream.common import trace_cli
 from millstream.common.errors import MillstreamError
 from millstream.common.telemetry import GROUP_ID, GROUP_IDS, MIRROR_OF, STAGE
+from millstream.tools import trace_cli
 
 MS = 1_000_000
 T0 = 1_800_000_000_000 * MS  # ns since the epoch

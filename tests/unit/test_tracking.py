@@ -23,8 +23,8 @@ from millstream.common.config import ConfigError, parse_run_config
 from millstream.common.config import store as config_store
 from millstream.common.config.logs import LoggingConfig
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import Sample as MilesSample
 from millstream.common.types import PromptGroup, Sample, SampleGroup, SampleStatus, ScoredGroup
+from millstream.compat.miles import Sample as MilesSample
 from millstream.trainer import preflight
 from millstream.trainer.observe import log_hooks, metrics
 from millstream.trainer.observe.metrics import MetricsLogger
@@ -96,7 +96,7 @@ def _rows(run_dir: Path) -> list[dict]:
 # the dict literals of the named functions.
 PRODUCERS = {
     "services/trainer/algorithms/loss.py": ("policy_loss", "value_loss"),
-    "services/trainer/backends/torch_backend.py": (),
+    "services/trainer/backends/loop.py": (),
     "services/trainer/batch.py": ("rollout_stats",),
     "services/trainer/trainer.py": ("_timings", "_counts"),
 }

@@ -14,7 +14,8 @@ from millstream.common.config import parse_run_config
 from millstream.engine.weights import unflatten_bytes
 from millstream.trainer.build import master_address
 from millstream.trainer.weights.coordinator import host_address
-from millstream.trainer.weights.process_group import backend_for, flatten_bytes, plan_buckets
+from millstream.trainer.weights.routes.base import flatten_bytes, plan_buckets
+from millstream.trainer.weights.routes.process_group import backend_for
 from millstream.trainer.weights.sync import Failure, GroupBroken, WeightSync
 
 

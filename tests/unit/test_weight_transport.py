@@ -10,18 +10,16 @@ import pytest
 import torch
 
 from millstream.common import tensor_share
-from millstream.trainer.weights.transport import (
+from millstream.common.weight_routes import DISK, NCCL, TENSOR
+from millstream.trainer.weights.routes.base import (
     CUDA_IPC,
-    DISK,
-    GROUP,
     SGLANG,
     SGLANG_BYTES,
     SHM,
-    TENSOR,
     TransportError,
-    choose,
-    group_backend,
 )
+from millstream.trainer.weights.routes.choose import choose
+from millstream.trainer.weights.routes.nccl import group_backend
 
 HOST = {"host": "boot:1:2", "device": "cpu", "gpu_uuid": None}
 TAKES = {"weight_transports": ["distributed", "tensor", "disk"]}
@@ -37,27 +35,27 @@ OTHER_HOST_GPU = place(host="boot2:1:2", device="cuda:0", gpu="GPU-ccc")
 
 
 @pytest.mark.parametrize(
-    ("trainer", "engine", "transport", "handle"),
+    ("trainer", "engine", "name", "handle"),
     [
         (GPU0, place(device="cuda:0", gpu="GPU-aaa"), TENSOR, CUDA_IPC),  # one GPU, colocated
-        (GPU0, GPU1, GROUP, None),  # two GPUs of one machine: NCCL
-        (GPU0, OTHER_HOST_GPU, GROUP, None),  # another machine
+        (GPU0, GPU1, NCCL, None),  # two GPUs of one machine: NCCL
+        (GPU0, OTHER_HOST_GPU, NCCL, None),  # another machine
         (GPU0, place(), TENSOR, SHM),  # engine on this machine's CPU (today's engine on a GPU box)
         (place(), place(), TENSOR, SHM),  # everything on CPU: `make test`
-        (place(), place(host="boot2:1:2"), GROUP, None),  # another machine's CPU
-        (place(), place(host="boot:9:9"), GROUP, None),  # a container with its own /dev/shm
-        (GPU0, None, GROUP, None),  # says nothing (real SGLang): the group, as before
-        (place(), place(takes=False), GROUP, None),  # does not take shared tensors
+        (place(), place(host="boot2:1:2"), NCCL, None),  # another machine's CPU
+        (place(), place(host="boot:9:9"), NCCL, None),  # a container with its own /dev/shm
+        (GPU0, None, NCCL, None),  # says nothing (real SGLang): the group, as before
+        (place(), place(takes=False), NCCL, None),  # does not take shared tensors
     ],
 )
-def test_auto_routes_by_where_the_two_live(trainer, engine, transport, handle):
+def test_auto_routes_by_where_the_two_live(trainer, engine, name, handle):
     route = choose("auto", trainer, engine)
-    assert (route.transport, route.handle) == (transport, handle), route
+    assert (route.name, route.handle) == (name, handle), route
 
 
 def test_forced_transports_say_why_they_cannot_work():
-    assert choose("nccl", GPU0, GPU1).transport == GROUP
-    assert choose("disk", GPU0, place(device="cuda:0", gpu="GPU-aaa")).transport == DISK
+    assert choose("nccl", GPU0, GPU1).name == NCCL
+    assert choose("disk", GPU0, place(device="cuda:0", gpu="GPU-aaa")).name == DISK
     with pytest.raises(TransportError, match="cannot put two ranks on one GPU"):
         choose("nccl", GPU0, place(device="cuda:0", gpu="GPU-aaa"))
     with pytest.raises(TransportError, match="handles work only on one machine"):
@@ -65,8 +63,6 @@ def test_forced_transports_say_why_they_cannot_work():
     with pytest.raises(TransportError, match="handles work only on one machine"):
         choose("tensor", place(), None)
     assert choose("tensor", place(), place()).handle == SHM
-    with pytest.raises(ValueError, match="one of"):
-        choose("ipc", place(), place())
 
 
 def test_the_group_uses_nccl_only_when_every_member_is_on_a_gpu():
@@ -200,9 +196,9 @@ def test_the_engine_refuses_such_a_handle_so_the_sync_falls_back():
     """open_flat refuses a handle whose GPU this process does not see (here: any GPU on a CPU
     machine, an unknown one on a GPU machine) before opening anything; the engine turns that
     into the error the trainer reads as "not shared with it", and moves the engine to the
-    update group (transport.py `opening_failed`)."""
-    from millstream.engine.control_api import RequestError, _open_shared
-    from millstream.trainer.weights.transport import opening_failed
+    update group (routes/tensor.py `opening_failed`)."""
+    from millstream.engine.http.control import RequestError, _open_shared
+    from millstream.trainer.weights.routes.tensor import opening_failed
 
     handle = _cuda_handle(gpu_uuid=ELSEWHERE)
     with pytest.raises(ValueError, match=f"no GPU with UUID {ELSEWHERE}"):
@@ -223,14 +219,14 @@ def test_an_sglang_server_on_the_trainers_gpu_gets_sglangs_format_or_files():
     sglang_there = {"host": "h", "device": "cuda:1", "gpu_uuid": "GPU-b"}
     missing = "sglang not importable here: ModuleNotFoundError: No module named 'sglang'"
     route = choose("auto", trainer, sglang_here, lambda: None)
-    assert (route.transport, route.handle) == (TENSOR, SGLANG)
+    assert (route.name, route.handle) == (TENSOR, SGLANG)
     assert str(route) == (
         "tensor in SGLang's format over CUDA IPC (an SGLang server on the trainer's GPU)"
     )
     route = choose("auto", trainer, sglang_here, lambda: missing)
-    assert route.transport == DISK
+    assert route.name == DISK
     assert str(route) == f"disk (an SGLang server on the trainer's GPU; {missing})"
-    assert choose("auto", trainer, sglang_there, lambda: None).transport == GROUP
+    assert choose("auto", trainer, sglang_there, lambda: None).name == NCCL
     # Forced: tensor takes SGLang's format where it can be made, and says why where not.
     assert choose("tensor", trainer, sglang_here, lambda: None).handle == SGLANG
     with pytest.raises(TransportError, match="SGLang's format, and sglang not importable"):
@@ -239,7 +235,7 @@ def test_an_sglang_server_on_the_trainers_gpu_gets_sglangs_format_or_files():
         choose("tensor", trainer, sglang_there, lambda: None)
     # In this test run sglang is not importable (it must not be: the launcher would start
     # SGLang servers), so the default asks and gets disk.
-    assert choose("auto", trainer, sglang_here).transport == DISK
+    assert choose("auto", trainer, sglang_here).name == DISK
 
 
 def test_an_sglang_server_on_this_machines_cpu_gets_the_group_or_its_format_when_forced():
@@ -251,9 +247,9 @@ def test_an_sglang_server_on_this_machines_cpu_gets_the_group_or_its_format_when
     missing = "sglang not importable here: ModuleNotFoundError: No module named 'sglang'"
     for trainer in (place(), GPU0):
         route = choose("auto", trainer, sglang_cpu, lambda: None)
-        assert (route.transport, str(route)) == (GROUP, "group (on this machine's CPU)")
+        assert (route.name, str(route)) == (NCCL, "nccl (on this machine's CPU)")
         route = choose("tensor", trainer, sglang_cpu, lambda: None)
-        assert (route.transport, route.handle) == (TENSOR, SGLANG_BYTES)
+        assert (route.name, route.handle) == (TENSOR, SGLANG_BYTES)
         assert str(route) == (
             "tensor in SGLang's format, its bytes in the request (--update-weight-transport "
             "tensor; an SGLang server on this machine's CPU)"
@@ -267,7 +263,7 @@ def test_an_sglang_server_on_this_machines_cpu_gets_the_group_or_its_format_when
 def test_engines_with_several_gpus_take_as_many_ranks_in_the_update_group():
     """SGLang joins each tensor-parallel rank at rank_offset + its rank: an engine with tp 2
     takes two ranks, and the next engine's offset follows them (Miles' layout)."""
-    from millstream.trainer.weights.group_route import engine_ranks, group_layout
+    from millstream.trainer.weights.routes.nccl import engine_ranks, group_layout
 
     assert group_layout([1, 1, 1]) == ([1, 2, 3], 4)
     assert group_layout([2, 2]) == ([1, 3], 5)
@@ -280,7 +276,7 @@ def test_engines_with_several_gpus_take_as_many_ranks_in_the_update_group():
 def test_a_bucket_keeps_its_order_unless_a_tensor_would_sit_unaligned():
     """SGLang views each piece of a flattened bucket as its dtype: an int64 at byte 60 is
     refused there, so such a bucket goes largest item size first (stable)."""
-    from millstream.trainer.weights.process_group import plan_buckets
+    from millstream.trainer.weights.routes.base import plan_buckets
 
     fine = [
         ("a", torch.zeros(3, dtype=torch.bfloat16)),
@@ -312,7 +308,7 @@ def fp8_checkpoint(path, **quantization) -> str:
 
 def test_the_fp8_layout_is_read_from_the_engines_checkpoint_and_refused_by_name(tmp_path):
     from millstream.trainer.weights.fp8_weights import Fp8Buckets, layout_of
-    from millstream.trainer.weights.process_group import plan_buckets
+    from millstream.trainer.weights.routes.base import plan_buckets
 
     layout = layout_of({"model_path": fp8_checkpoint(tmp_path / "fp8")})
     assert layout is not None and layout.quantized == {"model.q_proj.weight"}
@@ -357,11 +353,13 @@ def deliver(monkeypatch, tmp_path, info):
     SGLang's serializer stood in for (sglang is not importable here)."""
     import asyncio
 
-    from millstream.trainer.weights import delivery, sglang_route
+    from millstream.trainer.weights import delivery
     from millstream.trainer.weights.delivery import Delivery
     from millstream.trainer.weights.engines import EngineBook
-    from millstream.trainer.weights.group_route import GroupRoute
-    from millstream.trainer.weights.process_group import plan_buckets
+    from millstream.trainer.weights.routes import sglang_format
+    from millstream.trainer.weights.routes.base import plan_buckets
+    from millstream.trainer.weights.routes.choose import senders
+    from millstream.trainer.weights.routes.nccl import GroupRoute
     from millstream.trainer.weights.sync import SyncReport
 
     serialized = []
@@ -374,13 +372,13 @@ def deliver(monkeypatch, tmp_path, info):
         report.removed |= {u: str(w) for u, w in failed.items()}
         return [u for u in engines if u not in failed]
 
-    monkeypatch.setattr(sglang_route, "unavailable", lambda: None)
-    monkeypatch.setattr(sglang_route, "serialize_bucket", serialize)
+    monkeypatch.setattr(sglang_format, "unavailable", lambda: None)
+    monkeypatch.setattr(sglang_format, "serialize_bucket", serialize)
     monkeypatch.setattr(delivery, "trainer_placement", lambda _buckets: GPU0)
     book = EngineBook("auto", {URL: {k: v for k, v in GPU0.items() if k != "weight_transports"}})
     group = GroupRoute(master_address="127.0.0.1", group_name="g", load_format=None,
                        timeout_s=5, remove=remove)  # fmt: skip
-    sender = Delivery(book, group, remove, backend=None, disk_dir=None, shm_dir=str(tmp_path))
+    sender = Delivery(book, senders(group, disk_dir=None, shm_dir=str(tmp_path)), remove)
     engine, report = FakeSGLang(info), SyncReport(5)
     named = [("model.norm.weight", torch.ones(130)), ("model.q_proj.weight", torch.randn(201, 131))]
     buckets = plan_buckets(named, 1000)  # two buckets

@@ -9,7 +9,7 @@ tis_upper_bound, ... Here, read once in `parse_run_config`:
   config validates it as any other), as Miles' setattr does;
 - any other key, and one naming a flag millstream adds and Miles does not have (`miles=False`
   in its schema: --tis-mode, whose name mis.yaml uses for its own setting), goes to
-  `cfg.rollout.custom_config`, which plugins see as `args.<key>` (common/miles make_args).
+  `cfg.rollout.custom_config`, which plugins see as `args.<key>` (compat/miles make_args).
 
 The value `base64:<payload>` is the YAML itself, base64-encoded, as Miles takes it. PyYAML is
 imported only when the flag is given.

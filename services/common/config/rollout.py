@@ -137,7 +137,7 @@ class RolloutConfig:
         "a flag sets it, over the command line, as Miles' setattr does; any other key (a "
         "plugin's own: tis_level, use_rs, ...) reaches plugins as args.<key>",
     )
-    # The --custom-config-path keys that name no flag, for plugins' `args` (common/miles).
+    # The --custom-config-path keys that name no flag, for plugins' `args` (compat/miles).
     custom_config: dict[str, Any] = derived({}, "the --custom-config-path keys that are no flag")
 
     @property

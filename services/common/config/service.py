@@ -99,6 +99,13 @@ class ServiceConfig:
     max_weight_staleness: int | None = flag(
         None, "drop (and count) samples older than this many versions"
     )
+    max_buffer_bytes: int | None = flag(
+        None,
+        "admission also keeps the wire bytes of the groups admitted and not yet trained (in "
+        "Redis and the trainer's buffer) below this many: a group that came back counts its "
+        "size, one still out the largest of the last 64 back; never below one batch in "
+        "flight. none: bounded by count alone (--max-staleness)",
+    )
     claim_idle_ms: int = flag(30_000, "take over a dead consumer's entries after this idle time")
     max_deliveries: int = flag(5, "dead-letter an entry to {run}:dead after this many deliveries")
     stream_block_ms: int = flag(1000, "how long a consumer blocks waiting for entries")
@@ -168,4 +175,9 @@ class ServiceConfig:
             raise ConfigError("--admin-token must not be empty")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0 (got {self.max_staleness})")
+        if self.max_buffer_bytes is not None and self.max_buffer_bytes <= 0:
+            raise ConfigError(
+                f"--max-buffer-bytes must be > 0 (got {self.max_buffer_bytes}; leave it out "
+                "for no bound)"
+            )
         check_metrics_port(self.metrics_port)

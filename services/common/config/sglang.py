@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import weight_routes
+from ..weight_routes import AUTO, SPELLINGS
 from .errors import ConfigError
 from .schema import derived, flag
 
@@ -98,13 +100,14 @@ class SglangConfig:
         "when the router is on loopback, else this host's address)",
     )
     update_weight_transport: str = flag(
-        "auto",
+        AUTO,
         "how weights reach each engine: auto (by where the two live: the trainer's GPU -> "
         "tensor over CUDA IPC; this machine with a CPU side -> tensor over shared memory; "
         "else nccl, printed at start-up), nccl (an update group: NCCL between GPUs, gloo "
-        "where a side is on a CPU), tensor (/update_weights_from_tensor with a shared "
-        "handle), disk (safetensors in --update-weight-disk-dir)",
-        choices=("auto", "nccl", "tensor", "disk"),
+        "where a side is on a CPU; also spelled group or distributed), tensor "
+        "(/update_weights_from_tensor with a shared handle), disk (safetensors in "
+        "--update-weight-disk-dir). Held as the route's one name (common/weight_routes.py)",
+        choices=SPELLINGS,
     )
     update_weight_disk_dir: str | None = flag(
         None,
@@ -136,6 +139,11 @@ class SglangConfig:
             )
         if self.sglang_dp_size <= 0:
             raise ConfigError(f"--sglang-dp-size must be > 0 (got {self.sglang_dp_size})")
+        try:  # the flag's one check; any spelling, held by the route's one name
+            route = weight_routes.setting(self.update_weight_transport)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        object.__setattr__(self, "update_weight_transport", route)
         if self.update_weight_buffer_size <= 0:
             raise ConfigError(
                 f"--update-weight-buffer-size must be > 0 (got {self.update_weight_buffer_size})"

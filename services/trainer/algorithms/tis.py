@@ -2,7 +2,7 @@
 as Miles calls it (miles/backends/training_utils/loss_hub/losses.py `policy_loss_function`):
 
     pg_loss, loss_masks, metrics = fn(
-        args=args,                    # Miles' args (common/miles make_args)
+        args=args,                    # Miles' args (compat/miles make_args)
         pg_loss=pg_loss,              # [sum of response lengths]: the clipped PPO term per token,
                                       #   the samples' response tokens one after another
         train_log_probs=[...],        # per sample [response length]: the trainer's old logprobs
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from millstream.common.errors import MillstreamError
-from millstream.common.plugins import load_function
+from millstream.compat.plugins import load_function
 
 FLAG = "--custom-tis-function-path"
 

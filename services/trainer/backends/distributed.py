@@ -8,7 +8,7 @@ the ranks' gradients is the one-rank gradient of that slice. The gradients cross
 DistributedDataParallel moves them (model and critic wrapped, buckets all-reduced while the
 backward still runs), with a communication hook that sums instead of averaging; the earlier
 micro-batches of a step accumulate under `no_sync()`, so every rank syncs exactly once per
-step whatever its micro-batch count (TorchBackend `_last_synced`). Buffers are not synced in
+step whatever its micro-batch count (loop.py `_last_synced`). Buffers are not synced in
 forwards (nothing in a forward is a collective, so the no-grad forwards need no lockstep).
 Every rank then clips and steps alike; starting from the same weights (same checkpoint, same
 seed) with the same optimizer state, the weights stay identical on all ranks. Metrics that
@@ -64,7 +64,8 @@ import torch.distributed as dist
 from millstream.common.errors import MillstreamError
 
 from .base import TrainSample
-from .torch_backend import SHARD_FILE, TorchBackend, sharded_optimizer_files
+from .loop import StepLoop
+from .saving import SHARD_FILE, sharded_optimizer_files
 
 TRAIN, STOP, SAVE = 1, 0, 2
 HEADER = 8
@@ -165,7 +166,7 @@ def _summing_ddp(module: torch.nn.Module, group: dist.ProcessGroup | None) -> to
     return ddp
 
 
-def _fully_shard(backend: TorchBackend) -> None:
+def _fully_shard(backend: StepLoop) -> None:
     """--train-backend fsdp: the actor sharded with torch's fully_shard (FSDP2), one unit per
     decoder layer and the root (embeddings, final norm, head), gradients summed in the
     reduce-scatter (each rank's loss is over the whole slice already); the optimizer made
@@ -244,10 +245,11 @@ def send_stop(timeout: timedelta = timedelta(seconds=60)) -> None:
 
 
 class DataParallel:
-    """A TorchBackend on one rank of the default process group, with the backend's interface
-    for rank 0 (`train_rollout`, `named_weights`, `save`, `load`) and `follow` for the others."""
+    """A backend (loop.py `StepLoop`) on one rank of the default process group, with the
+    backend's interface for rank 0 (`train_rollout`, `named_weights`, `save`, `load`) and
+    `follow` for the others."""
 
-    def __init__(self, backend: TorchBackend):
+    def __init__(self, backend: StepLoop):
         self.backend = backend
         self.device = _device()
         self.rank = dist.get_rank()

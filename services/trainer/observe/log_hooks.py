@@ -14,11 +14,11 @@ What the arguments are here, against Miles':
 
 - rollout_id: the 0-based rollout index, as Miles' (stdout's `iter N/M` is rollout N-1; an
   eval after iteration N is rollout N-1's, the eval before training rollout 0's).
-- args: Miles' read-only namespace of the run's flags (common/miles/ `make_args`), built
+- args: Miles' read-only namespace of the run's flags (compat/miles/ `make_args`), built
   from the published config, without secrets (config/store.py `without_secrets`), the same
   `args` the workers' plugins get.
 - samples: the iteration's samples, group after group, as Miles' `Sample`
-  (common/miles/; `from miles.utils.types import Sample` imports it): `prompt`,
+  (compat/miles/; `from miles.utils.types import Sample` imports it): `prompt`,
   `response`, `tokens`, `response_length`, the raw `reward` (the reward worker's, not the
   estimator's group-normalised advantage), `status`, `label`, `metadata`, `group_index`
   (the prompt's data index), `weight_versions`.
@@ -34,7 +34,7 @@ They run in the trainer process, on the event loop's thread, once per iteration 
 them quick. A true return skips the default tensorboard and wandb logging of that part (the
 rollout/ tags, or the eval/ tags), as in Miles; metrics.jsonl and the stdout row are
 millstream's own record and still get everything. What the function hands to Miles'
-`tracking.log` (miles.utils.tracking_utils, common/miles/tracking.py), as Miles' default log
+`tracking.log` (miles.utils.tracking_utils, compat/miles/tracking.py), as Miles' default log
 function does, goes into the iteration's metrics.jsonl row and the mirrors. An exception in the function stops the run
 with a MillstreamError naming the flag and the function's path.
 """
@@ -47,7 +47,7 @@ from typing import Any
 
 from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
-from millstream.common.plugins import load_function, workers_sys_path
+from millstream.compat.plugins import load_function, workers_sys_path
 
 ROLLOUT = "--custom-rollout-log-function-path"
 EVAL = "--custom-eval-rollout-log-function-path"

@@ -65,7 +65,7 @@ from millstream.common.config import ConfigError, RunConfig
 from millstream.common.config.schema import to_dict
 from millstream.common.config.store import without_secrets
 from millstream.common.errors import MillstreamError
-from millstream.common.miles import make_args, miles_samples, tracking
+from millstream.compat.miles import make_args, miles_samples, tracking
 
 from . import history, log_hooks
 

@@ -10,7 +10,8 @@
                 "dead_letters"},
      "in_flight_ids": ["e0-i17", ...],
      "resumes": [{"resumed_from": 10, "discarded_iterations": [11, 12], "discarded_trained": 4}],
-     "eval_curve": [[iteration, seconds, {set: accuracy}], ...], "completions_per_s": 1234.5}
+     "eval_curve": [[iteration, seconds, {set: accuracy}], ...], "completions_per_s": 1234.5,
+     "buffer_bytes": {"limit", "peak_counted", "holds", "group_bytes"} (with --max-buffer-bytes)}
 
 The counts keep the trainer's invariant, also when a run stops half-way: admitted == trained +
 filtered + failed + dropped_stale + dropped_at_end + in_flight (the groups admitted and not yet
@@ -111,7 +112,7 @@ def _trainer_state(t: Any) -> dict[str, Any]:
     counts["duplicates_ignored"] = t.p.buffer.duplicates
     counts["earlier_run_dropped"] = t.p.buffer.earlier_run
     counts["dead_letters"] = t.p.buffer.dead_letters
-    return {
+    state = {
         "iteration": t.iteration,
         "num_rollout": t.num_rollout,
         "counts": counts,
@@ -119,6 +120,13 @@ def _trainer_state(t: Any) -> dict[str, Any]:
         "eval_curve": [[it, round(secs, 1), acc] for it, secs, acc in t.eval_history],
         "completions_per_s": t.completions_per_s,
     }
+    bound = getattr(a, "bytes", None)
+    if bound is not None:  # --max-buffer-bytes (admission.py ByteBound)
+        state["buffer_bytes"] = {
+            "limit": bound.limit, "peak_counted": bound.peak, "holds": bound.holds,
+            "group_bytes": bound.per_group,
+        }  # fmt: skip
+    return state
 
 
 def _latest_checkpoint(save_dir: str | None) -> int | None:

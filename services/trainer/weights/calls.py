@@ -5,7 +5,7 @@ Every call carries the admin token when one is set (`Authorization: Bearer`, com
 and is bounded by --weight-sync-timeout in total; a call fails on no answer, on an HTTP error,
 on a status other than 200, and on a 200 whose JSON says `"success": false` (SGLang answers
 some failures so). A failure comes back as its reason and the seconds into the step it came
-(`Failure`): the group's blame (group_route.py) tells an engine that refused early from one
+(`Failure`): the group's blame (routes/nccl.py) tells an engine that refused early from one
 that waited on a peer.
 """
 

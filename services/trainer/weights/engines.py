@@ -1,9 +1,10 @@
 """What the weight sync knows of each engine, kept between syncs: where it lives, what it is,
-the ranks it takes, the weights it needs, and the route they take (transport.py).
+the ranks it takes, the weights it needs, and the route they take (routes/choose.py).
 
 An engine says it in its /get_server_info, asked once (an engine removed is forgotten: a new
 one may come back at its URL):
-  * millstream's engine: `placement` (host, device, GPU) and `weight_transports`;
+  * millstream's engine: `placement` (host, device, GPU) and `weight_transports` (the routes
+    it takes, by any of their names: common/weight_routes.py);
   * a real SGLang server says neither; the launcher tells where it put the ones it started
     (`known`: LocalCluster.engine_placements). It says `tp_size` (the entries of a tensor
     update, one per TP rank) and `dp_size` (its ranks in an update group: tp x dp), and its
@@ -24,17 +25,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from millstream.common import tensor_share
+from millstream.common.weight_routes import NCCL
 
-from . import fp8_weights, sglang_route
+from . import fp8_weights
 from .calls import EngineCalls
-from .group_route import engine_ranks
-from .transport import GROUP, Route, choose
+from .routes import sglang_format
+from .routes.base import Route
+from .routes.choose import choose
+from .routes.nccl import engine_ranks
 
 
 class EngineBook:
     """Per engine URL: placement, kind, ranks, FP8 layout, route (module docstring)."""
 
     def __init__(self, setting: str, known: Mapping[str, dict[str, Any]] | None = None):
+        # --update-weight-transport as the config holds it: `auto` or a route's one name
         self.setting = setting
         self._known = dict(known or {})
         self.placements: dict[str, dict[str, Any] | None] = {}  # None: it does not say
@@ -51,20 +56,20 @@ class EngineBook:
         self, calls: EngineCalls, engines: list[str], trainer: dict[str, Any]
     ) -> dict[str, Route]:
         """The route of each of `engines` from a trainer at `trainer`; new ones are asked
-        where they live first. TransportError for a forced transport that cannot reach one."""
+        where they live first. TransportError for a forced route that cannot reach one."""
         new = [u for u in engines if u not in self.placements]
         if new:
             found = await asyncio.gather(*(self._probe(calls, u) for u in new))
             self.placements |= dict(zip(new, found, strict=True))
         if any(self._sglang_on(trainer, u) for u in engines):
-            await asyncio.to_thread(sglang_route.unavailable)  # a slow import, off the loop
+            await asyncio.to_thread(sglang_format.unavailable)  # a slow import, off the loop
         routes = {}
         for url in engines:
             if url in self.moved_to_group:
-                route = Route(GROUP, "its tensor update could not open the handle")
+                route = Route(NCCL, "its tensor update could not open the handle")
             else:
                 place = self.placements[url]
-                route = choose(self.setting, trainer, place, sglang_route.unavailable)
+                route = choose(self.setting, trainer, place, sglang_format.unavailable)
             if self.routes.get(url) != route:
                 print(
                     f"[trainer] weight transport to {url}: {route}{self._weights(url)}", flush=True

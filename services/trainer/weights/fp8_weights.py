@@ -5,7 +5,7 @@ Why: SGLang builds each quantized Linear of an FP8-serialized checkpoint (config
 `quantization_config.quant_method: "fp8"`) with a float8_e4m3fn `weight` and an fp32
 `weight_scale_inv`, and its weight loader copies what it is sent into them as they are. A
 full-precision weight sent there is cast to e4m3 without its scales: wrong weights, no error.
-(millstream's own engine quantizes full-precision updates on load, engine/fp8.py; it also takes
+(millstream's own engine quantizes full-precision updates on load, engine/quant/fp8.py; it also takes
 FP8 weights with their scales, so an update group shared with it may carry these.)
 
 What the engine serves, read from its checkpoint (`read_layout`, from the engine's model_path in
@@ -22,11 +22,11 @@ counts its real elements; its padding is zeros), in fp32:
 SGLang's own DeepSeek-V3 block-FP8 cast (`bf16_to_block_fp8_128`,
 layers/quantization/mxfp8_block_convert.py) computes the same, op for op; the contract test
 (tests/contract/test_fp8_quant.py) holds the two to the same bits on CPU tensors. The 1e-4 floor
-is SGLang's: a block whose absmax is below it keeps s = 1e-4 / 448 (engine/fp8.py floors at
+is SGLang's: a block whose absmax is below it keeps s = 1e-4 / 448 (engine/quant/fp8.py floors at
 1e-12 instead; the two agree everywhere else).
 
 Where: `Fp8Buckets` quantizes one bucket when a route reads it (the routes read in a worker
-thread), on the weights' device (the trainer's GPU), so a sync holds one quantized bucket at
+thread; `buckets_for` hands them to the routes with an FP8 SGLang server on them), on the weights' device (the trainer's GPU), so a sync holds one quantized bucket at
 a time, not a quantized model; a weight and its scales stay in one bucket.
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -43,7 +43,9 @@ from typing import Any, overload
 import torch
 import torch.nn.functional as F
 
-from .process_group import Bucket, aligned
+from millstream.common.errors import MillstreamError
+
+from .routes.base import Bucket, aligned
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -119,6 +121,28 @@ class Fp8Buckets(Sequence[Bucket]):
 
     def __iter__(self) -> Iterator[Bucket]:
         return (quantize_bucket(b, self.layout) for b in self._buckets)
+
+
+def buckets_for(
+    buckets: Sequence[Bucket], layouts: Mapping[str, Fp8Layout]
+) -> Callable[[list[str]], Sequence[Bucket]]:
+    """For a route's engines: the buckets they take, FP8 ones (`Fp8Buckets`) when an FP8
+    SGLang server is among them. `layouts`: the FP8 layout of each engine of this sync that
+    serves one (engines.py); one run serves one checkpoint, so more than one is an error."""
+    distinct = set(layouts.values())
+    if len(distinct) > 1:
+        raise MillstreamError(
+            "weight sync: the SGLang servers serve different FP8 checkpoints "
+            f"({sorted(layout.source for layout in distinct)}); one run serves one"
+        )
+    quantized = Fp8Buckets(buckets, distinct.pop()) if distinct else None
+
+    def take(urls: list[str]) -> Sequence[Bucket]:
+        if quantized is not None and any(u in layouts for u in urls):
+            return quantized
+        return buckets
+
+    return take
 
 
 def layout_of(info: Mapping[str, Any]) -> Fp8Layout | None:

@@ -13,7 +13,7 @@ measured in tests/sglang_live/test_faults.py:
   * after SGLang connected, before the group formed: free in about a second (the store's
     socket closes, SGLang's store call fails, so does the init);
   * during a broadcast: free in about a second (gloo sees its peer close); the weight-update
-    session stays open, and the next sync closes it (sglang_route.open_sessions).
+    session stays open, and the next sync closes it (routes/sglang_format.py `open_sessions`).
 
 Only the first is a wedge, and no trainer can close its window from the inside: it is the time
 from the POST leaving to SGLang's scheduler taking it up (milliseconds when idle, the rest of a
@@ -38,7 +38,7 @@ Why this, and not:
     back, and an engine that failed in the second case never comes; those that did would wait
     on it again. Closing needs nobody;
   * detection alone: an engine that does not answer is already removed from routing and taken
-    back once it answers (group_route.py `blame`, sync.py `revivable`), so a run goes on with its
+    back once it answers (routes/nccl.py `blame`, sync.py `revivable`), so a run goes on with its
     other engines or waits --stall-timeout for one; but the server stays blocked 30 minutes.
 Limits: the release needs a trainer that starts again on the run (a restart, chaos, a redeploy)
 on a machine that can bind the recorded address (the same host or service IP), within those 30

@@ -3,13 +3,13 @@
     engines = router GET /list_workers (after POST /add_worker for engines asking to join)
     1. pause    every engine: /pause_generation {mode: --pause-mode}                 concurrently
                 (the last sync's members are paused while the router lists the engines)
-    2. route    each engine's way (engines.py, transport.py, --update-weight-transport): the
-                update group, a shared handle (tensor: millstream's, or SGLang's own format to
-                an SGLang server on the trainer's GPU) or files (disk)
+    2. route    each engine's way (engines.py, routes/choose.py, --update-weight-transport):
+                nccl (the update group), tensor (a shared handle: millstream's, or SGLang's
+                own format to an SGLang server on the trainer's GPU) or disk (files)
     3. push     every bucket of <= --update-weight-buffer-size bytes to every engine by its
-                route, the routes side by side (delivery.py; the group: group_route.py, the
-                SGLang format and session: sglang_route.py; FP8 for an FP8 SGLang server:
-                fp8_weights.py)
+                route, the routes side by side (delivery.py; one sender per route in routes/:
+                nccl.py, tensor.py, sglang_format.py with SGLang's session, disk.py; FP8 for an
+                FP8 SGLang server: fp8_weights.py)
     4. serve    router /set_weight_version str(V) while every engine /continue_generation
 
 An idle sync (nothing generates, nothing will before the sync ends: every admitted group is
@@ -33,7 +33,7 @@ Invariants:
     lost for good: once it answers again it joins the next sync (`revivable`), which
     brings it to the current version before the router routes to it; a broken
     update group is rebuilt with the engines still standing and the buckets sent again
-    (group_route.py: who is blamed);
+    (routes/nccl.py: who is blamed);
   * no engine left: NoEngineLeft (the trainer waits for one: keeper.py); a group that
     breaks twice with no engine at fault: MillstreamError;
   * a router that is away is waited for, up to --stall-timeout (router_admin.py); a router
@@ -59,15 +59,17 @@ from opentelemetry import trace
 from millstream.common import aio, telemetry, tensor_share
 from millstream.common.errors import MillstreamError
 from millstream.common.http_pool import make_client
+from millstream.common.weight_routes import AUTO
 
 from .calls import EngineCalls, Failure, SyncReport
 from .delivery import Delivery
 from .engines import EngineBook
-from .group_route import GroupBroken, GroupRoute, engine_ranks, group_layout
-from .process_group import BACKENDS, FLATTENED_BUCKET, Bucket, NamedTensors, plan_buckets
 from .rendezvous import GroupLedger, GroupRecord
 from .router_admin import RouterAdmin
-from .transport import AUTO, DISK, SETTINGS, Route
+from .routes.base import FLATTENED_BUCKET, Bucket, NamedTensors, Route, plan_buckets
+from .routes.choose import senders
+from .routes.nccl import GroupBroken, GroupRoute, engine_ranks, group_layout
+from .routes.process_group import BACKENDS
 
 __all__ = [
     "Failure",
@@ -113,7 +115,7 @@ class WeightSync:
         group_name: str = "millstream_weights",
         tracer: Any = None,
         load_format: str | None = FLATTENED_BUCKET,
-        transport: str = AUTO,
+        transport: str = AUTO,  # --update-weight-transport as the config holds it
         disk_dir: str | Path | None = None,
         shm_dir: str = tensor_share.SHM_DIR,
         placements: Mapping[str, dict[str, Any]] | None = None,
@@ -127,10 +129,6 @@ class WeightSync:
             raise ValueError(f"load_format: {load_format!r} is not None or {FLATTENED_BUCKET!r}")
         if backend not in (None, *BACKENDS):
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS} (or None: by device)")
-        if transport not in SETTINGS:
-            raise ValueError(f"transport: {transport!r} is not one of {SETTINGS}")
-        if transport == DISK and disk_dir is None:
-            raise ValueError("transport disk needs disk_dir (--update-weight-disk-dir)")
         self.router_url = router_url.rstrip("/")
         self.admin_token = admin_token
         self.pause_mode = pause_mode
@@ -142,16 +140,17 @@ class WeightSync:
         self.transport = transport
         # Per engine: where it lives and what it takes (engines.py; `placements`: where the
         # launcher put the SGLang servers it started, which do not say so themselves); the
-        # update group (group_route.py); both kept between syncs.
+        # update group (routes/nccl.py) and the other routes' senders; all kept between syncs.
         self._book = EngineBook(transport, placements)
         self._group = GroupRoute(
             master_address=master_address, group_name=group_name, load_format=load_format,
-            timeout_s=timeout_s, remove=self._remove,
+            timeout_s=timeout_s, remove=self._remove, backend=backend,
         )  # fmt: skip
-        self._delivery = Delivery(
-            self._book, self._group, self._remove, backend=backend,
-            disk_dir=Path(disk_dir) if disk_dir is not None else None, shm_dir=shm_dir,
+        routes = senders(
+            self._group, disk_dir=Path(disk_dir) if disk_dir is not None else None,
+            shm_dir=shm_dir,
         )  # fmt: skip
+        self._delivery = Delivery(self._book, routes, self._remove)
         self._tracer = tracer or telemetry.tracer("millstream.trainer")
         # One client for the life of the trainer's event loop, made at the first sync (a new
         # one per sync built its SSL context and opened fresh connections every time: a
@@ -287,7 +286,7 @@ class WeightSync:
         self._group.ledger = ledger
 
     async def release_group(self, record: GroupRecord) -> str:
-        """An earlier trainer's group: free its blocked engines (group_route.py); one line."""
+        """An earlier trainer's group: free its blocked engines (routes/nccl.py); one line."""
         return await self._group.release(self._clients()[0], record)
 
     def remember(self, urls: Sequence[str]) -> None:
@@ -435,8 +434,8 @@ class WeightSync:
 
     async def routes(self, device: Any) -> dict[str, Route]:
         """The route each engine the router lists now would get from a trainer whose weights
-        live on `device`, printed (the start-up line); TransportError for a forced transport
-        that cannot reach one."""
+        live on `device`, printed (the start-up line); TransportError for a forced route that
+        cannot reach one."""
         calls, router = self._clients()
         engines = sorted(await router.engines())
         return await self._book.route(calls, engines, tensor_share.placement(device))

@@ -101,7 +101,8 @@ class NsRedis(NsProcess):
         (workdir / "redis").mkdir(parents=True, exist_ok=True)
         argv = ["redis-server", "--bind", net.address("redis"), "--port", str(REDIS_PORT),
                 "--protected-mode", "no", "--dir", str(workdir / "redis"), "--save", "",
-                "--appendonly", "yes", "--daemonize", "no", "--loglevel", "warning"]  # fmt: skip
+                "--appendonly", "yes", "--daemonize", "no", "--loglevel", "warning",
+                "--maxmemory-policy", "noeviction"]  # fmt: skip
         super().__init__(net, "redis", argv, workdir, REDIS_PORT)
 
     @property

@@ -1,16 +1,17 @@
-"""--train-backend megatron: the torch backend's training with megatron-core's GPTModel as the
-actor (issue 15): one rank, data parallel, tensor parallel (--tensor-model-parallel-size),
-pipeline parallel (--pipeline-model-parallel-size, megatron/pipeline.py) and context parallel
-(--context-parallel-size, megatron/context.py) under torchrun, in any combination (the world
-a multiple of TP x PP x CP, the rest data parallel).
+"""--train-backend megatron: the step loop both backends share (loop.py) with megatron-core's
+GPTModel as the actor (issue 15): one rank, data parallel, tensor parallel
+(--tensor-model-parallel-size), pipeline parallel (--pipeline-model-parallel-size,
+megatron/pipeline.py) and context parallel (--context-parallel-size, megatron/context.py) under
+torchrun, in any combination (the world a multiple of TP x PP x CP, the rest data parallel).
 
-Everything but the actor is the torch backend's (torch_backend.py): the batching, the no-grad
-forwards, the advantages and the loss code are shared, not copied; the reference and teacher
-models stay Hugging Face models (forward only), and so does PPO's critic (the torch backend's
-value model, trained whole on every rank: tensor parallelism does not split it). The actor is built from the checkpoint's
-config.json and weights (megatron/model.py) and trained with the same plain torch optimizer,
-or on GPUs with --use-distributed-optimizer under megatron's DistributedDataParallel with its
-distributed optimizer (megatron/optimizer.py). Its forward gets right-padded rows with
+Everything but the actor is the step loop's (loop.py, forwards.py, saving.py), as it is the
+torch backend's: the batching, the no-grad forwards, the advantages, the loss code, the
+optimizer (optim.py) and the checkpoint files are shared, not copied; the reference and teacher
+models stay Hugging Face models (forward only), and so does PPO's critic (critic.py's value
+model, trained whole on every rank: tensor parallelism does not split it). The actor is built
+from the checkpoint's config.json and weights (megatron/model.py) and trained with the same
+plain torch optimizer, or on GPUs with --use-distributed-optimizer under megatron's
+DistributedDataParallel with its distributed optimizer (megatron/optimizer.py). Its forward gets right-padded rows with
 megatron's default causal mask (padding only follows a row's tokens, so it changes nothing
 the loss reads), or, packed (--use-dynamic-batch-size), one row with a block-diagonal causal
 mask built from the position ids. Weights leave in Hugging Face names and layouts
@@ -29,7 +30,7 @@ syncs and checkpoints (`gather_weights`).
 
 --bf16 (backends/precision.py): megatron's TransformerConfig(bf16=True) and the GPTModel cast
 to bf16 after its fp32 weights are loaded and copied into the fp32 masters (megatron/model.py),
-which the plain torch optimizer steps as in the torch backend. megatron's own fp32-master
+which the plain torch optimizer steps as the torch backend's does. megatron's own fp32-master
 optimizers cannot run on CPU (Float16OptimizerWithFloat16Params makes its unit loss scale with
 device="cuda" and accepts only torch.cuda tensor types; its distributed optimizer needs
 megatron's DistributedDataParallel, whose buffers are CUDA's), and --use-distributed-optimizer
@@ -51,7 +52,7 @@ from millstream.common.config import RunConfig
 from millstream.common.errors import MillstreamError
 from millstream.trainer.checkpoints import megatron_ckpt
 
-from ..torch_backend import TorchBackend
+from ..loop import StepLoop
 from . import dist as megatron_dist
 from . import model as megatron_model
 from . import optimizer as megatron_optimizer
@@ -79,9 +80,10 @@ def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (future | other)[None, None]
 
 
-class MegatronBackend(TorchBackend):
+class MegatronBackend(StepLoop):
     collective_save = True  # torch_dist: every rank writes its slices (backends/distributed.py)
-    shares_prompts = False  # its actor's forward builds its own masks (`_logits`)
+    # No shared-prompt layout (`prompt_mask` stays None): its actor's forward builds its own
+    # masks (`_logits`).
 
     def __init__(
         self,
@@ -356,7 +358,7 @@ class MegatronBackend(TorchBackend):
     def save(
         self, directory: Path, save_optimizer: bool = True, *, actor_optimizer: bool = True
     ) -> None:
-        """The checkpoint's Hugging Face files, as the torch backend's (rank 0: the base class
+        """The checkpoint's Hugging Face files, as the torch backend's (rank 0: saving.py
         writes the HF skeleton with the gathered weights in HF names as its state dict, and
         the optimizer; the distributed optimizer's state is a collective), then the weights as
         megatron's torch_dist files beside them: a collective, which the other ranks join

@@ -12,7 +12,7 @@ slice, and gathers the updated parameters back. The step is the plain one's:
 - every parameter gets --weight-decay, as the torch backend's AdamW gives it (megatron by
   default exempts biases and norms: `config_overrides={}` turns that off);
 - SGD has no momentum, clipping is to --clip-grad over the whole gradient, and the learning
-  rate follows torch_backend.lr_factor (`Schedule`; torch's LambdaLR takes torch optimizers
+  rate follows optim.lr_factor (`Schedule`; torch's LambdaLR takes torch optimizers
   only).
 
 On a CPU-only torch it cannot run: its optimizer makes its flags and buffers with literal
@@ -32,6 +32,8 @@ from typing import Any
 import torch
 
 from millstream.common.config import RunConfig
+
+from ..optim import lr_factor
 
 
 def wrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -114,7 +116,7 @@ class Optimizer:
 
 
 class Schedule:
-    """torch_backend.lr_factor's learning rate, set on megatron's parameter groups each step."""
+    """optim.lr_factor's learning rate, set on megatron's parameter groups each step."""
 
     def __init__(self, optimizer: Optimizer, cfg: RunConfig, total_steps: int):
         self.optimizer, self.cfg, self.total_steps = optimizer, cfg, total_steps
@@ -122,8 +124,6 @@ class Schedule:
         self._apply()
 
     def _apply(self) -> None:
-        from ..torch_backend import lr_factor
-
         lr = self.cfg.optimizer.lr * lr_factor(self.last_epoch, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

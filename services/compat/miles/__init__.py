@@ -51,7 +51,7 @@ None before scoring, `label` is the data row's label as Miles hands it over (the
 millstream adds `group_id`, `finish_reason` and `failure_reason`. Fields with no wire
 counterpart (multimodal inputs, `remove_sample`, teacher logprobs, ...) are not carried back.
 
-Miles' imports: every plugin loader (common/plugins.py) first installs an import hook for
+Miles' imports: every plugin loader (compat/plugins.py) first installs an import hook for
 Miles' module names when Miles itself is not installed (importer.py `install_miles_modules`),
 so Miles' modules below are the modules of this package, the same objects:
 
@@ -87,10 +87,11 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..config import GROUPS, RunConfig, foreign
-from ..errors import MillstreamError
-from ..types import PromptGroup, SampleGroup, SampleStatus
-from ..types import Sample as PbSample
+from millstream.common.config import GROUPS, RunConfig, foreign
+from millstream.common.errors import MillstreamError
+from millstream.common.types import PromptGroup, SampleGroup, SampleStatus
+from millstream.common.types import Sample as PbSample
+
 from .data_source import DataSource
 from .filter_hub import DynamicFilterOutput
 from .http_utils import post as http_post
@@ -410,7 +411,7 @@ def check_not_old_signature(fn: Any, flag: str, path: str) -> None:
         raise PluginSignatureError(
             f"{flag.split()[0]} {path} takes ({', '.join(old)}), millstream's old signature; "
             f"it is now called as Miles calls it: write {miles} (args: Miles' read-only flags, "
-            "samples: millstream.common.miles.Sample)"
+            "samples: millstream.compat.miles.Sample)"
         )
 
 

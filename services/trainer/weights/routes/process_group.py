@@ -1,4 +1,5 @@
-"""Rank 0 of a weight update group: the trainer's end of `/init_weights_update_group`.
+"""Rank 0 of a weight update group (the nccl route: nccl.py): the trainer's end of
+`/init_weights_update_group`.
 
 The engines join with SGLang's (and Miles') `init_custom_process_group` rendezvous; this is
 the same rendezvous seen from rank 0, which hosts it:
@@ -15,97 +16,32 @@ broadcast from. Every blocking call (join, broadcast) is bounded by the group's 
 so a peer that never shows up yields an exception, never a hang. Blocking methods: call them
 from a worker thread, never from the event loop.
 
-What is broadcast: named tensors in buckets of at most --update-weight-buffer-size bytes, in
-the caller's order (a tensor bigger than that goes alone; within a bucket, reordered only where
-a tensor would sit at a byte offset its item size does not divide: `aligned`, which SGLang
-needs); a bucket's `spec` is the body of
-/update_weights_from_distributed (names, dtypes as "float32"/"bfloat16", shapes). A bucket
-goes as one broadcast per tensor, or with load_format "flattened_bucket" (SGLang's, the
-default of --weight-sync-format) as ONE broadcast of its tensors' bytes back to back: for a
-small model the per-tensor round trips were most of the broadcast (bench_weight_sync.py).
+What is broadcast: a bucket (base.py) as one broadcast per tensor, or with load_format
+"flattened_bucket" (SGLang's, the default of --weight-sync-format) as ONE broadcast of its
+tensors' bytes back to back: for a small model the per-tensor round trips were most of the
+broadcast (bench_weight_sync.py).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from .base import flatten_bytes
+
 log = logging.getLogger("millstream.trainer")
 
 BACKENDS = ("gloo", "nccl")
-FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
-
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
 def backend_for(device: torch.device) -> str:
     """The collective backend for tensors living on `device`."""
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-@dataclass
-class Bucket:
-    names: list[str] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    nbytes: int = 0
-
-    def spec(self) -> dict[str, Any]:
-        return {
-            "names": self.names,
-            "dtypes": [str(t.dtype).removeprefix("torch.") for t in self.tensors],
-            "shapes": [list(t.shape) for t in self.tensors],
-        }
-
-
-def plan_buckets(named: NamedTensors, max_bytes: int) -> list[Bucket]:
-    """Consecutive buckets of at most `max_bytes` each (a bigger tensor goes alone), each
-    `aligned`."""
-    if max_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0 (got {max_bytes})")
-    buckets: list[Bucket] = []
-    seen: set[str] = set()
-    for name, tensor in named:
-        if name in seen:
-            raise ValueError(f"named tensors: {name!r} appears twice")
-        seen.add(name)
-        size = tensor.numel() * tensor.element_size()
-        if not buckets or (buckets[-1].names and buckets[-1].nbytes + size > max_bytes):
-            buckets.append(Bucket())
-        bucket = buckets[-1]
-        bucket.names.append(name)
-        bucket.tensors.append(tensor)
-        bucket.nbytes += size
-    return [aligned(b) for b in buckets]
-
-
-def aligned(bucket: Bucket) -> Bucket:
-    """The bucket with every tensor at a byte offset its item size divides, in its flattened
-    bytes: SGLang views each piece of a flattened bucket as its dtype and refuses (or fails on)
-    one that is not (`FlattenedTensorBucket.empty`: "Unaligned received tensor";
-    `reconstruct_tensors`: "storage_offset() must be divisible"). The caller's order is kept
-    when it already is; else the tensors go largest item size first (stable), which aligns
-    them all, since item sizes are powers of two."""
-    offset, fits = 0, True
-    for t in bucket.tensors:
-        fits = fits and offset % t.element_size() == 0
-        offset += t.numel() * t.element_size()
-    if fits:
-        return bucket
-    order = sorted(range(len(bucket.names)), key=lambda i: -bucket.tensors[i].element_size())
-    return Bucket(
-        [bucket.names[i] for i in order], [bucket.tensors[i] for i in order], bucket.nbytes
-    )
-
-
-def flatten_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """SGLang's flattened_bucket layout: each tensor's bytes, in order, as one uint8 tensor."""
-    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
 
 
 class UpdateGroup:

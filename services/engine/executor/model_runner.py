@@ -13,7 +13,7 @@ Only full-attention decoders are supported: attention is the engine's own, over 
 tokens in the KV token pool (paged_attention.py), with no sliding window.
 
 A checkpoint whose config.json has an FP8 quantization_config is served in FP8: its quantized
-Linears hold the e4m3 weights and block scales (fp8.py); `quantization` says "fp8".
+Linears hold the e4m3 weights and block scales (quant/fp8.py); `quantization` says "fp8".
 
 Releasing the weights (/release_memory_occupation, for a colocated trainer) discards them, as
 SGLang does under torch_memory_saver without its CPU backup: every parameter's `.data` becomes
@@ -31,15 +31,8 @@ that package is not a dependency here, and an allocator swap under the model is 
 `make test` could check on the CPU, so graphs are simply captured again (the capture time is
 logged). Buffers (rotary frequencies) are small and stay.
 
-KV budget on a GPU (`kv_tokens_for`): SGLang's ModelRunner.profile_max_num_token. After the
-weights are loaded, with F = --mem-fraction-static,
-    rest   = free_after_weights - total x (1 - F)
-    tokens = rest // bytes_per_token          (keys and values of every layer)
-so total x (1 - F) of the GPU stays free for activations, CUDA graphs and the sampling
-buffers, whatever else (a colocated trainer) holds memory; too little free is an error naming
---mem-fraction-static, never an OOM later while capturing. SGLang's `total` is the memory
-free before loading the weights; the device's total is used here, which keeps at least as
-much free.
+The KV token pool's size is kv/sizing.py's (what --mem-fraction-static leaves once the
+weights above are loaded).
 """
 
 from __future__ import annotations
@@ -56,7 +49,7 @@ import torch
 
 from millstream.common.errors import MillstreamError
 
-from . import fp8
+from ..quant import fp8
 
 log = logging.getLogger(__name__)
 
@@ -93,45 +86,6 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     return "bfloat16" if device.type == "cuda" else "float32"
-
-
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes one token takes in the KV cache: keys and values of every layer."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * heads * head_dim * itemsize
-
-
-def kv_tokens_for(
-    total: int, free_after_weights: int, mem_fraction: float, bytes_per_token: int
-) -> int:
-    """Tokens of KV cache SGLang's --mem-fraction-static allows (module docstring): what is
-    free after the weights, less `total x (1 - mem_fraction)` kept free for activations and
-    CUDA graphs. Memory in bytes."""
-    keep_free = int(total * (1 - mem_fraction))
-    rest = free_after_weights - keep_free
-    if rest < bytes_per_token:
-        gib = 2**30
-        raise MillstreamError(
-            f"--mem-fraction-static {mem_fraction}: {free_after_weights / gib:.2f} GiB of the "
-            f"GPU's {total / gib:.2f} GiB are free after loading the weights, and "
-            f"{keep_free / gib:.2f} GiB (1 - {mem_fraction} of it) must stay free for "
-            "activations and CUDA graphs, which leaves nothing for the KV cache; raise "
-            "--mem-fraction-static, or free the GPU (another process, e.g. a colocated "
-            "trainer, may hold memory: see nvidia-smi)"
-        )
-    return rest // bytes_per_token
-
-
-def kv_token_budget(
-    config: Any, dtype: torch.dtype, device: torch.device, mem_fraction: float
-) -> int:
-    """`kv_tokens_for` on `device` as it is now (the weights loaded): its free memory, as
-    SGLang measures it, with this process's cached blocks handed back first."""
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return kv_tokens_for(total, free, mem_fraction, kv_bytes_per_token(config, dtype))
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -180,7 +134,9 @@ class ModelRunner:
         except OSError as err:
             raise MillstreamError(f"--model-path {model_path}: cannot load: {err}") from err
         self.model = model.to(self.device).eval().requires_grad_(False)
-        self.fp8_gemm: str | None = None  # how the FP8 Linears compute (fp8.py); None: not FP8
+        self.fp8_gemm: str | None = (
+            None  # how the FP8 Linears compute (quant/fp8.py); None: not FP8
+        )
         if fp8_block:
             self.fp8_gemm = fp8.choose_gemm(fp8_gemm, self.device)
             fp8.set_gemm(self.model, self.fp8_gemm)

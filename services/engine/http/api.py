@@ -6,7 +6,7 @@ Errors. Every client mistake is a 4xx with the body SGLang's OpenAI layer uses,
 where the message names the offending field (`sampling_params.top_k: ...`). Malformed JSON
 and unknown fields are 400s too (pydantic models forbid extras), never 5xx.
 
-Admin endpoints (control_api.py) need the admin token when one is set; everything here is
+Admin endpoints (http/control.py) need the admin token when one is set; everything here is
 open. A body over --max-request-bytes is refused with 413 before it is read.
 
 Tracing: /generate runs in a `text_completion <model>` span whose parent is the W3C context of
@@ -31,14 +31,14 @@ from millstream.common.http_limits import BodyLimit
 from millstream.common.prom import CONTENT_TYPE, render
 from millstream.common.telemetry import STAGE, context_from_headers, served_groups, tracer
 
-from .control_api import Fenced, Unauthorized
-from .control_api import router as control_router
-from .core import EngineCore
+from ..core import EngineCore
+from ..prom import engine_registry
+from ..scheduler import RequestError
+from .control import Fenced, Unauthorized
+from .control import router as control_router
 from .generation import Job, job_from_generate, output_of, stream_outputs, submit, wait_done
-from .openai_api import router as openai_router
-from .prom import engine_registry
+from .openai import router as openai_router
 from .protocol import GenerateReqIn
-from .scheduler import RequestError
 
 router = APIRouter()
 
@@ -204,7 +204,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     state = core.scheduler.info()
     return {
         **config,
-        # SGLang's server_args name: "fp8" for an FP8 checkpoint (engine/fp8.py), else None;
+        # SGLang's server_args name: "fp8" for an FP8 checkpoint (engine/quant/fp8.py), else None;
         # and how its Linears compute, --fp8-gemm resolved.
         "quantization": core.runner.quantization,
         "fp8_gemm": core.runner.fp8_gemm,

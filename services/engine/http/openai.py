@@ -23,11 +23,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 
-from .core import EngineCore
+from ..core import EngineCore
+from ..scheduler import RequestError
+from ..sequence import output_text
 from .generation import Item, Job, make_job, output_of, sse, submit, updates, wait_done
 from .protocol import SamplingParamsIn, Strict
-from .scheduler import RequestError
-from .sequence import output_text
 
 router = APIRouter()
 

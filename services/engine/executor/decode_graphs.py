@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from ..kv.token_pool import NULL_SLOT, TokenPool
 from .paged_attention import AttnGroup, StepPlan, planned
-from .token_pool import NULL_SLOT, TokenPool
 
 log = logging.getLogger(__name__)
 

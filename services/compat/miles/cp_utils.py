@@ -23,7 +23,7 @@ and these functions are Miles' at CP size 1, with Miles' signatures:
   masked sums alone.
 
 `qkv_format` and the padded lengths only place chunks when CP > 1: accepted and unused (None
-included: `args.qkv_format` is Miles' default "thd" here, common/miles Args). A tensor to
+included: `args.qkv_format` is Miles' default "thd" here, compat/miles Args). A tensor to
 gather or slice that is not a whole response would be a CP share, which millstream never
 hands out: ValueError naming the function and the CP size, not a wrong answer.
 

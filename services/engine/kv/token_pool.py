@@ -10,7 +10,7 @@ nothing). This is SGLang's token_to_kv_pool with its paged allocator (--page-siz
 request may grow to the model's context as long as the pool has free pages, whatever the
 others hold.
 
-Why pages. A decode step gathers each row's keys by slot (paged_attention.py). Handed out a
+Why pages. A decode step gathers each row's keys by slot (executor/paged_attention.py). Handed out a
 slot at a time from a free list that requests keep churning, a row's keys end up scattered
 over the pool; on pages, the gather reads runs of 16 (bench/bench_attention.py, "a slot at a
 time": 1.0-1.3x for 64 rows of 100 tokens, 1.2-1.45x for a 4096-token row beside 63 short
@@ -36,11 +36,10 @@ a 141 GB GPU is ~300M tokens; a colocated run allocates it at every resume):
 Both arrays are made once, at the limit's size, with torch.empty: memory the host maps as it
 is first written, so an allocation (a resume) only resets `_top` and `_fresh`.
 
-Size. On a GPU the pool is allocated once, at the size SGLang would give it: --max-total-
-tokens, else what --mem-fraction-static leaves (model_runner.kv_token_budget), in whole
-pages; CUDA graphs hold its address, so it never moves. On the CPU it starts small and
-doubles when a step needs more, up to its limit (--max-total-tokens, else a share of the
-host's memory): a laptop does not pay for a pool it never fills. Releasing it
+Size. The pool is given its `capacity` and `limit` (kv/sizing.py decides both) and holds
+them in whole pages. On a GPU the two are equal and the pool is allocated once; CUDA graphs
+hold its address, so it never moves. On the CPU it starts at `capacity` and doubles when a
+step needs more, up to `limit`. Releasing it
 (/release_memory_occupation kv_cache, colocation) frees the tensors; resuming allocates the
 starting size again.
 """
@@ -51,6 +50,8 @@ import logging
 from typing import Any
 
 import torch
+
+from .sizing import kv_bytes_per_token, kv_shape
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,6 @@ def whole_pages(tokens: int) -> int:
     """`tokens` rounded down to whole pages, at least one page (SGLang rounds its
     max_total_num_tokens down to its page size)."""
     return max(PAGE, tokens // PAGE * PAGE)
-
-
-def kv_shape(config: Any) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a Hugging Face decoder config."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers, heads, head_dim
 
 
 class PoolFull(Exception):
@@ -94,13 +88,7 @@ class TokenPool:
         self.dtype, self.device = dtype, torch.device(device)
         self.initial = whole_pages(capacity)
         self.limit = max(whole_pages(limit or capacity), self.initial)
-        self.bytes_per_token = (
-            2
-            * self.layers
-            * self.heads
-            * self.head_dim
-            * torch.empty((), dtype=dtype).element_size()
-        )
+        self.bytes_per_token = kv_bytes_per_token(config, dtype)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0

@@ -35,11 +35,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from .core import EngineCore
+from ..core import EngineCore
+from ..sampling import SamplingParams
+from ..scheduler import RequestError
+from ..sequence import InputLogprobs, Sequence, output_text
 from .protocol import GenerateReqIn, SamplingParamsIn
-from .sampling import SamplingParams
-from .scheduler import RequestError
-from .sequence import InputLogprobs, Sequence, output_text
 
 
 class Waiter:

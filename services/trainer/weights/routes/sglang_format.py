@@ -1,5 +1,6 @@
-"""The tensor route to a real SGLang server on the trainer's GPU, in SGLang's own format, and
-the weight-update session SGLang wants around tensor and group updates. To a server on this
+"""The tensor route to a real SGLang server on the trainer's GPU, in SGLang's own format
+(`SglangSender`, for the handles SGLANG and SGLANG_BYTES), and the weight-update session SGLang
+wants around tensor and group (nccl) updates. To a server on this
 machine's CPU (forced `tensor`: tests, a CPU trial run) the same format carries the bucket's
 bytes instead of a CUDA IPC handle (`_by_value` says why no shared memory).
 
@@ -50,20 +51,48 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from millstream.common import threads
+from millstream.common.weight_routes import TENSOR
 
-from .calls import Calls
-from .process_group import FLATTENED_BUCKET, Bucket
+from ..calls import Calls
+from .base import FLATTENED_BUCKET, SGLANG_BYTES, SGLANG_HANDLES, Bucket, Push, Sender
 
 UPDATE_PATH = "/update_weights_from_tensor"
 BEGIN_PATH, END_PATH = "/begin_weight_update", "/end_weight_update"
 _STORAGE_DEVICE = 6  # in torch's rebuild_cuda_tensor arguments
 _PICKLER = threading.Lock()
+
+
+class SglangSender(Sender):
+    """The tensor route to SGLang servers, in SGLang's format: over CUDA IPC (on the trainer's
+    GPU), then with the bytes in the request (on this machine's CPU)."""
+
+    name = TENSOR
+    handles = SGLANG_HANDLES
+    sessions = True
+
+    async def send(self, push: Push, engines: list[str], buckets: Sequence[Bucket]) -> list[str]:
+        if not engines:
+            return []
+        report, known = push.report, push.engines
+        start = time.monotonic()
+        failed: dict[str, object] = {}
+        for handle in SGLANG_HANDLES:  # CUDA IPC, then the bytes (servers on the CPU)
+            mine = [u for u in engines if known.routes[u].handle == handle]
+            if mine:
+                tp_sizes = {u: known.tp.get(u, 1) for u in mine}
+                failed |= await push_sglang(
+                    push.calls, tp_sizes, buckets, report.version, report.flush_cache,
+                    to_host=handle == SGLANG_BYTES,
+                )  # fmt: skip
+        report.add_time("tensor", time.monotonic() - start)
+        return await push.remove(engines, failed)
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Miles' `miles.utils.misc`: `load_function`, `SingletonMeta`, `get_free_port` and small helpers.
 
-`load_function(path)` finds the object as every --*-path flag does here (common/plugins.py:
+`load_function(path)` finds the object as every --*-path flag does here (compat/plugins.py:
 `pkg.mod.name` or `pkg.mod:name`, Miles' imports stood in for, an error that names the path),
 after Miles' `function_registry` (objects registered by name, for tests). Miles'
 `get_current_node_ip` (Ray's) and `call_agent_abort_hook` (its whole-batch rollout's abort) are

@@ -34,7 +34,9 @@ from millstream.common.auth import refusal
 from millstream.common.fencing import FENCE_HEADER
 from millstream.common.tensor_share import Mappings, open_bucket
 
-from .core import EngineCore
+from ..core import EngineCore
+from ..scheduler import RequestError
+from ..weights import decode_tensor_blobs, read_safetensors_dir
 from .protocol import (
     FLATTENED_BUCKET,
     AbortReqIn,
@@ -48,8 +50,6 @@ from .protocol import (
     UpdateWeightsFromDistributedReqIn,
     UpdateWeightsFromTensorReqIn,
 )
-from .scheduler import RequestError
-from .weights import decode_tensor_blobs, read_safetensors_dir
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ async def release_memory_occupation(
     `kv_cache`, `cuda_graph`; none: all): running requests are retracted and wait, with every
     new one, for /resume_memory_occupation. The weights are discarded, not copied anywhere:
     after their resume no step runs until weight updates have written every parameter
-    (scheduler.py, model_runner.py). `bytes`: what each tag freed."""
+    (scheduler.py, executor/model_runner.py). `bytes`: what each tag freed."""
     tags = req.tags if req is not None else None
     freed = await asyncio.wrap_future(_core(request).scheduler.release_memory(tags))
     return {"success": True, "message": f"released {sorted(freed)}", "bytes": freed}

@@ -1,11 +1,11 @@
 """Miles' module names for millstream's stand-ins: an import hook, installed on demand.
 
-`install_miles_modules()` (called by every plugin loader, common/plugins.py) puts one finder
+`install_miles_modules()` (called by every plugin loader, compat/plugins.py) puts one finder
 first on `sys.meta_path` unless the real Miles is importable (then its imports are its own).
 The finder answers every name under `miles`, lazily, when it is imported:
 
 * a name in MILES_MODULES (or under `miles.rollout.rm_hub.`) is the same module object as
-  ours: `sys.modules["miles.utils.types"] is millstream.common.miles.types`;
+  ours: `sys.modules["miles.utils.types"] is millstream.compat.miles.types`;
 * a package on the way to one (`miles`, `miles.utils`, `miles.rollout`, ...) is an empty
   package; `from miles.utils import misc` works too. `miles.backends` is one only on the way
   to `training_utils.cp_utils`, which CP-aware loss and TIS functions import (cp_utils.py);
@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["MILES_MODULES", "PACKAGES", "REFUSED", "install_miles_modules", "why_missing"]
 
-_OURS = "millstream.common.miles"
+_OURS = "millstream.compat.miles"
 
 # Miles' module -> the module of ours it is.
 MILES_MODULES: dict[str, str] = {

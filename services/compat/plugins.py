@@ -1,6 +1,6 @@
 """Load a user's function from `pkg.mod.fn` (or `pkg.mod:fn`), with an error naming the path.
 
-A plugin written for Miles keeps its imports of Miles' modules: see common/miles/importer.py
+A plugin written for Miles keeps its imports of Miles' modules: see compat/miles/importer.py
 `install_miles_modules`.
 
 Security rule: paths come only from the run config the trainer published (flags), never from

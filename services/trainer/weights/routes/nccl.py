@@ -1,5 +1,7 @@
-"""The group route of a weight sync (sync.py step 3): rank 0 of the weight-update group, kept
-from sync to sync, and what it does when the group breaks.
+"""The nccl route of a weight sync (sync.py step 3): rank 0 of the weight-update group, kept
+from sync to sync, and what it does when the group breaks. `nccl` is Miles' name for it; the
+group's collective backend is NCCL when the trainer and every engine in it are on GPUs, gloo
+when any of them is on a CPU (`group_backend`; the trainer's tensors then go through its CPU).
 
     group    when there is none or membership changed: destroy the old one (rank 0 and, best
              effort, the engines), then every engine /init_weights_update_group {master
@@ -43,25 +45,22 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from millstream.common import threads
 from millstream.common.errors import MillstreamError
+from millstream.common.weight_routes import NCCL
 
-from .calls import EngineCalls, Failure, SyncReport
-from .process_group import FLATTENED_BUCKET, Bucket, UpdateGroup
-from .rendezvous import GroupLedger, GroupRecord, release
+from ..calls import EngineCalls, Failure, SyncReport
+from ..rendezvous import GroupLedger, GroupRecord, release
+from .base import FLATTENED_BUCKET, Bucket, Push, Remove, Sender, on_cpu
+from .process_group import UpdateGroup
 
 if TYPE_CHECKING:
-    from .router_admin import RouterAdmin
+    from ..router_admin import RouterAdmin
 
 log = logging.getLogger("millstream.trainer")
-
-# sync.py's WeightSync._remove: take engines out of routing, named in the report with why.
-Remove = Callable[
-    ["RouterAdmin", list[str], Mapping[str, object], "SyncReport"], Awaitable[list[str]]
-]
 
 
 class GroupBroken(Exception):
@@ -88,6 +87,15 @@ def engine_ranks(info: Mapping[str, Any]) -> int:
         return max(1, int(info.get("tp_size") or 1)) * max(1, int(info.get("dp_size") or 1))
     except (TypeError, ValueError):
         return 1
+
+
+def group_backend(trainer: Mapping[str, Any], engines: Sequence[Mapping[str, Any] | None]) -> str:
+    """NCCL when the trainer and every engine of the group are on GPUs, else gloo (the
+    trainer's tensors then go through its CPU). An engine that says nothing of where it lives
+    (real SGLang) is taken to be where the trainer is, as before transports were chosen."""
+    if on_cpu(trainer):
+        return "gloo"
+    return "gloo" if any(e is not None and on_cpu(e) for e in engines) else "nccl"
 
 
 def _in_daemon_thread(fn: Callable[[], None]) -> asyncio.Future[None]:
@@ -121,8 +129,12 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         log.debug("abandoned rank-0 step ended: %s", task.exception())
 
 
-class GroupRoute:
-    """Rank 0 of the weight-update group across syncs (module docstring)."""
+class GroupRoute(Sender):
+    """Rank 0 of the weight-update group across syncs (module docstring); `backend`: the
+    collective backend forced (None: by where the members live, `group_backend`)."""
+
+    name = NCCL
+    sessions = True
 
     def __init__(
         self,
@@ -132,7 +144,9 @@ class GroupRoute:
         load_format: str | None,
         timeout_s: float,
         remove: Remove,
+        backend: str | None = None,
     ):
+        self.backend = backend
         self.master_address = master_address
         self.group_name = group_name
         self.load_format = load_format
@@ -143,6 +157,16 @@ class GroupRoute:
         self._generation = itertools.count(1)
         self._instance = secrets.token_hex(3)
         self.ledger: GroupLedger | None = None  # where each group is written down (Redis)
+
+    async def send(self, push: Push, engines: list[str], buckets: Sequence[Bucket]) -> list[str]:
+        """Every bucket to `engines` through the group (`push` below)."""
+        if not engines:
+            return []
+        placements = [push.engines.placements.get(u) for u in engines]
+        backend = self.backend or group_backend(push.trainer, placements)
+        return await self.push(
+            push.calls, push.router, engines, buckets, backend, push.engines.ranks, push.report
+        )
 
     async def push(
         self,
