@@ -23,10 +23,10 @@ format: bootstrap
 # scripts/bootstrap_sglang.sh installs once per machine, beside the main tier on first use.
 test: lint
 	@bash scripts/bootstrap_sglang.sh --start
-	$(PY) -m pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not long" -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 	MILLSTREAM_CONTRACT=1 PYTHONPATH=$(VENV)/sglang $(PY) -m pytest tests/contract $(PYTEST_ARGS)
 	MILLSTREAM_SGLANG_LIVE=1 MILLSTREAM_SGLANG_PYTHON="$$(bash scripts/bootstrap_sglang.sh --wait)" \
-	  $(PY) -m pytest tests/sglang_live -rs $(PYTEST_ARGS)
+	  $(PY) -m pytest tests/sglang_live -rs --durations=10 $(PYTEST_ARGS)
 
 # The live tier alone (a real SGLang server; installs its venv first where it is missing).
 test-sglang: bootstrap

@@ -10,14 +10,14 @@ response length (most short, a few long: what RL on reasoning tasks gives), then
 the same samples. Prints tokens/s (real tokens, padding not counted), the tokens the layout
 ran through the model per real token (padding makes it more than 1; a prompt forwarded once
 for its samples, less), and the ratio to the first row. The gradient is the same for all of
-them (tests/unit/test_estimators_backend.py); only speed and memory differ.
+them (tests/unit/trainer/backends/test_estimators_backend.py); only speed and memory differ.
 
 The second table is GRPO's shape: --prompts prompts of --prompt-len tokens with --group
 samples each, one micro-batch, forwarded one row per sample (--no-shared-prefix) or each
 prompt once for its samples (the default, shared_prefix.py), and the same packed into rows of
 at most --pack-cap tokens (--use-dynamic-batch-size), for short answers and for long-tailed
 ones.
-(tests/unit/test_shared_prefix.py: the same logprobs and gradient.)
+(tests/unit/trainer/backends/test_shared_prefix.py: the same logprobs and gradient.)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Left out: the modules of this repository (OWN, and the files' own folders: bench
 examples/arith/'s scripts import each other by name), the standard library, and OPTIONAL:
 imports guarded by a flag or a try that the GPU run never takes, each with the reason.
 
-tests/unit/test_gpu_bundle.py holds the same scan against the two package lists (fast, every
+tests/unit/deploy/test_gpu_bundle.py holds the same scan against the two package lists (fast, every
 `make test`), and runs this sweep in a Python that has only the image's packages and the
 carried wheels (the CPU dry run of the `.gpu` set-up, `make test-long`).
 """

@@ -34,12 +34,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JSONL = "MILLSTREAM_GPU_TESTS_JSONL"
 ORDER = (
-    "tests/unit/test_token_pool.py::",  # the token pool, the CUDA graphs' decoding
-    "tests/unit/test_engine_gpu.py::test_release",  # the engine's memory release
-    "tests/unit/test_cuda_ipc.py::",  # the colocated weight update's route
+    "tests/unit/engine/kv/test_token_pool.py::",  # the token pool, the CUDA graphs' decoding
+    "tests/unit/engine/test_engine_gpu.py::test_release",  # the engine's memory release
+    "tests/unit/trainer/weights/test_cuda_ipc.py::",  # the colocated weight update's route
     "fp8",  # the FP8 GEMM on the device's torch
 )
-LAST = ("tests/unit/test_megatron_model.py::",)
+LAST = ("tests/integration/trainer/test_megatron_model.py::",)
 
 
 def _marked(node: ast.AST) -> bool:

@@ -5,7 +5,7 @@
 #      drags in gigabytes of CUDA packages)
 #   3. millstream in editable mode with its extras, at the versions of scripts/constraints.txt
 #      (what make test was last green with), re-installed only when either file changes
-#   4. the lowest transformers it claims, in .venv/floor (for tests/unit/test_transformers_floor.py)
+#   4. the lowest transformers it claims, in .venv/floor (for tests/integration/trainer/test_transformers_floor.py)
 #   5. SGLang's package for the contract tier, in .venv/sglang (scripts/sglang-contract.txt)
 #   6. a redis-server binary (Debian's package when none is on PATH)
 # A second call checks each step and skips what is already there.
@@ -42,7 +42,7 @@ if [ ! -f "$STAMP" ]; then
 fi
 
 # The lowest transformers the engine and the trainer claim (pyproject.toml; the GPU image has it),
-# beside the venv's: tests/unit/test_transformers_floor.py runs the engine's tests on it.
+# beside the venv's: tests/integration/trainer/test_transformers_floor.py runs the engine's tests on it.
 FLOOR=$VENV/floor
 FLOOR_PINS="transformers==5.17.0 huggingface_hub==1.33.0"
 if [ ! -f "$FLOOR/.done-${FLOOR_PINS// /_}" ]; then

@@ -4,7 +4,7 @@
 # (GPU_PYTHON, default 3.12; its image's packages are scripts/gpu_image.txt), redis-server with
 # its libraries, a `millstream` command, and the commit it was made at (.gpu/commit: no .git
 # travels). About 20 MB. GPU_BUNDLE=DIR writes DIR instead of .gpu (the CPU dry run of the
-# set-up, tests/unit/test_gpu_bundle.py, makes one for this machine's Python).
+# set-up, tests/unit/deploy/test_gpu_bundle.py, makes one for this machine's Python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=${GPU_BUNDLE:-.gpu}

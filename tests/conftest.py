@@ -32,7 +32,7 @@ collect_ignore = [
 # running a long file alone. Only the order changes.
 FIRST = ("test_data_parallel.py", "test_gpu_check.py", "test_megatron_model.py",
          "test_bf16_parallel.py", "test_megatron_dist.py", "test_transformers_floor.py",
-         "test_miles_compat.py")  # fmt: skip
+         "test_miles_scripts.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -6,11 +6,11 @@
 # Miles sources it. What changed: Miles' preamble (pkill -9 of sglang, ray and python, set
 # -ex, NVLink detection) and its `ray start` + `ray job submit ... python3 train.py` are gone;
 # `millstream train-async` takes the same arrays in the same order instead (last lines).
-# It needs the model and data paths below and GPUs; tests/unit/test_config.py and
-# tests/unit/test_miles_compat.py parse it to keep the flags compatible. With the torch
+# It needs the model and data paths below and GPUs; tests/unit/common/test_config.py and
+# tests/unit/compat/test_miles_compat.py parse it to keep the flags compatible. With the torch
 # backend (the one built) preflight refuses it, exit 2 before anything starts, naming
 # --tensor-model-parallel-size 2 and the other Megatron, GPU and SGLang server flags it sets
-# (tests/unit/test_flags_consumed.py lists them). Past those, with the model at /root/Qwen3-4B,
+# (tests/unit/repo/test_flags_consumed.py lists them). Past those, with the model at /root/Qwen3-4B,
 # its --ref-load /root/Qwen3-4B_torch_dist (read: --use-kl-loss) is refused as a Megatron
 # torch_dist checkpoint, with the converter command to run.
 # MILLSTREAM_PRINT_ARGS=1 prints the arguments (NUL-separated) instead of running.

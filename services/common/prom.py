@@ -1,7 +1,7 @@
 """Prometheus metrics shared by every service: registries, the scrape server of the processes
 that have no HTTP server of their own, and the collectors of what they all have in common.
 
-Names (held by tests/unit/test_prom.py for every service): `millstream_<service>_...`
+Names (held by tests/unit/trainer/observe/test_prom.py for every service): `millstream_<service>_...`
 or, for what every service shares, `millstream_worker_...` and `millstream_stream_...`; units
 in the name (`_seconds`, `_tokens`, `_entries`), `_total` on counters, base units only.
 

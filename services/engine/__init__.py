@@ -2,7 +2,7 @@
 so it and a real SGLang server are interchangeable; on the CPU or one GPU.
 
 Layers, lowest first: quant < kv < executor < scheduling < http < main. A module imports its
-own layer and the layers below it, never one above (tests/unit/test_layout.py checks every
+own layer and the layers below it, never one above (tests/unit/repo/test_layout.py checks every
 import with ast). Each folder's __init__ lists its files. Paths in the engine's docstrings
 are relative to engine/.
 

@@ -3,7 +3,7 @@
 With `--rm-compat miles` (the default) every Miles rm_type below calls Miles' grader, the
 very function a plugin gets from `miles.rollout.rm_hub` (millstream.compat.miles.rm_hub), so a
 (response, label) pair gets the reward Miles gives it, edge cases included
-(tests/unit/test_rm_miles_parity.py):
+(tests/unit/reward/test_rm_miles_parity.py):
 
     rm_type      reward   Miles function (miles/rollout/rm_hub/)
     math         1 / 0    math_utils.grade_answer_verl: the last \\boxed{} only (no box: 0)

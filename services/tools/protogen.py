@@ -3,7 +3,7 @@
 protoc names generated modules after the proto path (`millstream/v1/messages_pb2.py`), which
 would collide with our own import package `millstream`. So we generate into a scratch dir,
 flatten `millstream/v1/` into `millstream.common.pb`, and rewrite the generated imports to
-match. `tests/unit/test_protos.py` runs `generate()` into a temp dir and fails when the
+match. `tests/unit/common/test_protos.py` runs `generate()` into a temp dir and fails when the
 committed files differ: run `make protos` after editing a .proto.
 
 Needs grpcio-tools (the `dev` extra); nothing imports this module at run time.

@@ -63,7 +63,7 @@ from .data import ROW_ERRORS, labels_are_text, parse_row
 from .observe import log_hooks
 from .observe.metrics import TRACK_EXTRA, TRACKING_PACKAGES, tensorboard_dir
 
-# Repeated here, and held equal to the originals by tests/unit/test_preflight.py: the
+# Repeated here, and held equal to the originals by tests/unit/trainer/test_preflight.py: the
 # dynamic-sampling filter's built-ins (reward/filters.py BUILTINS), since the trainer imports no
 # other service (DESIGN.md section 2); checkpoints/checkpoint.py's file names, since it imports torch.
 BUILTIN_FILTERS = ("check_reward_nonzero_std", "check_no_aborted")

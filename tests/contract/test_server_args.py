@@ -42,7 +42,7 @@ from millstream.launch.plan import (
     sglang_engine_command,
 )
 from tests.support.sglang_contract import quiet
-from tests.unit.test_miles_compat import SCRIPTS, _command_and_argv
+from tests.unit.compat.test_miles_compat import SCRIPTS, _command_and_argv
 
 REPO = Path(__file__).resolve().parents[2]
 HOST, PORT = "127.0.0.1", 30011

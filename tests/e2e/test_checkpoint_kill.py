@@ -1,7 +1,7 @@
 """A real trainer SIGKILLed inside a checkpoint's write (trainer/checkpoints/atomic.py): the
 checkpoint before it stays the latest, whole, and a restart with --load resumes from it, the
 killed save's temp dir removed at its start. The pieces, and the kills between two renames:
-tests/unit/test_checkpoint_atomic.py."""
+tests/unit/trainer/checkpoints/test_checkpoint_atomic.py."""
 
 from __future__ import annotations
 

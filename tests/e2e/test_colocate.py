@@ -3,7 +3,7 @@ KV cache and weights before the trainer steps and resumes them around the weight
 trainer's state goes to host memory and back (docs/gpus.md). On the CPU nothing moves,
 so what this proves is the turns themselves (the engine's own log counts them, the trainer's
 record orders them), that a retracted rollout resumes, and that the job still learns, sync
-and async. The turns' order alone, fast: tests/unit/test_colocate_turns.py."""
+and async. The turns' order alone, fast: tests/unit/trainer/test_colocate_turns.py."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_fp8 import ARITH, make_fp8_copy
+from tests.unit.engine.quant.test_fp8 import ARITH, make_fp8_copy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

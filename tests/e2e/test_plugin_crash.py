@@ -3,7 +3,7 @@ raises, a per-sample generate function that raises, a dynamic-sampling filter th
 the wrong type. Each run exits 1 within seconds of its first group, the plugin's traceback
 (with its path) on the trainer's console, first when it is first seen and again as the last
 thing printed; summary.json names the plugin and the error, and every admitted group is in a
-terminal state or in flight. The pieces without services: tests/unit/test_plugin_errors.py."""
+terminal state or in flight. The pieces without services: tests/unit/trainer/observe/test_plugin_errors.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 start the trainer's container again: a short real run; then the same command, which says the
 run finished and exits 0 at once, its files as they were; then RERUN=1, which moves them aside
 whole and trains a new run. The pieces, with a recorder in millstream's place:
-tests/unit/test_rerun.py."""
+tests/unit/trainer/test_rerun.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every way a real run ends leaves RUN_DIR/summary.json saying how: a trainer SIGKILLed and
 resumed (its metrics.jsonl marks the resume and what the discarded iterations trained), then
 stopped with SIGTERM (it checkpoints its last iteration first); a stall; an error raised in the
-trainer. The pieces without services: tests/unit/test_run_end.py."""
+trainer. The pieces without services: tests/unit/trainer/test_run_end.py."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def _tagged(tag: str) -> list[int]:
     return pids
 
 
-# megatron's splits on one rank pair each: tests/unit/test_data_parallel.py (make test)
+# megatron's splits on one rank pair each: tests/integration/trainer/test_data_parallel.py (make test)
 _LONG = pytest.mark.long
 
 
@@ -58,7 +58,7 @@ def test_two_trainer_ranks_under_torchrun(backend, tiny_model_dir, prompts, tmp_
     logprobs equal a forward pass of the saved checkpoint, so the gathered TP shards are
     what it loaded; megatron-pp2: two pipeline stages, rank 0 the first (the loop and the
     services), rank 1 the last. The ranks' numbers (DDP, FSDP, megatron DP, TP, PP and CP
-    against one rank): tests/unit/test_data_parallel.py; a one-rank megatron step:
+    against one rank): tests/integration/trainer/test_data_parallel.py; a one-rank megatron step:
     test_megatron_model.py."""
     extra = ["--train-backend", backend]
     if backend == "megatron-pp2":

@@ -9,7 +9,7 @@ On the CPU this checks the turns' order as both processes see it. On a GPU
 says it released and falls by its KV cache at the last resume; the trainer's own allocations
 rise and fall by what its offload says it moved; and at no turn does the trainer hold its
 state on the device while the engine holds its KV cache. The trainer's side alone, on a GPU:
-tests/unit/test_colocate_gpu.py; the order alone, fast: tests/unit/test_colocate_turns.py.
+tests/unit/trainer/backends/test_colocate_gpu.py; the order alone, fast: tests/unit/trainer/test_colocate_turns.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from millstream.trainer.weights.colocate import Colocation
 from millstream.trainer.weights.sync import Failure
 from tests.support.engine_proc import EngineProcess
 from tests.support.tiny_model import build_tiny_model
-from tests.unit.test_bf16 import _cfg, _samples
+from tests.unit.trainer.backends.test_bf16 import _cfg, _samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -140,7 +140,9 @@ def _check_the_turns(colocation: Colocation, engines: HttpEngines, kv: str = "kv
 def test_the_turns_against_a_real_engine(tiny_model_dir, tmp_path):
     backend = TorchBackend(_cfg(), tiny_model_dir, ref_dir=None, total_steps=4)
     offload = TrainOffload(backend)
-    offload.copies = True  # on the CPU: copy as a GPU would (tests/unit/test_colocate.py)
+    offload.copies = (
+        True  # on the CPU: copy as a GPU would (tests/unit/trainer/backends/test_colocate.py)
+    )
     engine = EngineProcess(tiny_model_dir, tmp_path, "--max-running-requests", "4")
     engines = HttpEngines(engine.url, offload, probe=dict)
     try:

@@ -15,7 +15,7 @@ import torch
 from millstream.engine.executor.model_runner import ModelRunner
 from tests.integration.test_engine_weights import assert_matches_hf, engine_greedy, post
 from tests.support.engine_proc import EngineProcess, engine_fixtures
-from tests.unit.test_fp8 import ARITH, make_fp8_copy
+from tests.unit.engine.quant.test_fp8 import ARITH, make_fp8_copy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -2,7 +2,7 @@
 a real engine by its address, and keeps it out of routing until the trainer's weight sync
 (this process as the trainer, WeightSync) brings it the version the router expects.
 
-How a name's addresses come and go is the unit test's (tests/unit/test_router_discovery.py,
+How a name's addresses come and go is the unit test's (tests/unit/router/test_router_discovery.py,
 with a resolver it controls): here the system resolver answers.
 """
 

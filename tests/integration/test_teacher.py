@@ -13,7 +13,7 @@ from millstream.common.errors import MillstreamError
 from millstream.trainer.backends.torch_backend import TorchBackend
 from millstream.trainer.teacher import TeacherClient
 from tests.support.engine_proc import EngineProcess
-from tests.unit.test_torch_backend import _samples
+from tests.unit.trainer.backends.test_torch_backend import _samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

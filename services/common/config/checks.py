@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .rollout import is_default_source
 
 # The reward hub's built-ins (reward/rm_hub.py RM_TYPES, BOXED_PREFIX), repeated here since
-# the config imports no service; tests/unit/test_preflight.py holds the copies equal.
+# the config imports no service; tests/unit/trainer/test_preflight.py holds the copies equal.
 RM_TYPES = ("math", "deepscaler", "dapo", "f1", "exact", "remote_rm")
 BOXED_PREFIX = "boxed_"
 

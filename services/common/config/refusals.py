@@ -4,7 +4,7 @@ The rule: a Miles flag does here what it does in Miles, or the run exits 2 befor
 starts, naming the flag and why. Each field of each RunConfig group is one of:
 
 - read: a component outside the config package reads it (`cfg.rollout.rollout_batch_size`).
-  Most flags are. tests/unit/test_flags_consumed.py proves it for each by finding the
+  Most flags are. tests/unit/repo/test_flags_consumed.py proves it for each by finding the
   attribute in services/ (the config package and preflight left out: checking a flag is not
   using it).
 - derived (DERIVED): the config folds it into another value of its group, which is read

@@ -15,7 +15,7 @@ Quantizing (a weight update, examples/arith/make_fp8.py): per block, with s = ab
     q = round_e4m3(w / s)    (round to nearest even, saturating at +-448).
 e4m3 keeps 3 mantissa bits, so a scaled value in e4m3's normal range (|w / s| >= 2^-6) is off
 by at most half a step, 2^-4 of its size, and one below it by at most half the subnormal step
-2^-9: |w - q * s| <= |w| / 16 + s / 1024 (tests/unit/test_fp8.py holds every element to it).
+2^-9: |w - q * s| <= |w| / 16 + s / 1024 (tests/unit/engine/quant/test_fp8.py holds every element to it).
 
 The forward (`Fp8Linear.gemm`, set from --fp8-gemm by `set_gemm`):
   dequant    W8A16: q * s expanded over the blocks, in fp32, cast to the activations' dtype,
@@ -31,7 +31,7 @@ The forward (`Fp8Linear.gemm`, set from --fp8-gemm by `set_gemm`):
              (K/128 GEMMs), where both are multiples of 16; otherwise dequant. The CPU has the
              loop (torch 2.13 runs unit-scaled fp8 `_scaled_mm` there, so `make test` checks
              its numerics) but not the one call: `make test` checks that call's operands against
-             torch's own checks and its arithmetic in an emulation (tests/unit/test_fp8.py).
+             torch's own checks and its arithmetic in an emulation (tests/unit/engine/quant/test_fp8.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ invariant is checked after each turn and at the end of the iteration, and a viol
 error (`ColocationError`), not a record: only a wrong order here can cause one, and on a GPU
 it means either an out-of-memory failure in the next turn or an engine generating beside a
 trainer it was sized without. On the CPU nothing moves, but the books move all the same, so
-a reordering fails `make test` (tests/unit/test_colocate_turns.py) as it would fail on a GPU;
+a reordering fails `make test` (tests/unit/trainer/test_colocate_turns.py) as it would fail on a GPU;
 the GPU tests measure the same turns with `torch.cuda.memory_allocated`.
 
 An engine that fails a release or a resume is reported by name and the run stops: an engine
@@ -124,7 +124,7 @@ class Colocation:
         from host memory (on a GPU: tensors a CUDA IPC handle cannot share), one before the
         engines' resume would write into released weights; on the CPU nothing moves, so the
         books are what shows it (Trainer._train_and_sync's order, tested as the trainer runs
-        it in tests/unit/test_colocate_turns.py)."""
+        it in tests/unit/trainer/test_colocate_turns.py)."""
 
         def read() -> Any:
             if self.offload is not None and not self.offload.resident:

@@ -8,7 +8,7 @@ is no number raises ValueError, as in Miles). The result is Miles' dict: {"score
 "acc": bool, "pred": the normal form read}. With `strict_box_verify` the last `\\boxed{...}`
 within the final 100 characters must equal the ground truth as given.
 
-Behaviour matches Miles' rm_hub at commit 31f1ca96 (tests/unit/test_rm_miles_parity.py).
+Behaviour matches Miles' rm_hub at commit 31f1ca96 (tests/unit/reward/test_rm_miles_parity.py).
 Miles' signal-based `timeout` helper is not here: a signal alarm works only on the main thread,
 and the reward service bounds every reward with --reward-timeout instead.
 """

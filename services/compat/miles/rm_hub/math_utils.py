@@ -15,7 +15,7 @@ A match is either of two tiers:
 `extract_answer(passage)` is what the `boxed_` prefix of an rm_type reads: the last
 `\\boxed{...}`'s contents, None without one (an `\\fbox` alone, `\\boxed 5`, an unclosed box).
 
-Behaviour matches Miles' rm_hub at commit 31f1ca96 (tests/unit/test_rm_miles_parity.py checks
+Behaviour matches Miles' rm_hub at commit 31f1ca96 (tests/unit/reward/test_rm_miles_parity.py checks
 it through the reward service, which calls these very functions). Unlike Miles' module, this
 one imports neither sympy nor pylatexenc until the sympy tier first needs them. Without
 pylatexenc (the `reward` extra) LaTeX stays as written in the sympy tier, so e.g.
