@@ -1,6 +1,6 @@
 """Redis stream producer and consumer: the envelope, delivery, hand-off and dead-lettering.
 
-Owns the wire format of every stream entry (DESIGN.md section 3): `data` = protobuf bytes,
+Owns the wire format of every stream entry (docs/architecture.md): `data` = protobuf bytes,
 `traceparent`/`tracestate` = W3C trace context (may be empty), `v` = schema version. No pickle.
 
 Invariants it keeps:

@@ -1,4 +1,4 @@
-"""Tracing for every service: one trace per prompt group, across processes (DESIGN.md section 7).
+"""Tracing for every service: one trace per prompt group, across processes (docs/observability.md).
 
 Where spans go, decided once per process from the environment by `setup_tracing`:
   1. OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set, or MILLSTREAM_OTLP_ENDPOINT_IF_RESOLVES

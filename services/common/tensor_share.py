@@ -9,7 +9,7 @@ socket: the tensor transport of a weight sync (SGLang's `/update_weights_from_te
     shared.release()                      ... its memory back once every engine took it
     named = open_bucket(entry, mappings)  engine: the named tensors, views of the shared bytes
 
-Two kinds of handle, each a JSON object (no pickle: DESIGN.md section 3):
+Two kinds of handle, each a JSON object (no pickle: docs/architecture.md):
 
 - `cuda_ipc`: the CUDA IPC handle of the allocation holding the bytes, with the fields torch's
   multiprocessing reductions put in their pickle (`UntypedStorage._share_cuda_()`: device,

@@ -19,7 +19,7 @@ two steps, so no step ever sees half of an update, and the weight version change
 same command.
 
 `/update_weights_from_tensor` differs from SGLang on purpose: SGLang pickles tensors, and
-nothing on our wire is pickled (DESIGN.md section 3). `serialized_named_tensors` here is a
+nothing on our wire is pickled (docs/architecture.md). `serialized_named_tensors` here is a
 list of base64 strings, each a safetensors blob (`safetensors.torch.save({name: tensor})`),
 decoded without executing anything.
 

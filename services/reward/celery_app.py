@@ -5,7 +5,7 @@ stream consumer. The run's own Redis is both broker and result backend; every Ce
 prefixed `{run}:celery:` (kombu's and the result backend's `global_keyprefix`) and the queue is
 `millstream.reward.{run}`, so runs sharing a Redis never see each other's tasks.
 
-Wire format: JSON only (`accept_content=["json"]`, no pickle, DESIGN.md section 3). A task
+Wire format: JSON only (`accept_content=["json"]`, no pickle, docs/architecture.md). A task
 takes one JSON string: `{"run_id", "prompt", "sample": base64 protobuf Sample}` for
 `score_sample`, `{"run_id", "samples": [...]}` for `score_group`; it returns the float
 reward(s), or, when the --custom-rm-path function failed (a PluginFailed), `{"plugin_error":

@@ -1,6 +1,6 @@
 """Flags of `millstream reward` and `millstream reward-celery`: where the run is, nothing more.
 
-Reward workers start with only --redis-url and --run-id (DESIGN.md section 3); everything
+Reward workers start with only --redis-url and --run-id (docs/architecture.md); everything
 about scoring (--rm-type, --custom-rm-path, timeouts, executor, filter, claim/dead-letter
 policy) comes from the run config the trainer published at `{run}:config`. The few flags
 here are about this process: the Redis password when not in the URL (--redis-password,

@@ -7,7 +7,7 @@ It returns a DynamicFilterOutput (ours, Miles' or any object with `keep` and opt
 `reason`), a dict with `keep`, or a bare bool (read as `keep`, as Miles' call_dynamic_filter
 does).
 A dropped group is published with verdict FILTERED and the reason, so the trainer's admission
-admits a replacement (DESIGN.md section 4). Eval groups are never filtered. A filter that
+admits a replacement (docs/operations.md). Eval groups are never filtered. A filter that
 raises, or returns anything else, fails the group as a plugin error (reward/scorer.py,
 common/plugin_errors.py).
 

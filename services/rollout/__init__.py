@@ -1,1 +1,1 @@
-"""Rollout workers: {run}:prompts -> router -> {run}:generated (DESIGN.md section 1, step 2)."""
+"""Rollout workers: {run}:prompts -> router -> {run}:generated (docs/architecture.md, step 2)."""

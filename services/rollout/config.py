@@ -1,7 +1,7 @@
 """What a rollout worker is told, and what it derives per group from the run config.
 
-A worker starts with only where the run lives (`--redis-url`, `--run-id`, DESIGN.md section
-3); every rollout knob comes from the run config the trainer published at `{run}:config`.
+A worker starts with only where the run lives (`--redis-url`, `--run-id`,
+docs/architecture.md); every rollout knob comes from the run config the trainer published at `{run}:config`.
 `--router-url` overrides the config's `service.router_url` (a worker in another network).
 
 Per group the worker needs a `GroupPlan`: how many samples and the SGLang sampling params.

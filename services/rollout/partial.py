@@ -1,5 +1,5 @@
 """The partial buffer: groups whose samples were aborted by a weight sync wait here, then
-resume in the order `--buffer-filter-path` picks (DESIGN.md section 4).
+resume in the order `--buffer-filter-path` picks (docs/operations.md).
 
 When engines pause with mode abort, in-flight generations come back with finish_reason
 abort. The group's job parks itself here (its stream entry stays pending, and the worker keeps

@@ -1,1 +1,1 @@
-"""The router: an HTTP proxy in front of inference engines (DESIGN.md section 3). Imports no torch."""
+"""The router: an HTTP proxy in front of inference engines (docs/architecture.md). Imports no torch."""

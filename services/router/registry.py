@@ -6,7 +6,7 @@ results, reported weight version) and the router-wide expected weight version.
 Invariants:
   * a worker is *eligible* (gets new traffic) only when it is healthy AND, once an expected
     weight version is set, it has reported exactly that version (version-gated routing,
-    DESIGN.md section 5): an engine that (re)joins gets no traffic before it has the weights;
+    docs/weight-sync.md): an engine that (re)joins gets no traffic before it has the weights;
   * a worker starts `pending` and is admitted by its first passed check; once `unhealthy`
     (after `failure_threshold` consecutive failures) it needs `success_threshold` passed
     checks in a row to come back;

@@ -1,4 +1,4 @@
-"""The trainer service: one RL iteration after another (DESIGN.md sections 1, 4, 6).
+"""The trainer service: one RL iteration after another (docs/architecture.md).
 
 Top level, the iteration and its parts: `main` (entry), `build` (wiring), `trainer` (the
 loop), `admission`, `buffer`, `batch`, `data`, `evaluate`, `teacher`, `janitor`, `preflight`,

@@ -2,7 +2,7 @@
 
 Let V be the policy version (weight syncs done) and s = --max-staleness (0 in sync mode).
 Groups that can still be trained are `live = admitted - filtered - failed - dropped`. The
-invariant kept here (DESIGN.md section 4):
+invariant kept here (docs/operations.md):
 
     live <= (V + s + 1) * rollout_batch_size + slack,   slack = over_sampling - rollout_batch_size
 
@@ -195,7 +195,7 @@ class Admission:
         return len(rows)
 
     async def _publish(self, rows: list[tuple[PromptRow, int]], version: int) -> None:
-        """One root span per group: each group's trace starts here (DESIGN.md section 7)."""
+        """One root span per group: each group's trace starts here (docs/observability.md)."""
         tracer = telemetry.tracer("millstream.trainer")
         messages, contexts = [], []
         for row, epoch in rows:

@@ -1,4 +1,4 @@
-"""Keeps a long run's Redis bounded while it goes (DESIGN.md section 3: streams are trimmed).
+"""Keeps a long run's Redis bounded while it goes (docs/architecture.md: streams are trimmed).
 
 Every `interval_s` the trainer's janitor trims each stream of the run (prompts, generated,
 scored, dead) below the oldest entry any of its consumer groups still needs (`trim_safely`),

@@ -65,7 +65,7 @@ from .observe.metrics import TRACK_EXTRA, TRACKING_PACKAGES, tensorboard_dir
 
 # Repeated here, and held equal to the originals by tests/unit/trainer/test_preflight.py: the
 # dynamic-sampling filter's built-ins (reward/filters.py BUILTINS), since the trainer imports no
-# other service (DESIGN.md section 2); checkpoints/checkpoint.py's file names, since it imports torch.
+# other service (docs/architecture.md); checkpoints/checkpoint.py's file names, since it imports torch.
 BUILTIN_FILTERS = ("check_reward_nonzero_std", "check_no_aborted")
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"

@@ -47,7 +47,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The admin paths the trainer and the router send to an engine (DESIGN.md section 5), and the
+# The admin paths the trainer and the router send to an engine (docs/weight-sync.md), and the
 # weight-update session SGLang 0.5.23 puts around distributed and tensor updates.
 ADMIN_PATHS = (
     "/init_weights_update_group", "/update_weights_from_distributed",

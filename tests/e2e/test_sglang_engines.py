@@ -62,7 +62,7 @@ def test_the_arith_job_trains_on_engines_started_as_sglang_servers(tmp_path):
     assert argv[argv.index("--device") + 1] == "cpu"  # the plan gave it no GPU
     assert argv[-4:] == ["--context-length", "64", "--random-seed", "5"]  # handed on, in order
     assert "GPU plan: no GPU here; trainer: CPU; engine-0: CPU" in out
-    assert "weight transport to http://127.0.0.1:" in out and ": group (" in out
+    assert "weight transport to http://127.0.0.1:" in out and ": nccl (" in out
 
     rows = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -56,7 +56,7 @@ def test_the_launcher_starts_sglang_from_its_own_python_and_the_sync_run_learns(
     ) and "--attention-backend torch_native" in launched.group(2)
     # The router gated on SGLang's /model_info: each eval ran on the engine at that version.
     assert f"[trainer] eval at iter {ROLLOUTS} (version {ROLLOUTS}):" in run.out
-    assert "weight transport to http://127.0.0.1:" in run.out and ": group (" in run.out
+    assert "weight transport to http://127.0.0.1:" in run.out and ": nccl (" in run.out
 
     ours = arith_run(tmp_path / "ours", "train", ROLLOUTS).ok()
     _learned(run, ours)

@@ -1,4 +1,4 @@
-"""The train step: the same batch in, the same loss out, on any backend (DESIGN.md section 6).
+"""The train step: the same batch in, the same loss out, on any backend (docs/backends.md).
 
 Owns `TrainBackend` (base.py) and its two builds, siblings on one step loop (loop.py
 `StepLoop`, with its forwards.py and saving.py): `torch_backend` (a Hugging Face model as the

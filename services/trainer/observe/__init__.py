@@ -1,4 +1,4 @@
-"""What a run shows while it goes and after: the trainer's side of observability (DESIGN.md 7).
+"""What a run shows while it goes and after: the trainer's side of observability (docs/observability.md).
 
 Owns the stdout row and metrics.jsonl with their tensorboard/wandb mirrors (`metrics`), Miles'
 custom log functions (`log_hooks`), torch.profiler windows (`profiler`), the Prometheus

@@ -1,4 +1,4 @@
-"""Getting the trainer's weights to the engines (DESIGN.md section 5), trainer rank 0's side.
+"""Getting the trainer's weights to the engines (docs/weight-sync.md), trainer rank 0's side.
 
 Owns the coordinator handshake (`sync`: pause, route, push, serve; `delivery`: every engine
 its buckets by its route; `engines`: what is known of each engine; `calls`: the engines'

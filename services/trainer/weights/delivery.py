@@ -76,9 +76,10 @@ class Delivery:
         done = await asyncio.gather(*(s.send(push, on[s], take(on[s])) for s in self.senders))
         synced = [u for part in done for u in part]
         group = on[self.group]
-        moved = [u for u in engines if u in book.moved_to_group and u not in group]
+        in_group = set(group)
+        moved = [u for u in engines if u in book.moved_to_group and u not in in_group]
         if moved:  # their tensor update could not open the handle: the group's now
-            synced = [u for u in synced if u not in group]
+            synced = [u for u in synced if u not in in_group]
             synced += await self.group.send(push, group + moved, take(group + moved))
         if opened:
             failed = await sglang_format.close_sessions(calls, opened)

@@ -1,4 +1,4 @@
-"""Weight sync: the coordinator handshake of DESIGN.md section 5, trainer rank 0's side.
+"""Weight sync: the coordinator handshake of docs/weight-sync.md, trainer rank 0's side.
 
     engines = router GET /list_workers (after POST /add_worker for engines asking to join)
     1. pause    every engine: /pause_generation {mode: --pause-mode}                 concurrently
@@ -414,14 +414,15 @@ class WeightSync:
         if await self.readmit():  # the router restarted: it lists what it knew again
             listed = await router.engines()
         engines = sorted(listed)
+        known_now, listed_now = set(known), set(engines)  # sets: a fleet is hundreds of engines
         if pause:
             failed |= await calls.each(
-                [u for u in engines if u not in known], "/pause_generation", body
+                [u for u in engines if u not in known_now], "/pause_generation", body
             )
-        gone = [u for u in known if u not in engines]
+        gone = [u for u in known if u not in listed_now]
         if gone:  # left routing since the last sync: do not leave them paused (best effort)
             await calls.each(gone, "/continue_generation", lambda _i, _u: {})
-        failed = {u: why for u, why in failed.items() if u in engines}
+        failed = {u: why for u, why in failed.items() if u in listed_now}
         engines = await self._remove(router, engines, failed, report)
         report.add_time("pause", time.monotonic() - start)
         log.info(
@@ -475,7 +476,8 @@ class WeightSync:
             router.set_version(str(report.version), engines),
             calls.each(engines if paused else [], "/continue_generation", lambda _i, _u: {}),
         )
-        late = [u for u in engines if u not in eligible]
+        routed = set(eligible)
+        late = [u for u in engines if u not in routed]
         if late:
             log.warning("weight sync v%d: router does not route to %s yet", report.version, late)
         engines[:] = await self._remove(router, engines, failed, report)

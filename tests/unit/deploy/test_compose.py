@@ -158,7 +158,7 @@ def test_each_service_command_parses_with_millstreams_own_cli(tmp_path):
         "trainer:trainer-gpu",
         "trainer:trainer-colocated",
     }
-    # Workers get only --redis-url and --run-id (DESIGN.md): the rest is the run config's;
+    # Workers get only --redis-url and --run-id (docs/architecture.md): the rest is the run config's;
     # --metrics-port is about the process, not the run.
     for worker in ("rollout", "reward"):
         flags = services[worker]["command"][2:]

@@ -1,4 +1,4 @@
-"""The package layout of DESIGN.md section 2, and the light imports STYLE.md asks for."""
+"""The package layout (docs/architecture.md), and light imports."""
 
 from __future__ import annotations
 
@@ -188,3 +188,51 @@ def test_help_imports_nothing_heavy():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"--help imported {proc.stderr}"
     assert "train-async" in proc.stdout
+
+
+def _layout_entries() -> dict[str, str]:
+    """docs/architecture.md's Layout block, services/ part: folder -> the text beside it
+    (continuation lines included), folders by their indentation under services/."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    stack: list[str] = []
+    current = None
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        entry = re.match(r"^( +)([a-z_]+(?:/[a-z_]+)*)/(\s+|$)(.*)", line)
+        if entry and indent >= 2:
+            depth = indent // 2 - 1
+            stack = [*stack[:depth], entry.group(2)]
+            current = "/".join(stack)
+            entries[current] = entry.group(4)
+        elif line.startswith(" ") and current is not None:
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def test_the_layout_in_the_docs_is_the_tree():
+    """Every package under services/ has its line in docs/architecture.md's Layout, and that
+    line names each of its modules: a module added, moved or removed changes the doc too."""
+    entries = _layout_entries()
+    services = REPO / "services"
+    packages = {
+        str(init.parent.relative_to(services))
+        for init in services.rglob("__init__.py")
+        if init.parent != services
+    }
+    assert set(entries) == packages, (
+        f"folders in the doc but not the tree: {sorted(set(entries) - packages)}; "
+        f"in the tree but not the doc: {sorted(packages - set(entries))}"
+    )
+    unnamed = {
+        folder: [
+            p.stem
+            for p in sorted((services / folder).glob("*.py"))
+            if p.stem != "__init__" and not re.search(rf"\b{p.stem}\b", text)
+        ]
+        for folder, text in entries.items()
+    }
+    assert not any(unnamed.values()), {f: names for f, names in unnamed.items() if names}
