@@ -22,7 +22,7 @@ from .harness import Row
 
 FULL: dict[str, Callable[[Path, Path], Row]] = {
     "workers_killed": lambda w, m: scenarios.workers_killed(w, m, iterations=1500, every_s=10.0),
-    "engine_killed": lambda w, m: scenarios.engine_killed(w, m, iterations=300, kills=3),
+    "engine_killed": lambda w, m: scenarios.engine_killed(w, m, iterations=600, kills=3),
     "trainer_killed": lambda w, m: scenarios.trainer_killed(w, m, iterations=120, save_interval=30),
     "redis_restarted": lambda w, m: scenarios.redis_restarted(w, m, iterations=300, restarts=3),
     "poison": lambda w, m: scenarios.poison(w, m, iterations=150, entries=30),

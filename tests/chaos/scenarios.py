@@ -92,7 +92,10 @@ def engine_killed(
         trainer = d.start_trainer(iterations)
         victim = d.engines[1]
         for k in range(kills):
-            # Early enough that the run outlasts the restarted engine's boot (~5-10 s).
+            # Early enough that the run outlasts the restarted engine's boot (~5-10 s). The
+            # trainer goes on while a restarted engine boots and joins (~100 iterations of
+            # the tiny model on 2 cores): the full suite runs 600 for 3 kills, or the last
+            # restart would still be booting when the run ends.
             at = first_at if first_at and k == 0 else (k + 1) * iterations // (4 * kills)
             d.wait_iterations(max(2, at), trainer)
             # Both engines routed first: an engine slow to boot (a busy machine) may join
