@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_router import Conn  # noqa: E402
 from fleet_engine import LatencyModel, model_argv  # noqa: E402
-from proctree import cpu_seconds, machine, machine_seconds  # noqa: E402
+from proctree import RoleSampler, git_commit, machine  # noqa: E402
 
 from tests.support.fleet import FleetProcess  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
@@ -62,65 +61,6 @@ from tests.support.worker_procs import WorkerProcs  # noqa: E402
 
 ROLES = ("router", "rollout", "reward", "trainer", "redis", "fleet (sim)")
 MILLSTREAM_ROLES = ROLES[:5]
-
-
-class PidSampler:
-    """CPU seconds per role of given pids, sampled every `every_s` in a thread; `between`
-    interpolates two instants. A pid that exits keeps its last sample."""
-
-    def __init__(self, every_s: float = 0.2):
-        self.every_s = every_s
-        self.pids: dict[int, str] = {}
-        self.times: list[float] = []
-        self.samples: list[dict[str, float]] = []
-        self._last: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="pid-sampler")
-
-    def add(self, pid: int, role: str) -> None:
-        self.pids[pid] = role
-
-    def start(self) -> PidSampler:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.every_s)
-        self.sample()
-
-    def sample(self) -> None:
-        for pid in list(self.pids):
-            cpu = cpu_seconds(pid)
-            if cpu is not None:
-                self._last[pid] = cpu
-        by_role: dict[str, float] = {}
-        for pid, cpu in self._last.items():
-            by_role[self.pids[pid]] = by_role.get(self.pids[pid], 0.0) + cpu
-        by_role["(machine)"] = machine_seconds()["(machine)"]
-        self.times.append(time.time())
-        self.samples.append(by_role)
-
-    def at(self, t: float) -> dict[str, float]:
-        import bisect
-
-        i = bisect.bisect_right(self.times, t)
-        if i == 0:
-            return dict(self.samples[0])
-        if i == len(self.times):
-            return dict(self.samples[-1])
-        t0, t1 = self.times[i - 1], self.times[i]
-        a, b, w = self.samples[i - 1], self.samples[i], (t - t0) / (t1 - t0)
-        return {r: a.get(r, 0.0) + w * (b.get(r, 0.0) - a.get(r, 0.0)) for r in a.keys() | b}
-
-    def between(self, t0: float, t1: float) -> dict[str, float]:
-        a, b = self.at(t0), self.at(t1)
-        return {r: b.get(r, 0.0) - a.get(r, 0.0) for r in b}
 
 
 @dataclass
@@ -191,7 +131,7 @@ def measure_row(n: int, args: argparse.Namespace, model: LatencyModel, tmp: Path
     row = Row(engines=n)
     work = tmp / f"n{n}"
     work.mkdir()
-    sampler = PidSampler()
+    sampler = RoleSampler(every_s=0.2)
     started: list = []
     redis = RedisServer(work)
     started.append(redis)
@@ -274,8 +214,7 @@ def measure_row(n: int, args: argparse.Namespace, model: LatencyModel, tmp: Path
             row.sync_cpu = {role: used.get(role, 0.0) / len(syncs) for role in ROLES}
         return row
     finally:
-        if sampler._thread.is_alive():
-            sampler.stop()
+        sampler.stop()
         for thing in reversed(started):
             if isinstance(thing, subprocess.Popen):
                 if thing.poll() is None:
@@ -442,18 +381,6 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([vars(r) for r in rows], indent=1))
     return 0
-
-
-def git_commit() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip()
-            or "?"
-        )
-    except OSError:
-        return "?"
 
 
 if __name__ == "__main__":

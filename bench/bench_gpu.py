@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -87,6 +86,7 @@ from gpu_bench_util import (  # noqa: E402
     peak_gb,
     progress,
 )
+from proctree import git_commit  # noqa: E402
 
 SECTIONS = ("train", "engine", "sync", "run")
 QWEN2_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -368,24 +368,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.batch % min(GROUP, args.batch) or args.seq_len < 4:
         parser.error(f"--batch must be a multiple of {GROUP} (or less), --seq-len >= 4")
     return args
-
-
-def git_commit() -> str:
-    """`git rev-parse --short HEAD`, with +dirty when the tree has changes; where there is no
-    git or no .git (a copied tree on a GPU machine), $MILLSTREAM_COMMIT, else "unknown"."""
-
-    def git(*argv: str) -> str | None:
-        try:
-            proc = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  check=False, timeout=30)  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return proc.stdout.strip() if proc.returncode == 0 else None
-
-    head = git("rev-parse", "--short", "HEAD")
-    if not head:
-        return os.environ.get("MILLSTREAM_COMMIT") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain") else "")
 
 
 def resources(args: argparse.Namespace, params: int | None) -> dict[str, Any]:

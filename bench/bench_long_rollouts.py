@@ -40,8 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_fleet import PidSampler, git_commit  # noqa: E402
-from proctree import machine  # noqa: E402
+from proctree import RoleSampler, git_commit, machine  # noqa: E402
 
 from tests.support.fleet import FleetProcess  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
@@ -212,7 +211,7 @@ def measure_row(tokens: int, groups: int, args: argparse.Namespace, tmp: Path) -
     work = tmp / f"t{tokens}"
     work.mkdir()
     started: list = []
-    sampler = PidSampler()  # sampled by hand, before and after the groups (no thread)
+    sampler = RoleSampler()  # sampled by hand, before and after the groups (no thread)
     try:
         redis = RedisServer(work)
         started.append(redis)

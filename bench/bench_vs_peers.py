@@ -102,7 +102,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peers_task as task  # noqa: E402
-from proctree import MACHINE, STEAL, CpuSampler, cpu_list, machine  # noqa: E402
+from proctree import MACHINE, STEAL, CpuSampler, cpu_list, git_commit, machine  # noqa: E402
 
 PEERS = {
     "ref": "reference loop",
@@ -967,17 +967,6 @@ def print_goals(config: str, goals: list[tuple]) -> None:
         print(f"  {name:<36} {target:>22} {measured:>28}  {'met' if met else 'NOT met'}")
         if note:
             print(f"      {note}")
-
-
-def git_commit() -> str:
-    """`git rev-parse --short HEAD`, with +dirty when the tree has changes."""
-
-    def git(*argv: str) -> str:
-        return subprocess.run(
-            ["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain") else "")
 
 
 def resources(cpus: list[int], device: str) -> dict[str, Any]:

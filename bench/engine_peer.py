@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine_load import Load, burst, engine_run, prompts
-from proctree import children, cpu_seconds, machine, machine_seconds, name_of
+from proctree import children, cpu_seconds, git_commit, machine, machine_seconds, name_of
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BURST_N = 8
@@ -204,16 +204,6 @@ def parameters(model_dir: Path) -> int:
     return total
 
 
-def commit() -> str:
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO_ROOT), *argv], capture_output=True,
-                              text=True, check=False).stdout.strip()  # fmt: skip
-
-    return git("rev-parse", "--short", "HEAD") + (
-        " + uncommitted" if git("status", "--porcelain") else ""
-    )
-
-
 def run(args) -> int:
     from millstream.common.threads import pool_env
     from tests.sglang_live.server import CPU_SGLANG_ARGS, LiveSglang
@@ -273,7 +263,9 @@ def run(args) -> int:
             sglang.stop()
 
     check_same_work(args, rounds)
-    print(f"machine: {machine()}; commit {commit()}; SGLang {version.stdout.strip()} from {python}")
+    print(
+        f"machine: {machine()}; commit {git_commit()}; SGLang {version.stdout.strip()} from {python}"
+    )
     print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, 8k context, "
           f"~{params / 1e6:.1f}M parameters, fp32; {args.prompt_tokens}-token prompts; "
           f"{args.threads} compute thread(s) each; --max-running-requests "

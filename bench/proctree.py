@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import os
 import platform
+import subprocess
 import threading
 import time
 from collections.abc import Iterable
@@ -97,56 +98,49 @@ def cpu_seconds(pid: int) -> float | None:
     return None if fields is None else (int(fields[11]) + int(fields[12])) * TICK_S
 
 
-class CpuSampler:
-    """Cumulative CPU seconds per role of `pid`'s tree, sampled every `every_s` in a thread,
-    with the busy and stolen seconds of `cpus` (the ones the tree is pinned to; None: all).
+class RoleSampler:
+    """Cumulative CPU seconds per role of the pids it is given (`add`), sampled every
+    `every_s` in a thread, with the busy and stolen seconds of `cpus` (None: all); `at` and
+    `between` interpolate two samples. A pid that exits keeps its last reading."""
 
-    The tree is rescanned every sample for the first `discover_s` seconds (services start),
-    then every `rescan_every` samples, which keeps the sampler's own cost near 1 ms a sample.
-    """
-
-    def __init__(
-        self,
-        pid: int,
-        every_s: float = 0.1,
-        discover_s: float = 5.0,
-        cpus: Iterable[int] | None = None,
-    ):
-        self.pid, self.every_s, self.discover_s = pid, every_s, discover_s
+    def __init__(self, every_s: float = 0.1, cpus: Iterable[int] | None = None):
+        self.every_s = every_s
         self.cpus = None if cpus is None else sorted(cpus)
-        self.rescan_every = 10
         self.times: list[float] = []  # time.time() of each sample
         self.samples: list[dict[str, float]] = []  # role -> CPU seconds so far, per sample
-        self._pids: dict[int, str] = {pid: role_of(pid)}
+        self._pids: dict[int, str] = {}
         self._last: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
 
-    def start(self) -> CpuSampler:
+    def add(self, pid: int, role: str) -> None:
+        self._pids[pid] = role
+
+    def start(self) -> RoleSampler:
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+
+    def _discover(self, since_start_s: float, n: int) -> None:
+        """Before each sample: find pids of its own (a subclass's)."""
 
     def _run(self) -> None:
         start, n = time.monotonic(), 0
         while not self._stop.is_set():
-            discovering = time.monotonic() - start < self.discover_s
-            if discovering or n % self.rescan_every == 0:
-                for pid in [self.pid, *children(self.pid)]:
-                    if discovering or pid not in self._pids:  # a fork may not have exec'd yet
-                        role = role_of(pid)
-                        if role not in ("?", ""):  # gone, or a zombie
-                            self._pids[pid] = role
-            self._sample()
+            self._discover(time.monotonic() - start, n)
+            self.sample()
             n += 1
             self._stop.wait(self.every_s)
-        self._sample()
+        self.sample()
 
-    def _sample(self) -> None:
-        for pid in self._pids:
+    def sample(self) -> None:
+        """One reading now (the thread calls it every `every_s`; a caller without the thread
+        may call it by hand)."""
+        for pid in list(self._pids):
             cpu = cpu_seconds(pid)
             if cpu is not None:
                 self._last[pid] = cpu
@@ -175,6 +169,35 @@ class CpuSampler:
         return {r: b.get(r, 0.0) - a.get(r, 0.0) for r in b}
 
 
+class CpuSampler(RoleSampler):
+    """A RoleSampler over `pid`'s process tree, each process's role by its name.
+
+    The tree is rescanned every sample for the first `discover_s` seconds (services start),
+    then every `rescan_every` samples, which keeps the sampler's own cost near 1 ms a sample.
+    """
+
+    def __init__(
+        self,
+        pid: int,
+        every_s: float = 0.1,
+        discover_s: float = 5.0,
+        cpus: Iterable[int] | None = None,
+    ):
+        super().__init__(every_s, cpus)
+        self.pid, self.discover_s = pid, discover_s
+        self.rescan_every = 10
+        self.add(pid, role_of(pid))
+
+    def _discover(self, since_start_s: float, n: int) -> None:
+        discovering = since_start_s < self.discover_s
+        if discovering or n % self.rescan_every == 0:
+            for pid in [self.pid, *children(self.pid)]:
+                if discovering or pid not in self._pids:  # a fork may not have exec'd yet
+                    role = role_of(pid)
+                    if role not in ("?", ""):  # gone, or a zombie
+                        self._pids[pid] = role
+
+
 # -- the machine -----------------------------------------------------------------------------
 
 
@@ -197,6 +220,24 @@ def machine() -> dict[str, object]:
         "cores_usable": len(os.sched_getaffinity(0)),
         "memory_gib": round(kib / 2**20, 1),
     }
+
+
+def git_commit() -> str:
+    """`git rev-parse --short HEAD`, with +dirty when the tree has changes; where there is no
+    git or no .git (a copied tree on a GPU machine), $MILLSTREAM_COMMIT, else "unknown"."""
+
+    def git(*argv: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", *argv], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                                  check=False, timeout=30)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return os.environ.get("MILLSTREAM_COMMIT") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain") else "")
 
 
 def cpu_list(cpus: Iterable[int]) -> str:

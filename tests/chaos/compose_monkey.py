@@ -34,7 +34,7 @@ from collections.abc import Callable
 from tests.support.router_proc import ROOT
 
 from .harness import RunResult
-from .monkey import EVAL_BAND, STALL_BOUND_S, MonkeyRun, problems, schedule, table
+from .monkey import EVAL_BAND, STALL_BOUND_S, MonkeyRun, commit, problems, schedule, table
 
 COMPOSE = ROOT / "deploy" / "compose" / "compose.sh"
 SERVICES = ("redis", "router", "engine", "rollout", "reward", "trainer")
@@ -223,11 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in problems(run, clean):
             print(f"[monkey] seed {seed}: {line}", flush=True)
     print(table(rows, faults="container faults (crash/pause)"))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
     print(
-        f"under compose; stall bound {STALL_BOUND_S:g} s; eval band +-{EVAL_BAND:g}; commit {commit}"
+        f"under compose; stall bound {STALL_BOUND_S:g} s; eval band +-{EVAL_BAND:g}; "
+        f"commit {commit()}"
     )
     return 0 if all(not problems(r, c) for r, c in rows) else 1
 

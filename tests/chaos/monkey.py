@@ -316,11 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         for line in problems(run, clean):
             print(f"[monkey] seed {seed}: {line}", flush=True)
     print(table(rows))
-    print(f"stall bound {STALL_BOUND_S:g} s; eval band +-{EVAL_BAND:g}; commit {_commit()}")
+    print(f"stall bound {STALL_BOUND_S:g} s; eval band +-{EVAL_BAND:g}; commit {commit()}")
     return 0 if all(not problems(r, c) for r, c in rows) else 1
 
 
-def _commit() -> str:
+def commit() -> str:
+    """The short hash of HEAD, "?" without git."""
     try:
         return (
             subprocess.run(

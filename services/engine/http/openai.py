@@ -220,16 +220,11 @@ async def completions(req: CompletionReqIn, request: Request) -> Any:
         raise RequestError("best_of: only best_of == n is supported")
     prompts = _completion_prompts(core, req.prompt)
     job = _job(core, prompts, req.sampling(req.max_tokens), req.logprobs is not None)
-    meta = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "created": int(time.time()),
-        "model": core.config.model_name,
-    }
-    submit(core, job)
-    if req.stream:
-        chunks = _stream(core, job, req, meta, "text_completion", _completion_delta)
-        return StreamingResponse(chunks, media_type="text/event-stream")
-    await wait_done(core, job, request.receive)
+    meta, streaming = await _run(
+        core, job, req, request, "cmpl", "text_completion", _completion_delta
+    )
+    if streaming is not None:
+        return streaming
     choices = []
     for i, item in enumerate(job.items):
         choice = {
@@ -248,16 +243,11 @@ async def chat_completions(req: ChatReqIn, request: Request) -> Any:
     prompt = _chat_prompt(core, req)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     job = _job(core, [prompt], req.sampling(max_new), req.logprobs)
-    meta = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "created": int(time.time()),
-        "model": core.config.model_name,
-    }
-    submit(core, job)
-    if req.stream:
-        chunks = _stream(core, job, req, meta, "chat.completion.chunk", _chat_delta)
-        return StreamingResponse(chunks, media_type="text/event-stream")
-    await wait_done(core, job, request.receive)
+    meta, streaming = await _run(
+        core, job, req, request, "chatcmpl", "chat.completion.chunk", _chat_delta
+    )
+    if streaming is not None:
+        return streaming
     choices = []
     for i, item in enumerate(job.items):
         message = {"role": "assistant", "content": output_text(core.tokenizer, item.seq)}
@@ -270,6 +260,30 @@ async def chat_completions(req: ChatReqIn, request: Request) -> Any:
             }
         )
     return {**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)}
+
+
+async def _run(
+    core: EngineCore,
+    job: Job,
+    req: Any,
+    request: Request,
+    id_prefix: str,
+    chunk_kind: str,
+    delta_of: Any,
+) -> tuple[dict[str, Any], StreamingResponse | None]:
+    """Submit the job; a streamed request gets its SSE response back at once, any other waits
+    until the job is done (or the client leaves). The answer's id, created time and model."""
+    meta = {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": core.config.model_name,
+    }
+    submit(core, job)
+    if req.stream:
+        chunks = _stream(core, job, req, meta, chunk_kind, delta_of)
+        return meta, StreamingResponse(chunks, media_type="text/event-stream")
+    await wait_done(core, job, request.receive)
+    return meta, None
 
 
 def _completion_delta(

@@ -92,65 +92,25 @@ def test_abbreviated_flag_is_not_accepted(tmp_path):
     assert proc.returncode == 2
 
 
+# The flags a train command needs, in the order its checks ask for them.
+_BASE = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rm-type", "math"]
+_ONE = [*_BASE, "--num-rollout", "1"]
+_SAMPLES_1 = ["--n-samples-per-prompt", "1"]
+
+
 @pytest.mark.parametrize(
     ("missing", "flags"),
     [
         ("--hf-checkpoint", []),
-        ("--prompt-data", ["--hf-checkpoint", "m"]),
-        ("--rm-type", ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]),
-        (
-            "--num-rollout",
-            ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rm-type", "math"],
-        ),
-        (
-            "--critic-load",
-            [
-                "--hf-checkpoint",
-                "m",
-                "--prompt-data",
-                "p.jsonl",
-                "--rm-type",
-                "math",
-                "--num-rollout",
-                "1",
-                "--advantage-estimator",
-                "ppo",
-                "--critic-load",
-                "nowhere",
-            ],
-        ),
+        ("--prompt-data", _BASE[:2]),
+        ("--rm-type", _BASE[:4]),
+        ("--num-rollout", _BASE),
+        ("--critic-load", [*_ONE, "--advantage-estimator", "ppo", "--critic-load", "nowhere"]),
         (
             "--n-samples-per-prompt",
-            [
-                "--hf-checkpoint",
-                "m",
-                "--prompt-data",
-                "p.jsonl",
-                "--rm-type",
-                "math",
-                "--num-rollout",
-                "1",
-                "--advantage-estimator",
-                "reinforce_plus_plus_baseline",
-                "--n-samples-per-prompt",
-                "1",
-            ],
+            [*_ONE, "--advantage-estimator", "reinforce_plus_plus_baseline", *_SAMPLES_1],
         ),
-        (
-            "--opd-teacher-url",
-            [
-                "--hf-checkpoint",
-                "m",
-                "--prompt-data",
-                "p.jsonl",
-                "--rm-type",
-                "math",
-                "--num-rollout",
-                "1",
-                "--advantage-estimator",
-                "on_policy_distillation",
-            ],
-        ),
+        ("--opd-teacher-url", [*_ONE, "--advantage-estimator", "on_policy_distillation"]),
     ],
 )
 def test_trainer_names_the_flag_it_needs(tmp_path, missing, flags):
