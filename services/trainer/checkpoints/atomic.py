@@ -20,7 +20,10 @@ included, so a held lock is a live writer (the other trainer of the run, another
 process the writer forked while saving, which shares its lock while it lives: that temp dir
 waits for a later start).
 Everything is a rename that happens whole or not at all; when two processes race for one
-name, the loser's rename fails and it tries again.
+name, the loser's rename fails and it tries again. A rename is only as durable as what it
+names: every file and dir of the temp dir is flushed to disk (fsync) before it becomes NAME, and
+the parent dir after, so that a machine that loses power right after a save (its tracker on
+disk, naming NAME) never comes back with NAME's files empty or short.
 """
 
 from __future__ import annotations
@@ -74,9 +77,11 @@ def write_dir(
         try:
             tmp.mkdir()
             fill(tmp)
+            _fsync_tree(tmp)
             if before_commit is not None:
                 before_commit()
             _rename_into_place(tmp, final)
+            _fsync_dir(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -96,9 +101,35 @@ def write_text(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file under `root`, then every dir, on disk (the module docstring)."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    """A dir's entries on disk; a file system that cannot sync a dir (EINVAL on some network
+    and FUSE mounts) is left to its own guarantees."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _rename_into_place(tmp: Path, final: Path) -> None:

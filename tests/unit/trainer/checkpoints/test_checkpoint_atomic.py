@@ -204,3 +204,31 @@ def test_a_tracker_is_never_half_written(tmp_path):
     atomic.write_text(path, "3")
     atomic.write_text(path, "12")
     assert path.read_text() == "12" and _entries(tmp_path) == [checkpoint.LATEST]
+
+
+def test_a_checkpoint_is_on_disk_before_its_name_and_its_tracker(tmp_path, monkeypatch):
+    """Each file and dir of the new iteration fsynced before the rename makes it the iteration,
+    the parent dir after it, and the tracker (naming it) after that: a power loss never leaves
+    a tracker naming a dir whose files the page cache lost."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst) -> None:
+        events.append(("rename", str(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    final = _save(tmp_path, 3, "first")
+    renamed = events.index(("rename", str(final)))
+    synced = [Path(path) for kind, path in events[:renamed] if kind == "fsync"]
+    (temp,) = {p for p in synced if p.name.startswith(final.name + atomic.SAVING)}
+    inside = {p.relative_to(temp) for p in synced if p.is_relative_to(temp) and p != temp}
+    assert inside == {p.relative_to(final) for p in final.rglob("*")}
+    after = [Path(path) for kind, path in events[renamed:] if kind == "fsync"]
+    assert after[0] == tmp_path  # the rename itself
+    assert after[-1] == tmp_path and any(p.name.startswith(checkpoint.LATEST) for p in after)
