@@ -81,14 +81,34 @@ def _tokenizer(path: str, chat_template_path: str | None = None) -> Any:
 
 
 def master_address(cfg: RunConfig) -> str:
-    """Where engines reach rank 0's weight-update rendezvous: --weight-sync-master-address,
-    else loopback when the router is (one machine), else this host's address (compose)."""
+    """Where engines reach this trainer (rank 0's weight-update rendezvous and its Coordinator):
+    --weight-sync-master-address, else loopback when the router is (one machine), else this
+    host's address (compose)."""
     if cfg.sglang.weight_sync_master_address:
         return cfg.sglang.weight_sync_master_address
     host = urlsplit(cfg.service.router_url or "").hostname or "127.0.0.1"
-    if host in ("127.0.0.1", "localhost", "::1"):
+    if _loopback(host):
         return "127.0.0.1"
     return host_address()
+
+
+def _loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def loopback_warning(cfg: RunConfig, address: str) -> str | None:
+    """A run whose router is on another host while this host's name resolves to a loopback
+    address (Debian's /etc/hosts maps it to 127.0.1.1): engines elsewhere could reach neither
+    the Coordinator nor the rendezvous."""
+    router = urlsplit(cfg.service.router_url or "").hostname or "127.0.0.1"
+    if _loopback(router) or not _loopback(address):
+        return None
+    return (
+        f"[trainer] warning: this host's address resolves to {address}, a loopback address, "
+        f"while the router is at {router}: engines on other hosts cannot reach this trainer's "
+        "Coordinator or its weight-sync rendezvous; pass --weight-sync-master-address with an "
+        "address they can reach"
+    )
 
 
 def data_sources(
@@ -278,13 +298,16 @@ async def build_trainer(
         )
         port = await coordinator.start(cfg.service.coordinator_port)
         closers.append(coordinator.stop)
-        address = await coordinator.advertise(redis, port)
+        here = master_address(cfg)
+        address = await coordinator.advertise(redis, port, here)
         print(f"[trainer] coordinator (gRPC) at {address}", flush=True)
+        if (warning := loopback_warning(cfg, here)) is not None:
+            print(warning, flush=True)
         sync = WeightSync(
             cfg.service.router_url, admin_token=cfg.service.admin_token, pause_mode=cfg.sglang.pause_mode,
             bucket_bytes=cfg.sglang.update_weight_buffer_size, timeout_s=cfg.sglang.weight_sync_timeout,
             load_format=None if cfg.sglang.weight_sync_format == "per_tensor" else "flattened_bucket",
-            master_address=master_address(cfg), transport=cfg.sglang.update_weight_transport,
+            master_address=here, transport=cfg.sglang.update_weight_transport,
             disk_dir=cfg.sglang.update_weight_disk_dir or Path(cfg.run_dir) / "weight_updates",
             placements=placements, stall_timeout_s=cfg.service.stall_timeout,
         )  # fmt: skip

@@ -96,8 +96,9 @@ class SglangConfig:
     weight_sync_timeout: float = flag(120.0, "seconds for each step of the weight sync")
     weight_sync_master_address: str | None = flag(
         None,
-        "address engines reach the trainer's weight-update rendezvous at (default: 127.0.0.1 "
-        "when the router is on loopback, else this host's address)",
+        "address engines reach the trainer at, for its weight-update rendezvous and its "
+        "Coordinator (default: 127.0.0.1 when the router is on loopback, else this host's "
+        "address)",
     )
     update_weight_transport: str = flag(
         AUTO,

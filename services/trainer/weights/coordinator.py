@@ -222,10 +222,11 @@ class Coordinator(services_pb2_grpc.CoordinatorServicer):
         )
         return bound
 
-    async def advertise(self, redis: Any, port: int) -> str:
-        """Publish where engines reach this service ({run}:coordinator = host:port): this
-        host's address as other hosts see it, and the port from --coordinator-port."""
-        address = self.address = f"{host_address()}:{port}"
+    async def advertise(self, redis: Any, port: int, host: str | None = None) -> str:
+        """Publish where engines reach this service ({run}:coordinator = host:port): `host`,
+        else this host's address as other hosts see it, and the port from --coordinator-port
+        (it listens on every interface)."""
+        address = self.address = f"{host or host_address()}:{port}"
         if redis is not None:
             await redis.set(RunKeys(self.run_id).coordinator, address)
         return address
