@@ -48,6 +48,7 @@ from tests.support.router_proc import ServiceProcess  # noqa: E402
 from tests.support.worker_procs import WorkerProcs  # noqa: E402
 
 MB = 1e6
+GROUPS_TIMEOUT_S = 600.0  # a row's groups scored within this, else the bench says how far it got
 
 
 @dataclass
@@ -107,7 +108,7 @@ async def measure(row: Row, args: argparse.Namespace, redis_url: str, run_id: st
     from millstream.common.config import parse_run_config
     from millstream.common.keys import RunKeys
     from millstream.common.redis_conn import connect
-    from millstream.common.types import PromptGroup, SampleGroup, ScoredGroup
+    from millstream.common.types import PromptGroup, ScoredGroup
     from millstream.trainer.batch import build_samples
     from millstream.trainer.buffer import Buffer
 
@@ -126,7 +127,14 @@ async def measure(row: Row, args: argparse.Namespace, redis_url: str, run_id: st
         sampler.sample()
         t0 = time.time()
         await streams.publish_many(redis, keys.prompts, groups)
-        while await redis.xlen(keys.scored) < row.groups:
+        deadline = t0 + GROUPS_TIMEOUT_S
+        while (done := await redis.xlen(keys.scored)) < row.groups:
+            if time.time() > deadline:
+                dead = await redis.xlen(keys.dead)
+                raise RuntimeError(
+                    f"T={row.tokens}: {done} of {row.groups} groups scored after "
+                    f"{GROUPS_TIMEOUT_S:.0f} s ({dead} dead-lettered): see the service logs"
+                )
             await asyncio.sleep(0.02)
         t1 = time.time()
         await asyncio.sleep(0.2)  # the work after the last hand-off (its ack, a heartbeat)
@@ -148,15 +156,11 @@ async def measure(row: Row, args: argparse.Namespace, redis_url: str, run_id: st
                 usage += await redis.memory_usage(stream, samples=0)
         row.redis_usage = usage / row.groups
         data = (await redis.xrange(keys.scored, count=1))[0][1][b"data"]
-        generated = (await redis.xrange(keys.generated, count=1))[0][1][b"data"]
         scored = ScoredGroup.FromString(data)
         made = sum(len(s.response_token_ids) for s in scored.group.samples)
         assert made == row.n * row.tokens, (made, scored.reason, scored.group.failure_reason)
         row.decode_ms = _median_ms(lambda: ScoredGroup.FromString(data), args.reps)
         row.encode_ms = _median_ms(scored.SerializeToString, args.reps)
-        row.bytes["generated decode ms"] = _median_ms(
-            lambda: SampleGroup.FromString(generated), args.reps
-        )
         row.shares = field_shares(data)
         for level in (1, 6):
             packed = zlib.compress(data, level)

@@ -13,8 +13,10 @@ Spread: with more than SPREAD_BATCH workers, a round at `interval` checks them S
 a time, the batches spread evenly over the interval, instead of all at once: a round of 256
 checks at once held the router's event loop for tens of ms every interval, and every request
 that arrived meanwhile waited (the router's p99 grew with the fleet, bench/bench_fleet.py).
-Each worker is still checked once an interval. Fast rounds (nothing can take traffic) and the
-first round check every worker at once.
+Each batch starts at its slot whatever the earlier ones still wait for (silent workers in a
+partition), so each worker is still checked once an interval, and a round takes `interval` plus
+one batch's checks at most. Fast rounds (nothing can take traffic) and the first round check
+every worker at once.
 
 Invariant: one batch never takes longer than `timeout` (+ scheduling) per version path tried
 (three at most, once per worker), whatever the workers do, and a failing round never stops the
@@ -148,17 +150,24 @@ class HealthChecker:
                 log.exception("router: health-check round failed")
 
     async def spread_round(self) -> None:
-        """Every worker once, SPREAD_BATCH at a time, the batches spread over `interval`
-        (module docstring); over early when no worker can take traffic any more (then fast
-        rounds check them all at once)."""
+        """Every worker once, SPREAD_BATCH at a time, the batches started on a fixed timeline
+        over `interval` (module docstring): a batch of silent workers does not push the next
+        one back, so a round takes `interval` plus one batch's checks at most. Over early when
+        no worker can take traffic any more (then fast rounds check them all at once)."""
         workers = self.registry.all()
         batches = [workers[i : i + SPREAD_BATCH] for i in range(0, len(workers), SPREAD_BATCH)]
         gap = self.interval / max(1, len(batches))
-        for batch in batches:
-            await asyncio.sleep(gap)
-            if self.next_wait() < self.interval:
-                return
-            await asyncio.gather(*(self.check(w) for w in batch if self.registry.get(w.url) is w))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        async with asyncio.TaskGroup() as group:  # waits for every batch started; a cancel ends all
+            for k, batch in enumerate(batches):
+                await asyncio.sleep(max(0.0, start + (k + 1) * gap - loop.time()))
+                if self.next_wait() < self.interval:
+                    break
+                group.create_task(self._check_batch(batch))
+
+    async def _check_batch(self, batch: list[Worker]) -> None:
+        await asyncio.gather(*(self.check(w) for w in batch if self.registry.get(w.url) is w))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="router-health")

@@ -116,7 +116,8 @@ def _size(n: float) -> str:
 
 
 def prior_group_bytes(n_samples: int, max_response_len: int, prompt_len: int = 0) -> int:
-    """A group's wire size before any came back: every sample at its longest."""
+    """A group's wire size before any came back: every sample's prompt (`prompt_len`: the
+    longest the run knows of) and its response at their longest."""
     return n_samples * ((max_response_len + prompt_len) * BYTES_PER_TOKEN_PRIOR + 256)
 
 

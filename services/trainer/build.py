@@ -152,6 +152,15 @@ def data_sources(
     return train, evals
 
 
+def longest_prompt(cfg: RunConfig, source: PromptDataSource | PluginDataSource) -> int:
+    """A prompt's tokens at the most, for the byte bound's first guess (every sample carries
+    its prompt): the data set's longest, else --rollout-max-prompt-len, else 0 (a data
+    source plugin's prompts are not known before it hands them out)."""
+    if isinstance(source, PromptDataSource) and source.rows:
+        return max(len(row.prompt_token_ids) for row in source.rows)
+    return cfg.rollout.rollout_max_prompt_len or 0
+
+
 def num_rollouts(cfg: RunConfig, source: PromptDataSource | PluginDataSource) -> int:
     if cfg.rollout.num_rollout:
         return cfg.rollout.num_rollout
@@ -261,7 +270,9 @@ async def build_trainer(
     holder: dict[str, Trainer] = {}
     bound = None
     if cfg.service.max_buffer_bytes:  # the buffer's bytes, known once it exists (below)
-        prior = prior_group_bytes(r.n_samples_per_prompt, r.rollout_max_response_len)
+        prior = prior_group_bytes(
+            r.n_samples_per_prompt, r.rollout_max_response_len, longest_prompt(cfg, source)
+        )
         bound = ByteBound(
             cfg.service.max_buffer_bytes, prior, lambda: (buffer.held_bytes, buffer.held_groups)
         )

@@ -59,7 +59,7 @@ from opentelemetry import trace
 from millstream.common import aio, telemetry, tensor_share
 from millstream.common.errors import MillstreamError
 from millstream.common.http_pool import make_client
-from millstream.common.weight_routes import AUTO
+from millstream.common.weight_routes import AUTO, DISK, ROUTES
 
 from .calls import EngineCalls, Failure, SyncReport
 from .delivery import Delivery
@@ -129,6 +129,12 @@ class WeightSync:
             raise ValueError(f"load_format: {load_format!r} is not None or {FLATTENED_BUCKET!r}")
         if backend not in (None, *BACKENDS):
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS} (or None: by device)")
+        # The config turned the flag's spellings into one name (weight_routes.setting); a
+        # caller of its own passes that name: anything else would run as auto unsaid.
+        if transport != AUTO and transport not in ROUTES:
+            raise ValueError(f"transport: {transport!r} is not auto or one of {ROUTES}")
+        if transport == DISK and disk_dir is None:
+            raise ValueError("transport disk: disk_dir (--update-weight-disk-dir) is needed")
         self.router_url = router_url.rstrip("/")
         self.admin_token = admin_token
         self.pause_mode = pause_mode

@@ -235,3 +235,41 @@ def test_a_large_fleet_is_checked_in_batches_spread_over_the_interval():
     assert times[-1] - times[0] >= 0.3  # five batches, 0.1 s apart
     assert max(sum(1 for t in times if abs(t - u) < 0.01) for u in times) <= SPREAD_BATCH
     assert took < 1.5
+
+
+def test_silent_workers_do_not_push_the_next_batches_back():
+    """A batch whose workers do not answer (a partition: each check waits out its timeout)
+    leaves the later batches at their slots: the round takes `interval` plus one batch's
+    timeout at most, not a timeout per silent batch on top of the interval."""
+    import httpx
+
+    from millstream.router.health import SPREAD_BATCH, HealthChecker
+
+    checked: dict[str, float] = {}
+    silent = {f"w{i}" for i in range(2 * SPREAD_BATCH)}  # the first two batches
+    t0 = [0.0]
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        checked[request.url.host] = time.monotonic() - t0[0]
+        if request.url.host in silent:
+            await asyncio.sleep(0.4)  # the client's timeout, as a silent peer costs it
+            raise httpx.ReadTimeout("silent", request=request)
+        return httpx.Response(200)
+
+    async def scenario() -> tuple[float, Registry]:
+        reg = Registry()
+        for i in range(4 * SPREAD_BATCH + 1):
+            w, _ = reg.add(f"http://w{i}:1")
+            reg.record_success(w)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            checker = HealthChecker(reg, client, interval=0.5, timeout=0.4)
+            t0[0] = time.monotonic()
+            await checker.spread_round()
+            return time.monotonic() - t0[0], reg
+
+    took, reg = asyncio.run(scenario())
+    assert len(checked) == 4 * SPREAD_BATCH + 1
+    last = max(checked.values())  # the fifth batch's slot: 0.5 s (two silent batches before)
+    assert last < 0.7, sorted(checked.values())
+    assert took < 0.5 + 0.4 + 0.3, took
+    assert all(w.consecutive_failures == 1 for w in reg.all() if httpx.URL(w.url).host in silent)

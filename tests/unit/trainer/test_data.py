@@ -221,3 +221,23 @@ def test_a_miles_data_sources_label_keeps_its_json(tmp_path, tokenizer):
     resumed = PluginDataSource(cfg.rollout.data_source_path, cfg, tokenizer)
     resumed.load_state_dict(state)
     assert resumed.row(0) == row and resumed.row(1) == row2
+
+
+def test_the_byte_bounds_first_guess_counts_the_longest_prompt(tmp_path, tokenizer):
+    """--max-buffer-bytes' prior (build.longest_prompt): every sample carries its prompt, so
+    the first wave is sized with the data set's longest, or --rollout-max-prompt-len."""
+    from millstream.common.config import parse_run_config
+    from millstream.trainer import build
+    from millstream.trainer.admission import prior_group_bytes
+
+    path = tmp_path / "d.jsonl"
+    _write(path, [{"input": "1+1="}, {"input": "12+34+56+78="}])
+    src = PromptDataSource(path, tokenizer)
+    cfg = parse_run_config(["--rollout-batch-size", "2"], mode="sync")
+    longest = len(tokenizer("12+34+56+78=")["input_ids"])
+    assert (
+        build.longest_prompt(cfg, src) == longest == max(len(r.prompt_token_ids) for r in src.rows)
+    )
+    assert prior_group_bytes(8, 64, longest) > prior_group_bytes(8, 64)
+    flags = ["--rollout-batch-size", "2", "--rollout-max-prompt-len", "300"]
+    assert build.longest_prompt(parse_run_config(flags, mode="sync"), object()) == 300  # type: ignore[arg-type]

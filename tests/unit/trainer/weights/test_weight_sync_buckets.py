@@ -74,6 +74,11 @@ def test_bad_input_is_named():
         plan_buckets(named(1), max_bytes=0)
     with pytest.raises(ValueError, match="timeout_s"):
         WeightSync("http://router", timeout_s=0)
+    # A route's other spelling is the config's to resolve; here it would have run as auto.
+    with pytest.raises(ValueError, match="'group' is not auto or one of"):
+        WeightSync("http://router", transport="group")
+    with pytest.raises(ValueError, match="disk_dir"):
+        WeightSync("http://router", transport="disk")
 
 
 def test_backend_follows_the_tensors_device():
