@@ -205,12 +205,30 @@ def test_the_eligible_list_is_kept_until_what_decides_eligibility_changes():
     assert reg.eligible() == [a]
 
 
+async def _spread_round(answer, timeout: float) -> tuple[float, Registry]:
+    """One spread health round over 4 * SPREAD_BATCH + 1 healthy workers, each answered by
+    `answer` (an httpx MockTransport handler), interval 0.5 s: how long it took, the workers."""
+    import httpx
+
+    from millstream.router.health import SPREAD_BATCH, HealthChecker
+
+    reg = Registry()
+    for i in range(4 * SPREAD_BATCH + 1):
+        w, _ = reg.add(f"http://w{i}:1")
+        reg.record_success(w)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        checker = HealthChecker(reg, client, interval=0.5, timeout=timeout)
+        start = time.monotonic()
+        await checker.spread_round()
+        return time.monotonic() - start, reg
+
+
 def test_a_large_fleet_is_checked_in_batches_spread_over_the_interval():
     """Every worker once a round, SPREAD_BATCH at a time, not all in the same instant (a
     round of hundreds at once held the router's loop for tens of ms: bench/bench_fleet.py)."""
     import httpx
 
-    from millstream.router.health import SPREAD_BATCH, HealthChecker
+    from millstream.router.health import SPREAD_BATCH
 
     checked: dict[str, float] = {}
 
@@ -218,18 +236,7 @@ def test_a_large_fleet_is_checked_in_batches_spread_over_the_interval():
         checked[f"{request.url.host}"] = time.monotonic()
         return httpx.Response(200)
 
-    async def scenario() -> float:
-        reg = Registry()
-        for i in range(4 * SPREAD_BATCH + 1):
-            w, _ = reg.add(f"http://w{i}:1")
-            reg.record_success(w)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-            checker = HealthChecker(reg, client, interval=0.5, timeout=1.0)
-            start = time.monotonic()
-            await checker.spread_round()
-            return time.monotonic() - start
-
-    took = asyncio.run(scenario())
+    took, _ = asyncio.run(_spread_round(answer, timeout=1.0))
     assert len(checked) == 4 * SPREAD_BATCH + 1  # each worker once
     times = sorted(checked.values())
     assert times[-1] - times[0] >= 0.3  # five batches, 0.1 s apart
@@ -243,31 +250,20 @@ def test_silent_workers_do_not_push_the_next_batches_back():
     timeout at most, not a timeout per silent batch on top of the interval."""
     import httpx
 
-    from millstream.router.health import SPREAD_BATCH, HealthChecker
+    from millstream.router.health import SPREAD_BATCH
 
     checked: dict[str, float] = {}
     silent = {f"w{i}" for i in range(2 * SPREAD_BATCH)}  # the first two batches
-    t0 = [0.0]
+    t0 = time.monotonic()
 
     async def answer(request: httpx.Request) -> httpx.Response:
-        checked[request.url.host] = time.monotonic() - t0[0]
+        checked[request.url.host] = time.monotonic() - t0
         if request.url.host in silent:
             await asyncio.sleep(0.4)  # the client's timeout, as a silent peer costs it
             raise httpx.ReadTimeout("silent", request=request)
         return httpx.Response(200)
 
-    async def scenario() -> tuple[float, Registry]:
-        reg = Registry()
-        for i in range(4 * SPREAD_BATCH + 1):
-            w, _ = reg.add(f"http://w{i}:1")
-            reg.record_success(w)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-            checker = HealthChecker(reg, client, interval=0.5, timeout=0.4)
-            t0[0] = time.monotonic()
-            await checker.spread_round()
-            return time.monotonic() - t0[0], reg
-
-    took, reg = asyncio.run(scenario())
+    took, reg = asyncio.run(_spread_round(answer, timeout=0.4))
     assert len(checked) == 4 * SPREAD_BATCH + 1
     last = max(checked.values())  # the fifth batch's slot: 0.5 s (two silent batches before)
     assert last < 0.7, sorted(checked.values())
