@@ -3,7 +3,6 @@ answers, and a reward model that is down or broken, which fails the group (never
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -14,9 +13,8 @@ import pytest
 
 from millstream.common.config import parse_run_config
 from millstream.common.types import PromptGroup, Sample, SampleGroup, Verdict
-from millstream.reward.rewarder import Rewarder
-from millstream.reward.scorer import GroupScorer
 from tests.support.redis_server import free_port
+from tests.support.scoring import score_groups
 
 pytestmark = pytest.mark.integration
 
@@ -66,16 +64,7 @@ def score(url: str, groups: list[SampleGroup], *flags: str):
          "--rm-url", url, "--reward-timeout", "2", *flags],
         mode="async",
     )  # fmt: skip
-
-    async def go():
-        rewarder = Rewarder(cfg)
-        scorer = GroupScorer(cfg, rewarder)
-        try:
-            return [await scorer.score(g) for g in groups], scorer.stats
-        finally:
-            await rewarder.aclose()
-
-    return asyncio.run(go())
+    return score_groups(cfg, *groups)
 
 
 def make_group(gid: str, responses: list[str], label: str, metadata: str = "") -> SampleGroup:

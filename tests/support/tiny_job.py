@@ -1,10 +1,13 @@
 """The tiny arith-style job the e2e tests run through a real `millstream train`: its prompts
-and the flags every such run shares, so that a test states only what it changes."""
+and the flags every such run shares, so that a test states only what it changes; and the
+arith example's flags (`arith_flags`) for the checks that run before anything starts."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+ARITH = Path(__file__).resolve().parents[2] / "examples" / "arith"
 
 
 def write_prompts(path: Path, count: int = 40) -> Path:
@@ -35,3 +38,13 @@ def job_flags(
     if rm_type is not None:
         flags += ["--rm-type", rm_type]
     return [*flags, *extra]
+
+
+def arith_flags(*extra: str) -> list[str]:
+    """The arith example's flags that preflight cares about: a valid run of one rollout (no
+    run dir: for the checks that run before anything starts); `extra` comes last."""
+    return [
+        "--hf-checkpoint", str(ARITH / "model"), "--prompt-data", str(ARITH / "data" / "train.jsonl"),
+        "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact", "--num-rollout", "1",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", *extra,
+    ]  # fmt: skip

@@ -32,6 +32,7 @@ from millstream.common.config import (
 )
 from millstream.common.config.schema import _unwrap
 from millstream.trainer import main, preflight
+from tests.support.tiny_job import arith_flags
 
 REPO = Path(__file__).resolve().parents[3]
 SERVICES = REPO / "services"
@@ -171,15 +172,6 @@ def test_every_derived_flag_has_an_example():
 # -- refused: a non-default value exits 2 before anything starts, naming the flag -------------
 
 
-def _base(*extra: str) -> list[str]:
-    """The arith example's flags that preflight cares about: a valid run."""
-    return [
-        "--hf-checkpoint", str(ARITH / "model"), "--prompt-data", str(ARITH / "data" / "train.jsonl"),
-        "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact", "--num-rollout", "1",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", *extra,
-    ]  # fmt: skip
-
-
 def _not_default(name: str) -> list[str]:
     """The flag with a value other than its default, as a command line gives it."""
     _, cls, f = FIELDS[name]
@@ -215,7 +207,7 @@ def _exit_status(monkeypatch, argv: list[str]) -> int:
 
 @pytest.mark.parametrize("name", list(refusals.REFUSED))
 def test_each_refused_flag_exits_2_naming_it(monkeypatch, capsys, name):
-    argv = _base(*_not_default(name))
+    argv = arith_flags(*_not_default(name))
     assert _exit_status(monkeypatch, argv) == 2
     err = capsys.readouterr().err
     assert f"millstream train: error: {_flag(name)}" in err, err
@@ -234,7 +226,7 @@ def test_the_defaults_miles_scripts_spell_out_pass():
         "--seq-length", "4096", "--group-query-attention", "--no-offload-train",
         "--no-offload-rollout",
     ]  # fmt: skip
-    cfg = parse_run_config(_base(*spelled))
+    cfg = parse_run_config(arith_flags(*spelled))
     assert refusals.refused(cfg) == {}
     preflight.check(cfg)
 
@@ -242,7 +234,7 @@ def test_the_defaults_miles_scripts_spell_out_pass():
 def test_a_refused_flag_exits_2_through_the_cli_before_anything_starts(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "millstream.cli", "train", *_base("--attention-backend", "flash"), "--run-dir",
+        [sys.executable, "-m", "millstream.cli", "train", *arith_flags("--attention-backend", "flash"), "--run-dir",
          str(run_dir)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
@@ -254,7 +246,7 @@ def test_a_refused_flag_exits_2_through_the_cli_before_anything_starts(tmp_path)
 def test_several_refused_flags_are_named_in_one_message():
     flags = ["--attention-backend", "flash", "--tensor-model-parallel-size", "2",
              "--hidden-dropout", "0.1"]  # fmt: skip
-    cfg = parse_run_config(_base(*flags))
+    cfg = parse_run_config(arith_flags(*flags))
     with pytest.raises(ConfigError) as err:
         refusals.check(cfg)
     message = str(err.value)
@@ -341,7 +333,7 @@ def _model(tmp_path: Path, **changes) -> Path:
 
 
 def _cfg_with_model(model: Path, flags: list[str]):
-    argv = _base(*flags)
+    argv = arith_flags(*flags)
     argv[argv.index("--hf-checkpoint") + 1] = str(model)
     return parse_run_config(argv)
 
@@ -367,11 +359,11 @@ def test_a_matched_flag_passes_when_it_agrees_and_exits_2_when_not(tmp_path, nam
 
 def test_the_checkpoint_is_read_as_transformers_writes_it(tmp_path):
     """The arith model's config.json: rope_theta under rope_parameters, no head_dim."""
-    cfg = parse_run_config(_base("--rotary-base", "10000", "--kv-channels", "16",
+    cfg = parse_run_config(arith_flags("--rotary-base", "10000", "--kv-channels", "16",
                                  "--num-query-groups", "2", "--norm-epsilon", "1e-6"))  # fmt: skip
     refusals.check_model(cfg)
     with pytest.raises(ConfigError, match=r"^--rotary-base 1000000.0 .*rope_theta 10000"):
-        refusals.check_model(parse_run_config(_base("--rotary-base", "1000000")))
+        refusals.check_model(parse_run_config(arith_flags("--rotary-base", "1000000")))
     # a multimodal model: its language model's config; a key it lacks is not checked
     model = tmp_path / "vl"
     model.mkdir()
@@ -384,7 +376,7 @@ def test_the_checkpoint_is_read_as_transformers_writes_it(tmp_path):
 def test_a_disagreeing_model_flag_exits_2_through_preflight(monkeypatch, capsys, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(ARITH / "model", model)
-    argv = _base("--num-layers", "36")
+    argv = arith_flags("--num-layers", "36")
     argv[argv.index("--hf-checkpoint") + 1] = str(model)
     assert _exit_status(monkeypatch, argv) == 2
     err = capsys.readouterr().err
@@ -396,7 +388,7 @@ def test_miles_fully_async_with_train_runs_train_async(monkeypatch, capsys):
     modes = []
     monkeypatch.setattr(main, "_run_trainer", lambda cfg: modes.append(cfg.mode) or 0)
     monkeypatch.setattr(main, "_apply_cpu_budget", lambda cfg: None)
-    assert main.train(_base("--fully-async")) == 0
+    assert main.train(arith_flags("--fully-async")) == 0
     assert modes == ["async"]
     assert "--fully-async: running as millstream train-async" in capsys.readouterr().out
 
@@ -410,10 +402,12 @@ OPD_MISMATCHES = [
 @pytest.mark.parametrize(("flags", "error"), OPD_MISMATCHES)
 def test_miles_opd_type_is_checked_against_the_teacher_given(capsys, flags, error):
     with pytest.raises(SystemExit):
-        parse_run_config(_base("--use-opd", *flags))
+        parse_run_config(arith_flags("--use-opd", *flags))
     assert error in capsys.readouterr().err
-    parse_run_config(_base("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "t"))
-    parse_run_config(_base("--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://t"))
+    parse_run_config(arith_flags("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "t"))
+    parse_run_config(
+        arith_flags("--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://t")
+    )
 
 
 @pytest.mark.parametrize(
@@ -434,7 +428,7 @@ def test_miles_opd_type_is_checked_against_the_teacher_given(capsys, flags, erro
 )
 def test_a_miles_flag_millstream_lacks_exits_2_saying_whose_it_is_and_why(capsys, flags, said):
     with pytest.raises(SystemExit) as exit_info:
-        parse_run_config(_base(*flags))
+        parse_run_config(arith_flags(*flags))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"millstream train: error: {flags[0].split('=')[0]}" in err and said in err, err
@@ -442,7 +436,7 @@ def test_a_miles_flag_millstream_lacks_exits_2_saying_whose_it_is_and_why(capsys
 
 def test_every_unknown_flag_is_named_in_one_message(capsys):
     with pytest.raises(SystemExit):
-        parse_run_config(_base("--lora-rank", "8", "--debug-train-only", "--zzz"))
+        parse_run_config(arith_flags("--lora-rank", "8", "--debug-train-only", "--zzz"))
     err = capsys.readouterr().err
     assert "error: --lora-rank is LoRA" in err
     assert "also: --debug-train-only is Miles' own test and debug tooling" in err

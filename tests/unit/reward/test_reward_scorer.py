@@ -17,6 +17,7 @@ from millstream.compat.miles import make_args
 from millstream.reward.filters import check_no_aborted, check_reward_nonzero_std, resolve_filter
 from millstream.reward.rewarder import Rewarder
 from millstream.reward.scorer import GroupScorer
+from tests.support.scoring import score_groups
 
 PLUGINS = "tests.support.reward_plugins"
 
@@ -37,15 +38,7 @@ def make_group(responses, label="4", gid="g", **prompt):
 
 
 def score(cfg, *groups):
-    async def go():
-        rewarder = Rewarder(cfg)
-        scorer = GroupScorer(cfg, rewarder)
-        try:
-            return [await scorer.score(g) for g in groups], scorer.stats
-        finally:
-            await rewarder.aclose()
-
-    return asyncio.run(go())
+    return score_groups(cfg, *groups)
 
 
 def rewards(scored):

@@ -17,6 +17,7 @@ import pytest
 
 from millstream.common.config import ConfigError, checks, parse_run_config
 from millstream.trainer import preflight
+from tests.support.tiny_job import arith_flags
 
 REPO = Path(__file__).resolve().parents[3]
 ARITH = REPO / "examples" / "arith"
@@ -40,15 +41,6 @@ def old_reward(sample, cfg):
 
 NOT_A_FUNCTION = 3
 """
-
-
-def _base(*extra: str) -> list[str]:
-    """The arith example's flags that preflight cares about: a valid run."""
-    return [
-        "--hf-checkpoint", str(ARITH / "model"), "--prompt-data", str(ARITH / "data" / "train.jsonl"),
-        "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact", "--num-rollout", "1",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", *extra,
-    ]  # fmt: skip
 
 
 def _with(flags: list[str], flag: str, value: str) -> list[str]:
@@ -139,7 +131,7 @@ BAD = [
 
 
 def _argv(changes: list[tuple[str, str]]) -> list[str]:
-    argv = _base()
+    argv = arith_flags()
     for flag, value in changes:
         if not value:
             argv.append(flag)
@@ -162,7 +154,7 @@ def test_a_bad_flag_exits_2_naming_it_before_anything_starts(work, flag, changes
 def test_no_redis_server_on_path_names_redis_url(work):
     empty = work / "bin"
     empty.mkdir()
-    proc, run_dir = _cli(work, _base(), env={**os.environ, "PATH": str(empty)})
+    proc, run_dir = _cli(work, arith_flags(), env={**os.environ, "PATH": str(empty)})
     _assert_refused(proc, run_dir, "--redis-url")
     assert "redis-server is not on PATH" in proc.stderr
 
@@ -173,7 +165,11 @@ def test_no_redis_server_on_path_names_redis_url(work):
 def test_missing_tracking_package_names_the_flag_and_the_install(work, flag, package):
     """`make test` installs the track extra, so the package is hidden from the CLI's process
     (a None in sys.modules: find_spec says it is not there, and an import fails)."""
-    argv = [*_base(), flag] if flag == "--use-wandb" else [*_base(), flag, str(work / "tb")]
+    argv = (
+        [*arith_flags(), flag]
+        if flag == "--use-wandb"
+        else [*arith_flags(), flag, str(work / "tb")]
+    )
     run_dir = work / "run"
     hidden = (
         f"import sys; sys.modules[{package!r}] = None; sys.argv[0] = 'millstream'; "
@@ -199,7 +195,7 @@ def test_the_arith_example_passes_without_importing_torch():
         "import sys\n"
         "from millstream.common.config import parse_run_config\n"
         "from millstream.trainer import preflight\n"
-        f"preflight.check(parse_run_config({_base('--eval-prompt-data', 'arith', str(ARITH / 'data' / 'eval.jsonl'))!r}))\n"
+        f"preflight.check(parse_run_config({arith_flags('--eval-prompt-data', 'arith', str(ARITH / 'data' / 'eval.jsonl'))!r}))\n"
         "assert 'torch' not in sys.modules, 'preflight imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -208,24 +204,24 @@ def test_the_arith_example_passes_without_importing_torch():
 def test_what_a_run_may_start_from(work, monkeypatch):
     monkeypatch.chdir(work)
     # a --load dir that is not there yet, or has no latest file: a fresh start
-    preflight.check(_cfg(*_base("--load", str(work / "new"), "--save", str(work / "new"))))
-    preflight.check(_cfg(*_base("--load", str(work / "not_a_model"))))
+    preflight.check(_cfg(*arith_flags("--load", str(work / "new"), "--save", str(work / "new"))))
+    preflight.check(_cfg(*arith_flags("--load", str(work / "not_a_model"))))
     ckpt = work / "ckpt"
     (ckpt / "iter_0000003").mkdir(parents=True)
     (ckpt / "iter_0000003" / preflight.STATE).write_text("{}")
     (ckpt / preflight.LATEST).write_text("3\n")
-    preflight.check(_cfg(*_base("--load", str(ckpt))))
+    preflight.check(_cfg(*arith_flags("--load", str(ckpt))))
     # --ref-load that no KL term reads (a Miles script's Megatron dir) is not checked
-    preflight.check(_cfg(*_base("--ref-load", str(work / "not_a_model"))))
+    preflight.check(_cfg(*arith_flags("--ref-load", str(work / "not_a_model"))))
     # bad lines before a good one, skipped; built-in filter names and `module:fn` paths
-    argv = _with(_base(), "--prompt-data", str(work / "bad_first.jsonl"))
+    argv = _with(arith_flags(), "--prompt-data", str(work / "bad_first.jsonl"))
     preflight.check(_cfg(*argv, "--skip-bad-lines"))
     preflight.check(
-        _cfg(*_base("--dynamic-sampling-filter-path", "check_reward_nonzero_std",
+        _cfg(*arith_flags("--dynamic-sampling-filter-path", "check_reward_nonzero_std",
                     "--custom-rm-path", "my_plugins:reward"))
     )  # fmt: skip
     miles = "miles.rollout.filter_hub.dynamic_sampling_filters.check_no_aborted"
-    preflight.check(_cfg(*_base("--dynamic-sampling-filter-path", miles)))
+    preflight.check(_cfg(*arith_flags("--dynamic-sampling-filter-path", miles)))
 
 
 def test_user_code_is_imported_from_the_workers_directory(work, monkeypatch):
@@ -234,7 +230,7 @@ def test_user_code_is_imported_from_the_workers_directory(work, monkeypatch):
     monkeypatch.chdir(work)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(work))])
     monkeypatch.delitem(sys.modules, "my_plugins", raising=False)
-    preflight.check(_cfg(*_base("--custom-rm-path", "my_plugins.reward")))
+    preflight.check(_cfg(*arith_flags("--custom-rm-path", "my_plugins.reward")))
     assert str(work) not in sys.path
 
 
@@ -242,14 +238,18 @@ def test_a_miles_whole_batch_rollout_function_is_refused_saying_what_to_write(wo
     monkeypatch.chdir(work)
     monkeypatch.delitem(sys.modules, "my_plugins", raising=False)
     with pytest.raises(ConfigError, match=r"^--rollout-function-path my_plugins.generate_rollout"):
-        preflight.check(_cfg(*_base("--rollout-function-path", "my_plugins.generate_rollout")))
+        preflight.check(
+            _cfg(*arith_flags("--rollout-function-path", "my_plugins.generate_rollout"))
+        )
     try:
-        preflight.check(_cfg(*_base("--rollout-function-path", "my_plugins.generate_rollout")))
+        preflight.check(
+            _cfg(*arith_flags("--rollout-function-path", "my_plugins.generate_rollout"))
+        )
     except ConfigError as err:
         assert "fn(group: PromptGroup, cfg, client: RouterClient) -> SampleGroup" in str(err)
-    preflight.check(_cfg(*_base("--rollout-function-path", "my_plugins.per_group")))
+    preflight.check(_cfg(*arith_flags("--rollout-function-path", "my_plugins.per_group")))
     with pytest.raises(ConfigError, match=r"^--custom-rm-path my_plugins.old_reward takes"):
-        preflight.check(_cfg(*_base("--custom-rm-path", "my_plugins.old_reward")))
+        preflight.check(_cfg(*arith_flags("--custom-rm-path", "my_plugins.old_reward")))
 
 
 def test_workers_elsewhere_are_not_checked_here(work, monkeypatch):
@@ -258,9 +258,9 @@ def test_workers_elsewhere_are_not_checked_here(work, monkeypatch):
     monkeypatch.chdir(work)
     remote = ("--redis-url", "redis://r:6379/0", "--router-url", "http://router:30000")
     monkeypatch.setattr(preflight.shutil, "which", lambda name: None)
-    preflight.check(_cfg(*_base(*remote, "--custom-rm-path", "elsewhere.only.fn")))
+    preflight.check(_cfg(*arith_flags(*remote, "--custom-rm-path", "elsewhere.only.fn")))
     with pytest.raises(ConfigError, match=r"^--prompt-data"):
-        preflight.check(_cfg(*_with(_base(*remote), "--prompt-data", "missing.jsonl")))
+        preflight.check(_cfg(*_with(arith_flags(*remote), "--prompt-data", "missing.jsonl")))
 
 
 @pytest.mark.parametrize(
@@ -276,13 +276,13 @@ def test_a_missing_extra_names_the_flag_and_the_extra(monkeypatch, missing, argv
     real = preflight._installed
     monkeypatch.setattr(preflight, "_installed", lambda p: p != missing and real(p))
     with pytest.raises(ConfigError) as err:
-        preflight.check(_cfg(*_base(*argv)))
+        preflight.check(_cfg(*arith_flags(*argv)))
     assert str(err.value).startswith(flag) and missing in str(err.value)
     assert f"pip install 'millstream[{extra}]'" in str(err.value)
 
 
 def test_ref_load_alone_cannot_start_local_engines():
-    argv = _base()
+    argv = arith_flags()
     argv[argv.index("--hf-checkpoint")] = "--ref-load"
     with pytest.raises(ConfigError, match=r"^--hf-checkpoint is required to start local engines"):
         preflight.check(_cfg(*argv))
@@ -313,7 +313,7 @@ def test_reward_config_is_judged_as_the_reward_worker_judges_it(work, monkeypatc
     from millstream.reward.rewarder import check_reward_config
 
     monkeypatch.chdir(work)
-    cfg = _cfg(*_base(*flags))
+    cfg = _cfg(*arith_flags(*flags))
     try:
         check_reward_config(cfg)
         worker_ok = True
@@ -328,7 +328,7 @@ def test_reward_config_is_judged_as_the_reward_worker_judges_it(work, monkeypatc
 
 
 def test_tracking_flags_match_the_logging_config():
-    cfg = _cfg(*_base())
+    cfg = _cfg(*arith_flags())
     for flag in preflight.TRACKING_PACKAGES:
         assert hasattr(cfg.logging, flag.removeprefix("--").replace("-", "_"))
 
@@ -337,8 +337,10 @@ def test_prompt_rows_are_read_with_the_data_sources_parser(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "hi", "metadata": [1]}) + "\n")
     with pytest.raises(ConfigError, match=r"p\.jsonl:1: .*--metadata-key 'metadata'"):
-        preflight.check(_cfg(*_with(_base(), "--prompt-data", str(path))))
+        preflight.check(_cfg(*_with(arith_flags(), "--prompt-data", str(path))))
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ConfigError, match="--apply-chat-template"):
-        preflight.check(_cfg(*_with(_base(), "--prompt-data", str(path))))
-    preflight.check(_cfg(*_with(_base(), "--prompt-data", str(path)), "--apply-chat-template"))
+        preflight.check(_cfg(*_with(arith_flags(), "--prompt-data", str(path))))
+    preflight.check(
+        _cfg(*_with(arith_flags(), "--prompt-data", str(path)), "--apply-chat-template")
+    )
