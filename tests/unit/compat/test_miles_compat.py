@@ -18,7 +18,8 @@ from millstream.common.config import ConfigError, parse_run_config, refusals
 from millstream.launch import plan
 from millstream.trainer import main, preflight
 from millstream.trainer.checkpoints import megatron_ckpt
-from tests.unit.repo.test_flags_consumed import _base, _script_argv
+from tests.support.tiny_job import arith_flags
+from tests.unit.repo.test_flags_consumed import _script_argv
 
 REPO = Path(__file__).resolve().parents[3]
 MILES = REPO / "examples" / "miles_compat"
@@ -200,14 +201,14 @@ def test_our_own_checkpoint_still_loads(tmp_path):
     (root / "iter_0000003" / "model").mkdir(parents=True)
     (root / "iter_0000003" / "trainer_state.json").write_text("{}")
     (root / "latest_checkpointed_iteration.txt").write_text("3")
-    preflight.check_files(parse_run_config(_base("--load", str(root))))
+    preflight.check_files(parse_run_config(arith_flags("--load", str(root))))
 
 
 def test_a_torch_dist_ref_load_exits_2_naming_the_flag_the_format_and_the_fix(
     monkeypatch, capsys, tmp_path
 ):
     ref = _torch_dist(tmp_path / "Qwen3-4B_torch_dist")
-    argv = _base("--ref-load", str(ref), "--use-kl-loss")
+    argv = arith_flags("--ref-load", str(ref), "--use-kl-loss")
     assert _exit_status(monkeypatch, "train", argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(
@@ -227,7 +228,7 @@ def test_the_megatron_backend_takes_a_torch_dist_ref_load_and_load(tmp_path, fla
     """Miles' start: what its converter made (--ref-load) or its Megatron saved (--load);
     megatron/dist.py reads them (tests/integration/trainer/test_megatron_dist.py)."""
     path = _torch_dist(tmp_path / "ckpt", "release" if flag == "--ref-load" else "20")
-    argv = _base(flag, str(path), "--use-kl-loss")
+    argv = arith_flags(flag, str(path), "--use-kl-loss")
     with pytest.raises(ConfigError, match=rf"^{flag} {path} is a Megatron torch_dist"):
         preflight.check_files(parse_run_config(argv))
     preflight.check_files(parse_run_config([*argv, "--train-backend", "megatron"]))
@@ -235,7 +236,7 @@ def test_the_megatron_backend_takes_a_torch_dist_ref_load_and_load(tmp_path, fla
 
 def test_a_torch_dist_ref_load_without_hf_checkpoint_is_named_not_hf_checkpoint(tmp_path):
     ref = _torch_dist(tmp_path / "ref")
-    argv = [a for a in _base("--ref-load", str(ref))]
+    argv = [a for a in arith_flags("--ref-load", str(ref))]
     i = argv.index("--hf-checkpoint")
     del argv[i : i + 2]
     with pytest.raises(ConfigError, match=r"^--ref-load .* is a Megatron torch_dist checkpoint"):
@@ -245,7 +246,7 @@ def test_a_torch_dist_ref_load_without_hf_checkpoint_is_named_not_hf_checkpoint(
 def test_a_torch_dist_load_is_named_with_what_the_torch_backend_resumes(tmp_path):
     load = _torch_dist(tmp_path / "Qwen3-4B_miles", "20")
     with pytest.raises(ConfigError) as err:
-        preflight.check_files(parse_run_config(_base("--load", str(load))))
+        preflight.check_files(parse_run_config(arith_flags("--load", str(load))))
     message = str(err.value)
     assert message.startswith(f"--load {load} is a Megatron torch_dist checkpoint"), message
     assert "resumes only its own checkpoints" in message
@@ -257,7 +258,7 @@ def test_a_torch_dist_model_dir_is_named_for_the_flag_given(tmp_path, flag):
     path = _torch_dist(tmp_path / "teacher")
     extra = ["--use-opd"] if flag == "--opd-teacher-load" else ["--advantage-estimator", "ppo"]
     with pytest.raises(ConfigError, match=rf"^{flag} {path} is a Megatron torch_dist"):
-        preflight.check_files(parse_run_config(_base(*extra, flag, str(path))))
+        preflight.check_files(parse_run_config(arith_flags(*extra, flag, str(path))))
 
 
 def test_the_miles_qwen3_script_would_next_stop_at_its_torch_dist_ref_load(tmp_path):
