@@ -45,7 +45,13 @@ def engines(
     logs = tmp_path_factory.mktemp("engines")
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(EngineProcess, tiny_model_dir, logs, *ENGINE_FLAGS) for _ in "ab"]
-        procs = [f.result() for f in futures]
+        try:
+            procs = [f.result() for f in futures]
+        except BaseException:  # the one that started is stopped, not left to the next tests
+            for f in futures:
+                if f.exception() is None:
+                    f.result().stop()
+            raise
     yield procs
     for proc in procs:
         proc.stop()
