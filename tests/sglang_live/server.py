@@ -14,7 +14,10 @@ and the environment its CPU engine needs (`server_env`): SGLANG_USE_CPU_ENGINE=1
 imports vllm for the rotary embedding), OMP_NUM_THREADS=1 (else each of its processes spins a
 pool as wide as the machine: 10-60x slower on 2 cores), and the kernel stand-in of
 kernel_standin/ first on its PYTHONPATH (its docstring names the two ops and where SGLang calls
-them). `--max-total-tokens` keeps SGLang's KV cache small: on a CPU it otherwise takes
+them), and bytecode written: SGLang's venv is installed without it (pip --no-compile), and where
+PYTHONDONTWRITEBYTECODE is set, as on this project's machines, each of the server's processes
+compiled torch, transformers and sglang from source at every start (92-102 s to answer /health on
+2 cores; the first start that writes it 63 s, every later one ~30 s). `--max-total-tokens` keeps SGLang's KV cache small: on a CPU it otherwise takes
 --mem-fraction-static of the host's memory (15 GB of this machine's 24).
 
 SGLang's server is three processes (the HTTP server, its scheduler, its detokenizer) in one
@@ -84,6 +87,7 @@ def server_env(extra_pythonpath: str = "") -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": path,
         "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "",  # empty: write it (module docstring)
     }
 
 
