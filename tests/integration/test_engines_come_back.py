@@ -27,7 +27,7 @@ import pytest
 from millstream.trainer.weights.keeper import EngineKeeper
 from millstream.trainer.weights.sync import NoEngineLeft, WeightSync
 from tests.integration.test_weight_sync import hf_model, served_version, versions
-from tests.support.engine_proc import EngineProcess
+from tests.support.engine_proc import EngineProcess, start_engines
 from tests.support.redis_server import free_port
 from tests.support.router_proc import ServiceProcess
 
@@ -42,16 +42,7 @@ ENGINE_FLAGS = ("--weight-version", "v0", "--weight-update-timeout", "10", "--ad
 def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[EngineProcess]]:
-    logs = tmp_path_factory.mktemp("engines")
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(EngineProcess, tiny_model_dir, logs, *ENGINE_FLAGS) for _ in "ab"]
-        try:
-            procs = [f.result() for f in futures]
-        except BaseException:  # the one that started is stopped, not left to the next tests
-            for f in futures:
-                if f.exception() is None:
-                    f.result().stop()
-            raise
+    procs = start_engines(tiny_model_dir, tmp_path_factory.mktemp("engines"), 2, *ENGINE_FLAGS)
     yield procs
     for proc in procs:
         proc.stop()

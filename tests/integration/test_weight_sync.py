@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from millstream.common.errors import MillstreamError
 from millstream.trainer.weights.sync import SyncReport, WeightSync
-from tests.support.engine_proc import EngineProcess
+from tests.support.engine_proc import EngineProcess, start_engines
 from tests.support.router_proc import ServiceProcess, start_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -49,9 +49,7 @@ def engines(
     # The engines guard their admin endpoints with the router's token: every pause, group
     # and bucket call of the sync must carry it.
     args = ("--weight-version", "v0", "--weight-update-timeout", "10", "--admin-token", TOKEN)
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(EngineProcess, tiny_model_dir, logs, *args) for _ in range(2)]
-        procs = [f.result() for f in futures]
+    procs = start_engines(tiny_model_dir, logs, 2, *args)
     yield procs
     for proc in procs:
         proc.stop()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,25 @@ class EngineProcess:
         if not self._log.closed:
             self._log.close()
         return self.proc.returncode
+
+
+def start_engines(
+    model_dir: Path, log_dir: Path, count: int, *extra_args: str
+) -> list[EngineProcess]:
+    """`count` engines started at once (each waits for its own /health), ready; if one fails,
+    those that started are stopped before the error propagates, not left running (and their
+    open logs) to fail a later test's garbage collection."""
+    with ThreadPoolExecutor(count) as pool:
+        futures = [
+            pool.submit(EngineProcess, model_dir, log_dir, *extra_args) for _ in range(count)
+        ]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().stop()
+            raise
 
 
 def engine_fixtures(*extra_args: str, model: str = "tiny_model_dir") -> tuple[Any, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
 import socket
 import subprocess
@@ -9,22 +11,54 @@ import threading
 import time
 from pathlib import Path
 
-_HANDED_OUT: set[int] = set()
-_HANDED_OUT_LOCK = threading.Lock()
+_LOCK = threading.Lock()
+_SPAN_SIZE = 12_000  # ports below the kernel's ephemeral range, shared by the xdist workers
+
+
+def _port_span() -> range:
+    """This process' ports: its xdist worker's share of the ports just below the kernel's
+    ephemeral range (ip_local_port_range: 32768-60999 here). bind(("127.0.0.1", 0)) hands
+    out ephemeral ports, so a port taken that way and closed could be handed out again to the
+    other worker, or to a service a test started, before its own service bound it (the other
+    worker's engine took an engine's port between the two, a clean clone's make test at
+    57a8faf). Below the range, and split by worker, no one else is handed the port."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    bottom = max(1024, ephemeral - _SPAN_SIZE)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    size = (ephemeral - bottom) // max(workers, 1)
+    return range(bottom + index * size, bottom + (index + 1) * size)
+
+
+_SPAN = _port_span()
+_NEXT = random.Random(os.getpid()).randrange(len(_SPAN))  # another pytest beside this one
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on, never one this process handed out before: two
-    threads starting services at once (the kernel may give a just-closed port again) got
-    the same port, and one service failed to bind."""
-    with _HANDED_OUT_LOCK:
-        while True:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in _HANDED_OUT:
-                _HANDED_OUT.add(port)
+    """A loopback port nobody listens on, from this process' span (`_port_span`), in turn:
+    none is handed out again before the span's other ~6,000 were (two threads starting
+    services at once got the same port from the kernel, and one service failed to bind)."""
+    global _NEXT
+    with _LOCK:
+        for _ in range(len(_SPAN)):
+            port = _SPAN[_NEXT % len(_SPAN)]
+            _NEXT += 1
+            if _bindable(port):
                 return port
+    raise RuntimeError(f"no free loopback port in {_SPAN.start}-{_SPAN.stop - 1}")
 
 
 class RedisServer:

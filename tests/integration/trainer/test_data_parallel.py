@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
 from millstream.trainer.backends.distributed import decode, encode
 from millstream.trainer.backends.torch_backend import TorchBackend
+from tests.support.redis_server import free_port
 from tests.unit.trainer.backends.test_torch_backend import _samples
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,12 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 # gradient near eps into a visible change.)
 FLAGS = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--optimizer", "sgd",
          "--lr", "1", "--clip-grad", "0"]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_backend(cfg, model: str) -> TorchBackend:
@@ -161,7 +155,7 @@ def _train_all(world: int, model: Path, out: Path, runs: dict[str, list[str]]) -
     """Every run trained by `world` gloo ranks (one spawn); the weights each rank ended with
     are in out/`run{i}-rank{r}.pt`, rank 0's metrics in `run{i}-metrics.pt`."""
     plan = [(flags, name in UNEVEN) for name, flags in runs.items()]
-    mp.spawn(_rank, args=(world, _free_port(), str(model), str(out), plan), nprocs=world)
+    mp.spawn(_rank, args=(world, free_port(), str(model), str(out), plan), nprocs=world)
     return out
 
 
@@ -257,7 +251,7 @@ def test_tensor_parallel_qwen3_q_and_k_norms_take_the_one_rank_step(tmp_path):
     flags = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"]
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(_rank, args=(2, _free_port(), model, str(out), [(flags, False)]), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), model, str(out), [(flags, False)]), nprocs=2)
     single = build_backend(parse_run_config(FLAGS), model)
     single.train_rollout(_samples(), 1)
     got = torch.load(out / "run0-rank0.pt", weights_only=True)
@@ -335,7 +329,7 @@ def _resume_run(rank: int, model: str, out: Path, flags: list[str]) -> None:
 @pytest.fixture(scope="module")
 def resumed_runs(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("resumed")
-    mp.spawn(_resume_rank, args=(2, _free_port(), str(tiny_model_dir), str(out), SHARDED),
+    mp.spawn(_resume_rank, args=(2, free_port(), str(tiny_model_dir), str(out), SHARDED),
              nprocs=2)  # fmt: skip
     return out
 

@@ -6,7 +6,6 @@ needs a process group and its parallel state, and the CPU patches are process-wi
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,10 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from tests.support.redis_server import free_port
+
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.timeout(180)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _qwen3_untied(directory: Path) -> Path:
@@ -96,7 +91,7 @@ def test_megatron_gpt_model_computes_the_hf_logits_qwen2_tied_and_qwen3_untied(
     """In one process (megatron's import is seconds): the CPU patches wait for the model to be
     built; then the tied Qwen2 with QKV bias and the untied Qwen3 with q/k norms."""
     dirs = [str(tiny_model_dir), str(_qwen3_untied(tmp_path / "qwen3"))]
-    mp.spawn(_check, args=(_free_port(), dirs), nprocs=1)
+    mp.spawn(_check, args=(free_port(), dirs), nprocs=1)
 
 
 # -- the backend: the torch backend's training with megatron's GPTModel as the actor ----------
