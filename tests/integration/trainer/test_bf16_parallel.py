@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from millstream.common.config import parse_run_config
-from tests.integration.trainer.test_data_parallel import _free_port, build_backend
+from tests.integration.trainer.test_data_parallel import build_backend
+from tests.support.redis_server import free_port
 from tests.unit.trainer.backends.test_bf16 import LOGPROB_ATOL, _samples
 
 pytest.importorskip("megatron.core")
@@ -137,7 +138,7 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, runs: dict) ->
 
 
 def _spawn(model: Path, out: Path, runs: dict[str, list[str]]) -> Path:
-    mp.spawn(_rank, args=(2, _free_port(), str(model), str(out), runs), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), str(model), str(out), runs), nprocs=2)
     return out
 
 

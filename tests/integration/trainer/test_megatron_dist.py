@@ -15,7 +15,8 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests.integration.trainer.test_megatron_model import _free_port, _qwen3_untied
+from tests.integration.trainer.test_megatron_model import _qwen3_untied
+from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -117,7 +118,7 @@ def test_the_megatron_backend_starts_from_a_torch_dist_load_and_ref_load(tiny_mo
     """--load's weights are the actor's, --ref-load's the reference's; another model's
     checkpoint is named as one, with the first tensors that differ."""
     other = _qwen3_untied(tmp_path / "qwen3")
-    args = (_free_port(), str(tiny_model_dir), str(tmp_path), str(other))
+    args = (free_port(), str(tiny_model_dir), str(tmp_path), str(other))
     mp.spawn(_start_from_torch_dist, args=args, nprocs=1)
     got = torch.load(tmp_path / "started.pt", weights_only=True)
     assert got["refused"].startswith(

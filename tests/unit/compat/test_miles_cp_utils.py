@@ -17,7 +17,8 @@ from millstream.common.config import parse_run_config
 from millstream.compat.miles import install_miles_modules, make_args
 from millstream.trainer.algorithms.loss import Denominator, policy_loss
 from millstream.trainer.algorithms.tis import CustomTis
-from tests.integration.trainer.test_data_parallel import FLAGS, _free_port, _rank, build_backend
+from tests.integration.trainer.test_data_parallel import FLAGS, _rank, build_backend
+from tests.support.redis_server import free_port
 from tests.unit.trainer.algorithms.test_tis_function import (
     ADV,
     LENGTHS,
@@ -101,7 +102,7 @@ def test_megatron_context_parallel_ranks_give_the_one_rank_step(tiny_model_dir, 
     flags = _flags(tmp_path, TRUNCATE_YAML, WITH_CP)
     megatron = ["--train-backend", "megatron", "--context-parallel-size", "2", "--use-tis"]
     plan = [([*megatron, *flags], False)]
-    mp.spawn(_rank, args=(2, _free_port(), str(tiny_model_dir), str(tmp_path), plan), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), str(tiny_model_dir), str(tmp_path), plan), nprocs=2)
     metrics = torch.load(tmp_path / "run0-metrics.pt", weights_only=True)
     weights = torch.load(tmp_path / "run0-rank0.pt", weights_only=True)
     want_metrics, want_weights = _torch_step(tiny_model_dir, flags)
