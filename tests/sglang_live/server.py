@@ -16,9 +16,10 @@ pool as wide as the machine: 10-60x slower on 2 cores), and the kernel stand-in 
 kernel_standin/ first on its PYTHONPATH (its docstring names the two ops and where SGLang calls
 them), and bytecode written: SGLang's venv is installed without it (pip --no-compile), and where
 PYTHONDONTWRITEBYTECODE is set, as on this project's machines, each of the server's processes
-compiled torch, transformers and sglang from source at every start (92-102 s to answer /health on
-2 cores; the first start that writes it 63 s, every later one ~30 s). `--max-total-tokens` keeps SGLang's KV cache small: on a CPU it otherwise takes
---mem-fraction-static of the host's memory (15 GB of this machine's 24).
+compiled torch, transformers and sglang from source at every start (92-102 s to answer /health
+on 2 cores; the first start that writes it 63 s, every later one ~30 s). `--max-total-tokens`
+keeps SGLang's KV cache small: on a CPU it otherwise takes --mem-fraction-static of the host's
+memory (15 GB of this machine's 24).
 
 SGLang's server is three processes (the HTTP server, its scheduler, its detokenizer) in one
 session of their own here: SIGTERM stops none of them quickly, so `stop` gives it GRACE_S,

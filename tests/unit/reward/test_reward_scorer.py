@@ -17,7 +17,7 @@ from millstream.compat.miles import make_args
 from millstream.reward.filters import check_no_aborted, check_reward_nonzero_std, resolve_filter
 from millstream.reward.rewarder import Rewarder
 from millstream.reward.scorer import GroupScorer
-from tests.support.scoring import score_groups
+from tests.support.scoring import score_groups as score
 
 PLUGINS = "tests.support.reward_plugins"
 
@@ -35,10 +35,6 @@ def make_group(responses, label="4", gid="g", **prompt):
             for i, (r, lab) in enumerate(zip(responses, labels, strict=True))
         ],
     )
-
-
-def score(cfg, *groups):
-    return score_groups(cfg, *groups)
 
 
 def rewards(scored):

@@ -1,16 +1,18 @@
-"""tests/support's free_port: each xdist worker takes ports from a span of its own below the
-kernel's ephemeral range, so neither the other worker nor a service binding port 0 is handed
-a port between free_port() and the bind of the service it was for."""
+"""tests/support's own mechanisms. free_port: each xdist worker takes ports from a span of its
+own below the kernel's ephemeral range, so neither the other worker nor a service binding port 0
+is handed a port between free_port() and the bind of the service it was for. start_engines:
+engines started at once, none left running when one fails."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.support import redis_server
+from tests.support import engine_proc, redis_server
 from tests.support.redis_server import _port_span, free_port
 
 
@@ -52,3 +54,24 @@ def test_ports_come_from_the_span_each_once_and_never_one_in_use(
         with pytest.raises(RuntimeError, match="no free loopback port"):
             free_port()
     assert free_port() == taken  # free again
+
+
+def test_start_engines_stops_the_ones_that_started_when_one_fails(monkeypatch, tmp_path):
+    """Engines started at once: one that fails to start does not leave the others running."""
+    started: list[_Engine] = []
+    order = itertools.count()  # next() is atomic: which start is the second, whatever the race
+
+    class _Engine:
+        def __init__(self, model_dir: Path, log_dir: Path, *extra: str):
+            if next(order) == 1:  # the second to start fails, as on a port taken meanwhile
+                raise RuntimeError("engine exited with 3 during startup")
+            self.stopped = False
+            started.append(self)
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    monkeypatch.setattr(engine_proc, "EngineProcess", _Engine)
+    with pytest.raises(RuntimeError, match="during startup"):
+        engine_proc.start_engines(tmp_path, tmp_path, 2)
+    assert started[0].stopped
