@@ -123,17 +123,31 @@ def commit(given: str | None) -> str:
     return git_commit()
 
 
+def sglang_dir_for_this_python(venv: Path = SGLANG_DIR.parent) -> bool:
+    """Whether bootstrap's .venv/sglang is there and was installed for this Python: its
+    compiled dependencies (orjson) are built for the venv's minor version, and another Python
+    (the GPU image's 3.12 beside a 3.11 venv) fails to import them, where it should skip."""
+    try:
+        cfg = (venv / "pyvenv.cfg").read_text()
+    except OSError:
+        return False
+    version = dict(line.split(" = ", 1) for line in cfg.splitlines() if " = " in line)
+    ours = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    made_for = ".".join(version.get("version", "").split(".")[:2])
+    return (venv / "sglang").is_dir() and made_for == ours
+
+
 def stage_env(name: str, work: Path, commit: str) -> dict[str, str]:
     """Every stage: the commit, for bench_gpu.py where there is no git. The test stages:
     gpu_pytest.py's plugin on the path and its file. The contract stage: as make test runs
     tests/contract (MILLSTREAM_CONTRACT=1, .venv/sglang first on the path where bootstrap
-    made it)."""
+    made it for this Python)."""
     env = {**os.environ, "MILLSTREAM_COMMIT": commit}
     if name in ("tests", "contract"):
         paths = [str(REPO_ROOT / "bench")]
         if name == "contract":
             env["MILLSTREAM_CONTRACT"] = "1"
-            if SGLANG_DIR.is_dir():
+            if sglang_dir_for_this_python():
                 paths.insert(0, str(SGLANG_DIR))
         env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
         env[JSONL] = str(work / f"gpu_{name}.jsonl")

@@ -367,3 +367,17 @@ def test_bench_gpu_names_its_commit_without_git(monkeypatch, tmp_path):
     assert bench_gpu.git_commit() == "abc1234"
     monkeypatch.delenv("MILLSTREAM_COMMIT")
     assert bench_gpu.git_commit() == "unknown"
+
+
+def test_the_contract_stage_takes_bootstraps_sglang_only_for_the_python_it_was_made_for(tmp_path):
+    # The GPU image's Python 3.12 beside a 3.11 venv: .venv/sglang's orjson fails to import
+    # there (seen in the CPU rehearsal of the device's environment), so the tier must skip.
+    venv = tmp_path / ".venv"
+    (venv / "sglang").mkdir(parents=True)
+    ours = "{}.{}".format(*sys.version_info[:2])
+    (venv / "pyvenv.cfg").write_text(f"home = /x\nversion = {ours}.7\n")
+    assert gpu_check.sglang_dir_for_this_python(venv)
+    (venv / "pyvenv.cfg").write_text("home = /x\nversion = 3.1.7\n")
+    assert not gpu_check.sglang_dir_for_this_python(venv)
+    (venv / "pyvenv.cfg").unlink()
+    assert not gpu_check.sglang_dir_for_this_python(venv)
