@@ -52,6 +52,7 @@ Blocking calls: run `DataParallel.train_rollout` from a worker thread, never the
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -153,6 +154,15 @@ def _sum_hook(group, bucket):  # type: ignore[no-untyped-def]
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def _no_buffer_sync(ddp_class: type) -> dict[str, bool]:
+    """DDP's switch that leaves buffers out of the forward's broadcast (the model has none that
+    change): `forward_sync_buffers` from torch 2.13, which deprecates the older
+    `broadcast_buffers`; torch 2.11, the GPU image's, knows only the older name."""
+    params = inspect.signature(ddp_class.__init__).parameters
+    name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return {name: False}
+
+
 def _summing_ddp(module: torch.nn.Module, group: dist.ProcessGroup | None) -> torch.nn.Module:
     """`module` under DistributedDataParallel whose backward sums gradients across the ranks
     of `group` (None: all)."""
@@ -160,7 +170,10 @@ def _summing_ddp(module: torch.nn.Module, group: dist.ProcessGroup | None) -> to
 
     device_ids = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else None
     ddp = DistributedDataParallel(
-        module, device_ids=device_ids, forward_sync_buffers=False, process_group=group
+        module,
+        device_ids=device_ids,
+        process_group=group,
+        **_no_buffer_sync(DistributedDataParallel),
     )
     ddp.register_comm_hook(group, _sum_hook)
     return ddp

@@ -4,6 +4,7 @@ slice, and end with identical weights; samples survive the tensor encoding."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 
 from millstream.common.config import parse_run_config
 from millstream.common.errors import MillstreamError
-from millstream.trainer.backends.distributed import decode, encode
+from millstream.trainer.backends.distributed import _no_buffer_sync, decode, encode
 from millstream.trainer.backends.torch_backend import TorchBackend
 from tests.support.redis_server import free_port
 from tests.unit.trainer.backends.test_torch_backend import _samples
@@ -402,3 +403,20 @@ def test_several_trainer_ranks_without_torchrun_say_how_to_start_them(
     # The hint echoes the command line, never its secrets.
     assert "--input-key prompt" in err and "--wandb-key *** --admin-token=***" in err
     assert "s3cret" not in err and "t0ken" not in err and ":pw@" not in err
+
+
+def test_the_buffer_switch_takes_the_name_this_torch_knows():
+    """torch 2.13 renamed DDP's `broadcast_buffers` to `forward_sync_buffers`; torch 2.11, the
+    GPU image's, refuses the new name (a TypeError at every data-parallel start, seen in the
+    CPU rehearsal of that image). The name chosen must be one DDP here accepts."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Torch211DDP:  # the 2.11 signature, as far as the switch goes
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, process_group=None):
+            pass
+
+    assert _no_buffer_sync(Torch211DDP) == {"broadcast_buffers": False}
+    (name,) = _no_buffer_sync(DistributedDataParallel)
+    assert name in inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        assert name == "forward_sync_buffers"  # not the deprecated one where both exist
