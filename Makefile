@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 # make test's processes: both of CI's 2 cores (pytest-xdist; a file's tests stay on one).
 TEST_WORKERS ?= 2
 
-.PHONY: bootstrap run test test-sglang test-long lint format protos bench chaos chaos-net chaos-monkey chaos-monkey-compose clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle
+.PHONY: bootstrap run test test-sglang test-long lint format protos bench chaos chaos-net chaos-monkey chaos-monkey-compose clean compose compose-up compose-down compose-test swarm-test gpu-check gpu-bundle gpu-rehearsal
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -73,6 +73,11 @@ gpu-check:
 # network lacks (GPU_PYTHON=3.12, the machine's Python; GPU_BUNDLE=DIR writes elsewhere).
 gpu-bundle:
 	@bash scripts/gpu_bundle.sh
+
+# make gpu-check's set-up and stages on this CPU in the GPU machine's Python 3.12, torch 2.11 and
+# transformers 5.17 (scripts/gpu_rehearsal.sh; about 5 GB from PyPI, once): before a GPU window.
+gpu-rehearsal:
+	@bash scripts/gpu_rehearsal.sh $(ARGS)
 
 bench: bootstrap
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -34,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 IMAGE = REPO_ROOT / "scripts" / "gpu_image.txt"
 WHEELS = REPO_ROOT / "scripts" / "gpu_wheels.txt"
 CONSTRAINTS = REPO_ROOT / "scripts" / "constraints.txt"
+REHEARSAL = REPO_ROOT / "scripts" / "gpu_rehearsal.txt"
 # Import names packages_distributions() cannot map to one distribution of this venv, by their
 # longest dotted prefix: namespace packages that several distributions share, and what the
 # image holds but this venv does not.
@@ -114,6 +115,30 @@ def test_every_carried_wheel_has_its_requirements_and_its_pinned_version():
             if wanted and _norm(req.name) not in image | wheels:
                 problems.append(f"{name} requires {req}: neither in the image nor carried")
     assert not problems, "\n".join(problems)
+
+
+def test_the_rehearsal_stands_in_for_the_image_at_its_versions():
+    """`make gpu-rehearsal`'s venv (scripts/gpu_rehearsal.txt): every image package the run
+    imports, none that the bundle carries, at the image's version where it is known, else at
+    scripts/constraints.txt's."""
+    image, wheels, pins = _listed(IMAGE), _listed(WHEELS), _listed(CONSTRAINTS)
+    rehearsal = _listed(REHEARSAL)
+    needed_from_image = {d for d in _needed() if d in image and d not in wheels}
+    assert needed_from_image <= set(rehearsal), sorted(needed_from_image - set(rehearsal))
+    assert {"torch", "transformers", "pytest-timeout"} <= set(rehearsal)
+    problems = [f"{name}: carried (scripts/gpu_wheels.txt), not the image's"
+                for name in rehearsal if name in wheels]  # fmt: skip
+    for name, version in rehearsal.items():
+        if name not in image:
+            problems.append(f"{name}: not in the image (scripts/gpu_image.txt)")
+        elif image[name] and version != image[name]:
+            problems.append(f"{name}=={version}: the image holds {image[name]}")
+        elif not image[name] and name in pins and version != pins[name]:
+            problems.append(f"{name}=={version}: scripts/constraints.txt pins {pins[name]}")
+        elif not version:
+            problems.append(f"{name}: not pinned")
+    assert not problems, "\n".join(problems)
+    assert image["torch"] == "2.11.0" and image["transformers"] == "5.17.0"
 
 
 def test_the_sweep_stops_only_for_a_package_that_is_missing():
