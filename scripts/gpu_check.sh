@@ -8,7 +8,8 @@
 #      `millstream` command come from the bundle's bin/, the commit from its `commit` file;
 #      then every module the run imports is imported once (bench/gpu_imports.py), so a wheel
 #      the bundle lacks stops the check here, named, before any stage (GPU_IMPORTS_SKIP: the
-#      CPU dry run's modules to leave out);
+#      CPU dry run's modules to leave out); then bench/gpu_api.py names any torch name or
+#      keyword millstream uses that the machine's torch lacks, and the check goes on;
 #   2. else $PY, else .venv/bin/python, else python3: it must import millstream already
 #      (pip install -e '.[all]' into a Python that has CUDA torch keeps that torch).
 # Arguments go to bench/gpu_check.py (--device cpu --small: the plumbing without a GPU). Its
@@ -45,6 +46,8 @@ if [ -z "${PY:-}" ] && [ -d "$G/whl" ] && [ -n "$BUNDLE_PY" ] \
     say "make gpu-bundle where there is network, and carry .gpu again"
     exit 2
   }
+  # the torch names and keywords millstream uses, against the image's torch: named, never fatal
+  "$PY" bench/gpu_api.py || say "the torch API scan itself failed (above); going on"
   redis-server --version >/dev/null || { say "the carried redis-server does not run here"; exit 2; }
 else
   PY=${PY:-}

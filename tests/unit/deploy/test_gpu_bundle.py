@@ -28,6 +28,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+import gpu_api
 import gpu_imports
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -141,6 +142,34 @@ def test_the_rehearsal_stands_in_for_the_image_at_its_versions():
     assert image["torch"] == "2.11.0" and image["transformers"] == "5.17.0"
 
 
+def test_the_api_scan_names_what_this_torch_lacks_and_the_tree_uses_none(tmp_path):
+    """bench/gpu_api.py: a torch name this torch lacks, through an import alias, and a keyword
+    a signature refuses (as 2.11's DistributedDataParallel refused forward_sync_buffers) are
+    named with their place; what exists is not. The whole scanned tree passes on this torch
+    (the GPU set-up and `make gpu-rehearsal` run it on the image's)."""
+    f = tmp_path / "uses.py"
+    f.write_text(
+        "import torch\n"
+        "import torch.nn.functional as F\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "a = torch.cuda.no_such_thing.either\n"
+        "b = F.no_such_function\n"
+        "DDP(None, no_such_keyword=False)\n"
+        "DDP(None, device_ids=None, process_group=None)\n"
+        "torch.cuda.is_available()\n"
+        "F.scaled_dot_product_attention\n"
+    )
+    judged, refused = gpu_api.check([f])
+    assert [line.split(":")[0] for line in refused] == [
+        "torch.cuda.no_such_thing",
+        "torch.nn.functional.no_such_function",
+        "torch.nn.parallel.DistributedDataParallel(no_such_keyword=...)",
+    ], refused
+    assert "uses.py:6)" in refused[-1], refused
+    judged, refused = gpu_api.check(gpu_imports.python_files())
+    assert judged > 200 and not refused, refused
+
+
 def test_the_sweep_stops_only_for_a_package_that_is_missing():
     """A missing package stops the GPU set-up (every stage would die of it); a submodule or a
     name an installed package lacks (a version skew) is named, and the stages go on."""
@@ -242,6 +271,9 @@ def test_the_gpu_set_up_imports_the_run_from_the_image_and_the_carried_wheels(tm
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "installing the carried wheels" in run.stderr  # the .gpu branch, not this venv
     assert re.search(r"\[gpu-imports\] all \d+ modules import", run.stderr), run.stderr[-2000:]
+    assert re.search(r"\[gpu-api\] torch \S+: (\d+) of \1 torch names", run.stderr), run.stderr[
+        -2000:
+    ]
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert report["environment"]["python"] == platform.python_version()
     tests = [r for r in report["rows"] if r[0].startswith("test ")]
