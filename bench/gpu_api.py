@@ -36,27 +36,27 @@ import gpu_imports
 _MISSING = object()
 
 
-def _aliases(tree: ast.AST) -> dict[str, str]:
-    """{local name: dotted torch name} of a file's torch imports (`import torch` too)."""
+def _aliases(tree: ast.AST) -> dict[str, tuple[str, int]]:
+    """{local name: (dotted torch name, line)} of a file's torch imports (`import torch` too)."""
     names = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.split(".")[0] == "torch":
-                    names[a.asname or "torch"] = a.name if a.asname else "torch"
+                    names[a.asname or "torch"] = (a.name if a.asname else "torch", node.lineno)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             for a in node.names if node.module.split(".")[0] == "torch" else ():
-                names[a.asname or a.name] = f"{node.module}.{a.name}"
+                names[a.asname or a.name] = (f"{node.module}.{a.name}", node.lineno)
     return names
 
 
-def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+def _dotted(node: ast.AST, aliases: dict[str, tuple[str, int]]) -> str | None:
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
         node = node.value
     if isinstance(node, ast.Name) and node.id in aliases:
-        return ".".join([aliases[node.id], *reversed(parts)])
+        return ".".join([aliases[node.id][0], *reversed(parts)])
     return None
 
 
@@ -75,8 +75,8 @@ def uses(files: list[Path]) -> tuple[dict[str, set[str]], dict[tuple[str, str], 
             if path.is_relative_to(gpu_imports.REPO_ROOT)
             else path
         )
-        for name in aliases.values():
-            names.setdefault(name, set()).add(f"{rel}:1")
+        for name, line in aliases.values():
+            names.setdefault(name, set()).add(f"{rel}:{line}")
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and (name := _dotted(node, aliases)):
                 names.setdefault(name, set()).add(f"{rel}:{node.lineno}")
