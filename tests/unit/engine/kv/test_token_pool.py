@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from millstream.engine.scheduler import RequestError, Scheduler
 from millstream.engine.sequence import Sequence
 from millstream.engine.weights import WeightLoader
 from tests.support.engine_scheduler import engine_scheduler
+from tests.support.sim_cuda import simulated_cuda
 from tests.support.tiny_model import build_tiny_model
 from tests.unit.engine.test_engine_scheduler import PROMPTS, Tracked, full_forward_logprobs
 
@@ -206,10 +208,16 @@ def test_device_cuda_without_a_gpu_is_an_error_that_says_so(tiny_model_dir: Path
         ModelRunner(str(tiny_model_dir), device="cuda")
 
 
-@pytest.fixture
-def own_runner(tiny_model_dir: Path) -> ModelRunner:
-    """A runner of its own: releasing discards its weights (model_runner.py)."""
-    return ModelRunner(str(tiny_model_dir))
+@pytest.fixture(params=["cpu", "sim-cuda"])
+def own_runner(tiny_model_dir: Path, request) -> Iterator[ModelRunner]:
+    """A runner of its own: releasing discards its weights (model_runner.py). On the CPU,
+    and on a simulated GPU (tests/support/sim_cuda/: its tensors on "cuda", a host tensor
+    beside one an error, the decode step in captured graphs, dropped and captured again)."""
+    if request.param == "cpu":
+        yield ModelRunner(str(tiny_model_dir))
+        return
+    with simulated_cuda():
+        yield ModelRunner(str(tiny_model_dir), dtype="float32", device="cuda")
 
 
 def weights_of(runner: ModelRunner) -> list[tuple[str, torch.Tensor]]:

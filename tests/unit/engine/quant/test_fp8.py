@@ -112,7 +112,7 @@ def emulate_blockwise(
     group) and scale_b[j, n // 128] (the weight block), summed over j in fp32. Rows of scale_b
     past K/128 (the padding to L4) are never read."""
     (m, k), n = mat_a.shape, mat_b.shape[1]
-    out = torch.zeros(m, n)
+    out = torch.zeros(m, n, device=mat_a.device)
     for j in range(k // 128):
         cols = slice(j * 128, (j + 1) * 128)
         partial = mat_a[:, cols].float() @ mat_b[cols].float()
