@@ -47,6 +47,7 @@ def _train(
     return proc, record
 
 
+@pytest.mark.long  # a real SGLang server started by the launcher, learning: tests/sglang_live/test_runs.py
 def test_the_arith_job_trains_on_engines_started_as_sglang_servers(tmp_path):
     # 64: the arith model's context (SGLang's resolution refuses a longer one)
     flags = ["--eval-interval", "3", "--update-weight-transport", "nccl",

@@ -31,7 +31,7 @@ OTHER = list(b"The quick brown fox jumps over the lazy dog")
 ATOL = 1e-4
 
 
-engine, client = engine_fixtures("--seed", "5")
+engine, client = engine_fixtures("--seed", "5", devices=("cpu", "sim-cuda"))
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,12 @@ NEW_TOKENS = 16
 TIMEOUT_S = 5
 
 
+# On the CPU and on a simulated GPU (tests/support/sim_cuda/): there each route lands host
+# tensors (gloo's, the blobs', the shared bucket's, the files') in device parameters.
 engine, client = engine_fixtures(
-    "--weight-version", "v0", "--weight-update-timeout", str(TIMEOUT_S)
-)
+    "--weight-version", "v0", "--weight-update-timeout", str(TIMEOUT_S),
+    devices=("cpu", "sim-cuda"),
+)  # fmt: skip
 
 
 def post(client: httpx.Client, engine: EngineProcess, path: str, body: Any) -> Any:

@@ -33,14 +33,17 @@ class EngineProcess:
         *extra_args: str,
         startup_timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
+        simulated_cuda: bool = False,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"engine-{self.port}.log"
+        # simulated_cuda: on a GPU simulated on the CPU (tests/support/sim_cuda/), with the
+        # `--device cuda` that makes the engine use it.
         args = [
             sys.executable,
             "-m",
-            "millstream.cli",
+            "tests.support.sim_cuda" if simulated_cuda else "millstream.cli",
             "engine",
             "--model-path",
             str(model_dir),
@@ -50,6 +53,7 @@ class EngineProcess:
             # (the CPU budget, common/threads.py); a later --num-threads in extra_args wins.
             "--num-threads",
             "1",
+            *(("--device", "cuda") if simulated_cuda else ()),
             *extra_args,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -117,17 +121,31 @@ def start_engines(
             raise
 
 
-def engine_fixtures(*extra_args: str, model: str = "tiny_model_dir") -> tuple[Any, Any]:
+def engine_fixtures(
+    *extra_args: str, model: str = "tiny_model_dir", devices: tuple[str, ...] = ("cpu",)
+) -> tuple[Any, Any]:
     """A test module's own engine and an HTTP client to it, both module-scoped: the engine on
     the model that fixture `model` names, with `extra_args`. Use as
-    `engine, client = engine_fixtures("--seed", "3")` at the module's top level."""
+    `engine, client = engine_fixtures("--seed", "3")` at the module's top level. With
+    `devices=("cpu", "sim-cuda")` the module runs once per device, the second on a GPU
+    simulated on the CPU (in float32, which the tests' 1e-4 tolerances assume; CUDA graphs up
+    to 4 rows)."""
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope="module", params=devices)
     def engine(
         request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     ) -> Iterator[EngineProcess]:
         model_dir = request.getfixturevalue(model)
-        proc = EngineProcess(model_dir, tmp_path_factory.mktemp("engine"), *extra_args)
+        sim = request.param == "sim-cuda"
+        proc = EngineProcess(
+            model_dir,
+            tmp_path_factory.mktemp("engine"),
+            # Graphs for 1, 2 and 4 rows: each capture is slow when simulated, and more rows
+            # decode eagerly, on the device too.
+            *(("--dtype", "float32", "--cuda-graph-max-bs", "4") if sim else ()),
+            *extra_args,
+            simulated_cuda=sim,
+        )
         yield proc
         proc.stop()
 
