@@ -35,6 +35,7 @@ class EngineProcess:
         env: dict[str, str] | None = None,
         simulated_cuda: bool = False,
     ):
+        self.simulated_cuda = simulated_cuda
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"engine-{self.port}.log"
