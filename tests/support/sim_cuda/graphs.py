@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .tensor import CUDA, CaptureError, SimCuda, _is_cuda, _is_pinned, _state, _to_host
+from .tensor import CUDA, STATE, CaptureError, SimCuda, is_cuda_device, is_pinned_host, to_host
 
 
 class Event:
@@ -67,9 +67,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func._schema.name
         flat, _ = tree_flatten((args, kwargs))
-        if any(isinstance(t, SimCuda) for t in flat) or _is_cuda(kwargs.get("device")):
+        if any(isinstance(t, SimCuda) for t in flat) or is_cuda_device(kwargs.get("device")):
             if name == "aten::_local_scalar_dense" or (
-                name == "aten::_to_copy" and _to_host(kwargs)
+                name == "aten::_to_copy" and to_host(kwargs)
             ):
                 raise CaptureError(
                     f"operation not permitted when stream is capturing ({name}: a read back "
@@ -82,7 +82,7 @@ class _Recorder(TorchDispatchMode):
                     if isinstance(t, torch.Tensor)
                     and not isinstance(t, SimCuda)
                     and t.dim() > 0
-                    and not _is_pinned(t)
+                    and not is_pinned_host(t)
                 ]
                 if pageable:
                     raise CaptureError(
@@ -121,10 +121,10 @@ class SimGraph:
 @contextlib.contextmanager
 def capture(graph: SimGraph, *_: Any, **__: Any) -> Iterator[None]:
     recorder = _Recorder()
-    _state["capturing"] = True
+    STATE["capturing"] = True
     try:
         with recorder:
             yield
     finally:
-        _state["capturing"] = False
+        STATE["capturing"] = False
     graph.ops = recorder.ops

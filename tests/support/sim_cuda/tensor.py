@@ -55,7 +55,7 @@ class SimCuda(torch.Tensor):
         name = func._schema.name
         if name not in _CROSS_DEVICE:
             _check_devices(name, args, kwargs)
-        if name == "aten::_to_copy" and _to_host(kwargs):
+        if name == "aten::_to_copy" and to_host(kwargs):
             kwargs = {k: v for k, v in kwargs.items() if k != "device"}
             return func(*tree_map(_unwrap, args), **kwargs)
         if name == "aten::_local_scalar_dense":
@@ -80,17 +80,17 @@ def _wrap(x: Any) -> Any:
         return SimCuda(x)
 
 
-def _is_cuda(device: Any) -> bool:
+def is_cuda_device(device: Any) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
-def _to_host(kwargs: dict) -> bool:
+def to_host(kwargs: dict) -> bool:
     device = kwargs.get("device")
     return device is not None and torch.device(device).type == "cpu"
 
 
 def _host_kwargs(kwargs: dict) -> dict:
-    if _is_cuda(kwargs.get("device")):
+    if is_cuda_device(kwargs.get("device")):
         kwargs = {**kwargs, "device": CPU}
     if kwargs.get("pin_memory"):
         kwargs = {**kwargs, "pin_memory": False}
@@ -114,15 +114,15 @@ def _check_devices(name: str, args: Any, kwargs: Any) -> None:
 
 
 def _pin(t: torch.Tensor) -> None:
-    _state.setdefault("pinned", {})[id(t)] = weakref.ref(t)
+    STATE.setdefault("pinned", {})[id(t)] = weakref.ref(t)
 
 
-def _is_pinned(t: torch.Tensor) -> bool:
-    ref = _state.get("pinned", {}).get(id(t))
+def is_pinned_host(t: torch.Tensor) -> bool:
+    ref = STATE.get("pinned", {}).get(id(t))
     return ref is not None and ref() is t
 
 
-_state: dict[str, Any] = {}
+STATE: dict[str, Any] = {}
 
 _FACTORIES_LIKE = {
     torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
@@ -250,7 +250,7 @@ class Placement(TorchFunctionMode):
         if func is torch._C.TensorBase.data.__set__:
             return _set_data(*args)
         if func is torch.Tensor.tolist:
-            if _state.get("capturing") and isinstance(args[0], SimCuda):
+            if STATE.get("capturing") and isinstance(args[0], SimCuda):
                 raise CaptureError("operation not permitted when stream is capturing (.tolist())")
             return _unwrap(args[0]).tolist()
         if func is torch.Tensor.numpy and isinstance(args[0], SimCuda):
@@ -263,13 +263,13 @@ class Placement(TorchFunctionMode):
             _pin(out)
             return out
         if func is torch.Tensor.is_pinned:
-            return _is_pinned(args[0])
+            return is_pinned_host(args[0])
         pin = bool(kwargs.pop("pin_memory", False))
         device = kwargs.get("device")
         if device is None and func in _FACTORIES_LIKE and isinstance(args[0], SimCuda):
             device = CUDA
-        if _is_cuda(device):
-            if _state.get("capturing") and func in (torch.tensor, torch.as_tensor):
+        if is_cuda_device(device):
+            if STATE.get("capturing") and func in (torch.tensor, torch.as_tensor):
                 raise CaptureError(
                     f"operation not permitted when stream is capturing ({func.__name__} from "
                     "host data inside a CUDA graph capture)"
