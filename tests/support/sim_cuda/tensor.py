@@ -193,7 +193,8 @@ _NO_GRAPH = {
     "__get__", "__set__", "__repr__", "__format__", "__len__", "__hash__", "__bool__",
     "__reduce_ex__", "__deepcopy__", "detach", "detach_", "requires_grad_", "size", "dim",
     "numel", "stride", "storage_offset", "is_contiguous", "element_size", "untyped_storage",
-    "data_ptr", "item", "tolist", "is_pinned",
+    "data_ptr", "item", "tolist", "is_pinned", "is_floating_point", "is_complex", "is_signed",
+    "get_device", "type",
 }  # fmt: skip
 
 
