@@ -399,6 +399,14 @@ def test_the_graph_path_decodes_as_eager_on_the_cpu(tiny_model_dir: Path):
     _graphs_decode_as_eager(tiny_model_dir, "cpu")
 
 
+def test_the_graph_path_decodes_as_eager_on_a_simulated_gpu(tiny_model_dir: Path):
+    """The GPU test above on a GPU simulated on the CPU (tests/support/sim_cuda/): the graphs
+    captured by decode_graphs' own CUDA path (side-stream warm-up, a shared pool, the capture
+    refusing any host read or pageable copy) and replayed into the captured tensors."""
+    with simulated_cuda():
+        _graphs_decode_as_eager(tiny_model_dir, "cuda")
+
+
 def _graphs_decode_as_eager(tiny_model_dir: Path, device: str) -> None:
     def generate(graphs: int | None) -> tuple[list[Sequence], list[tuple[int, int]]]:
         runner = ModelRunner(str(tiny_model_dir), dtype="float32", device=device)
