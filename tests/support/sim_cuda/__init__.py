@@ -26,7 +26,7 @@ and events (synchronous), CUDA IPC, and autograd: torch's CPU build has no CUDA 
 which autograd asks for, so a SimCuda tensor never takes part in a backward (the trainer's
 step is not simulated; the engine runs under inference_mode and is). Those stay GPU-marked
 tests for `make gpu-check`. Some of torch's Python bindings ask for the guard too (indexing,
-`copy_`, `contiguous`, `int()`, `nonzero`, `new_*`): `Placement` sends those to the op
+`copy_`, `contiguous`, `int()`, `~`, `nonzero`, `new_*`): `Placement` sends those to the op
 itself, through the dispatcher.
 """
 
@@ -88,7 +88,7 @@ def simulated_cuda() -> Iterator[None]:
         "synchronize": lambda *_: None,
         "empty_cache": lambda: None,
         "ipc_collect": lambda: None,
-        "mem_get_info": lambda *_: (TOTAL_BYTES // 2, TOTAL_BYTES),
+        "mem_get_info": lambda *_: (TOTAL_BYTES * 3 // 4, TOTAL_BYTES),  # a quarter in use
         "memory_allocated": _allocated,
         "memory_reserved": _allocated,
         "max_memory_allocated": _allocated,

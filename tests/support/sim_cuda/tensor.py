@@ -49,6 +49,15 @@ class SimCuda(torch.Tensor):
     def __repr__(self) -> str:
         return f"SimCuda({self.elem!r})"
 
+    # `param.data = value` reaches no torch function mode: the setter keeps `elem` in step.
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        _set_data(self, value)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -137,7 +146,8 @@ _SCALARS = {
     torch.Tensor.__float__: float,
     torch.Tensor.__bool__: bool,
 }
-_NEW = {"new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided"}
+_STORAGE = {torch.Tensor.untyped_storage, torch.Tensor.storage, torch.Tensor.data_ptr}
+_NEW = {"new", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided"}
 
 
 def _basic_index(x: torch.Tensor, index: Any) -> tuple[torch.Tensor, list]:
@@ -211,6 +221,7 @@ class Placement(TorchFunctionMode):
         if (
             torch.is_grad_enabled()
             and func.__name__ not in _NO_GRAPH
+            and getattr(func, "__module__", None) != "torch.nn.init"  # it runs under no_grad
             and _records_grad(args, kwargs)
         ):
             raise RuntimeError(
@@ -241,6 +252,8 @@ class Placement(TorchFunctionMode):
         # op itself, through the dispatcher.
         if func is torch.Tensor.copy_:
             return torch.ops.aten.copy_.default(*args, **kwargs)
+        if func is torch.Tensor.__invert__ and isinstance(args[0], SimCuda):
+            return torch.ops.aten.bitwise_not.default(args[0])
         if func is torch.Tensor.contiguous and isinstance(args[0], SimCuda):
             return torch.ops.aten.contiguous.default(*args, **kwargs)
         if func in _SCALARS and isinstance(args[0], SimCuda):
@@ -248,6 +261,8 @@ class Placement(TorchFunctionMode):
         if func in (torch.Tensor.nonzero, torch.nonzero) and isinstance(args[0], SimCuda):
             out = torch.ops.aten.nonzero.default(args[0])
             return out.unbind(1) if kwargs.get("as_tuple") else out
+        if func in _STORAGE and isinstance(args[0], SimCuda):  # identity: the host data's
+            return func(args[0].elem, *args[1:], **kwargs)
         if func is torch._C.TensorBase.data.__set__:
             return _set_data(*args)
         if func is torch.Tensor.tolist:

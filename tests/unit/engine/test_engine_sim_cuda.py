@@ -61,6 +61,11 @@ def test_the_simulated_device_refuses_what_cuda_refuses():
             linear(torch.ones(4, device="cuda", dtype=torch.bfloat16))
         with torch.no_grad():
             assert linear(torch.ones(4, device="cuda", dtype=torch.bfloat16)).is_cuda
+        # `.data =` (how the engine discards and reallocates its weights) holds what was set.
+        linear.weight.data = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+        assert linear.weight.untyped_storage().nbytes() == 0
+        linear.weight.data = torch.full((2, 4), 2.0, device="cuda", dtype=torch.bfloat16)
+        assert (~(linear.weight.data == 2.0)).sum().item() == 0
 
 
 def test_a_graph_replays_its_ops_in_place_and_its_capture_refuses_a_host_sync():
