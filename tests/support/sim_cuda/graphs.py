@@ -114,9 +114,6 @@ class SimGraph:
                 if isinstance(old, SimCuda) and old is not new:
                     old.elem.copy_(new.elem)
 
-    def reset(self) -> None:
-        self.ops = None
-
 
 @contextlib.contextmanager
 def capture(graph: SimGraph, *_: Any, **__: Any) -> Iterator[None]:

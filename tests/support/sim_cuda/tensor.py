@@ -32,7 +32,7 @@ class SimCuda(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor, requires_grad: bool = False) -> SimCuda:
+    def __new__(cls, elem: torch.Tensor) -> SimCuda:
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             elem.size(),
@@ -41,7 +41,6 @@ class SimCuda(torch.Tensor):
             dtype=elem.dtype,
             layout=elem.layout,
             device=CUDA,
-            requires_grad=requires_grad,
         )
         out.elem = elem
         return out
@@ -122,16 +121,19 @@ def _check_devices(name: str, args: Any, kwargs: Any) -> None:
             )
 
 
+# Host tensors made "pinned" (by id: a tensor's == is elementwise), let go with them.
+_PINNED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 def _pin(t: torch.Tensor) -> None:
-    STATE.setdefault("pinned", {})[id(t)] = weakref.ref(t)
+    _PINNED[id(t)] = t
 
 
 def is_pinned_host(t: torch.Tensor) -> bool:
-    ref = STATE.get("pinned", {}).get(id(t))
-    return ref is not None and ref() is t
+    return _PINNED.get(id(t)) is t
 
 
-STATE: dict[str, Any] = {}
+STATE: dict[str, Any] = {}  # "capturing": a graph capture is under way (graphs.py)
 
 _FACTORIES_LIKE = {
     torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
@@ -263,8 +265,6 @@ class Placement(TorchFunctionMode):
             return out.unbind(1) if kwargs.get("as_tuple") else out
         if func in _STORAGE and isinstance(args[0], SimCuda):  # identity: the host data's
             return func(args[0].elem, *args[1:], **kwargs)
-        if func is torch._C.TensorBase.data.__set__:
-            return _set_data(*args)
         if func is torch.Tensor.tolist:
             if STATE.get("capturing") and isinstance(args[0], SimCuda):
                 raise CaptureError("operation not permitted when stream is capturing (.tolist())")
