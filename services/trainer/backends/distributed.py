@@ -66,7 +66,7 @@ from millstream.common.errors import MillstreamError
 
 from .base import TrainSample
 from .loop import StepLoop
-from .saving import SHARD_FILE, sharded_optimizer_files
+from .saving import SHARD_FILE, load_state, sharded_optimizer_files
 
 TRAIN, STOP, SAVE = 1, 0, 2
 HEADER = 8
@@ -446,7 +446,7 @@ class DataParallel:
                 f"{directory} holds {len(shards)} optimizer shard(s) (optimizer.rank*.pt) for "
                 f"{world} ranks: resume with as many ranks as saved it, or --no-load-optim"
             )
-        state = torch.load(directory / SHARD_FILE.format(rank=self.rank), weights_only=True)
+        state = load_state(directory / SHARD_FILE.format(rank=self.rank))
         _load_local_state(self.backend.optimizer, state["optimizer"])
         self.backend.scheduler.load_state_dict(state["scheduler"])
         self._load_masters(state)  # (their bf16 rounding is what model/ held: gathered already)

@@ -98,7 +98,7 @@ class Checkpoints:
                     f"under torchrun --nproc-per-node {n}, or pass --no-load-optim"
                 )
         if actor and load_optimizer and opt_path.is_file():
-            state = torch.load(opt_path, weights_only=True)
+            state = load_state(opt_path)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             if self.master is not None and "master" in state:
@@ -108,6 +108,15 @@ class Checkpoints:
             self.critic.load(critic_dir)
             opt_path = critic_dir / OPTIMIZER_FILE
             if load_optimizer and opt_path.is_file():
-                state = torch.load(opt_path, weights_only=True)
+                state = load_state(opt_path)
                 self.critic_optimizer.load_state_dict(state["optimizer"])
                 self.critic_scheduler.load_state_dict(state["scheduler"])
+
+
+def load_state(path: Path) -> dict:
+    """An optimizer file (or one rank's shard), onto the host whatever device saved it:
+    `load_state_dict` then puts each state where its parameter is. So a checkpoint a GPU
+    wrote (its tensors say "cuda:0") resumes on the CPU, and each rank's state lands on its
+    own device, where without a map_location every rank would load rank 0's file onto GPU 0
+    first."""
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -13,21 +13,29 @@ What CUDA accepts beside a device tensor, and so this does too: a host tensor of
 dimensions (a scalar), host index tensors to advanced indexing (`x[idx]`, `x[idx] = y`),
 and a copy between the two (`copy_`, `.to`, `.cpu()`).
 
+Training runs on it too. torch's CPU build lacks what CUDA's bindings and autograd ask for:
+a device guard, and hooks that say CUDA is there (the autograd engine asks them for the
+stream of a gradient). native.cpp supplies both while a simulation runs, built once by
+native.py with the machine's g++, so indexing, `int()` and the rest take their CUDA paths
+and a backward runs (on the thread that calls it). Moves keep their objects as on a GPU:
+Module.to and `.data =` leave each Parameter the same object (the one an optimizer holds),
+across devices too, with its post-accumulate hooks (`apply_in_place`, `move_in_place`), so
+--offload-train's round trip runs; a C++ composite op that allocates from its inputs'
+options gets device tensors (`device_factories`); torch.save writes a device tensor's
+location as "cuda:0", as a GPU does.
+
 CUDA graphs: `torch.cuda.graph` records the ops run inside it (`SimGraph`), and each
-`replay()` runs them again on the same tensors, writing into the tensors the capture made,
-as a graph replays into the same addresses. Inside a capture, as CUDA refuses them, a read
-back to the host (`.item()`, `int()`, `.tolist()`, `.cpu()`) and a copy from pageable host
-memory are errors; a copy from pinned memory is recorded and reads the pinned tensor at
-each replay.
+`replay()` runs them again on the same tensors, writing into the tensors the capture made
+(those a factory made inside it too), as a graph replays into the same addresses. Inside a
+capture, as CUDA refuses them, a read back to the host (`.item()`, `int()`, `.tolist()`,
+`.cpu()`) and a copy from pageable host memory are errors; a copy from pinned memory is
+recorded and reads the pinned tensor at each replay.
 
 What it cannot show: memory (the allocator's numbers are zero, `mem_get_info` a fixed small
-card), kernels (every op is the CPU's; the CPU's torch has no block-scaled FP8 GEMM), streams
-and events (synchronous), CUDA IPC, and autograd: torch's CPU build has no CUDA device guard,
-which autograd asks for, so a SimCuda tensor never takes part in a backward (the trainer's
-step is not simulated; the engine runs under inference_mode and is). Those stay GPU-marked
-tests for `make gpu-check`. Some of torch's Python bindings ask for the guard too (indexing,
-`copy_`, `contiguous`, `int()`, `~`, `nonzero`, `new_*`): `Placement` sends those to the op
-itself, through the dispatcher.
+card), kernels (every op is the CPU's: attention takes torch's math path where the CPU has a
+flash kernel, so bf16 results differ in their last bits; there is no block-scaled FP8 GEMM),
+streams and events (synchronous), CUDA IPC and NCCL. Those stay GPU-marked tests for `make
+gpu-check`.
 """
 
 from __future__ import annotations
@@ -40,8 +48,19 @@ from unittest import mock
 
 import torch
 
+from . import native
 from .graphs import Event, SimGraph, Stream, capture
-from .tensor import TOTAL_BYTES, CaptureError, DeviceMismatch, Placement, SimCuda
+from .tensor import (
+    TOTAL_BYTES,
+    CaptureError,
+    DeviceMismatch,
+    Placement,
+    SimCuda,
+    apply_in_place,
+    device_factories,
+    restored,
+    saved_location,
+)
 
 __all__ = ["CaptureError", "DeviceMismatch", "SimCuda", "SimGraph", "simulated_cuda"]
 
@@ -58,28 +77,10 @@ class _Properties:
     uuid = "00000000-51a0-4c0d-a000-000000000000"  # str() of torch's is the GPU's UUID
 
 
-_module_to = torch.nn.Module.to
-
-
-def _to_keeping_ties(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Module.to with new Parameters (a SimCuda cannot become the old Parameter's `.data`),
-    each tied parameter (lm_head and the embedding) still one object, as `.data =` keeps it."""
-    before = [
-        (m, key, p) for m in module.modules() for key, p in m._parameters.items() if p is not None
-    ]
-    out = _module_to(module, *args, **kwargs)
-    first: dict[int, torch.nn.Parameter] = {}
-    for m, key, old in before:
-        m._parameters[key] = first.setdefault(id(old), m._parameters[key])
-    return out
-
-
 @contextlib.contextmanager
 def simulated_cuda() -> Iterator[None]:
     """Inside: torch sees one GPU, cuda:0, whose tensors are SimCuda tensors."""
     stream = Stream()
-    torch._C._ensureCUDADeviceGuardSet()  # a CUDA build without a GPU: a no-op guard (the
-    # CPU build has no CUDA guard to replace, hence the bindings Placement reroutes)
     patches = {
         "is_available": lambda: True,
         "device_count": lambda: 1,
@@ -106,22 +107,36 @@ def simulated_cuda() -> Iterator[None]:
         "CUDAGraph": SimGraph,
         "graph": capture,
         "graph_pool_handle": lambda: object(),
+        "_lazy_init": lambda: None,  # what torch's C++ calls first when it meets the device
+    }
+    accelerator = {
+        "current_device_index": lambda: 0,
+        "current_stream": lambda *_: stream,
+        "synchronize": lambda *_: None,
+        "device_count": lambda: 1,
     }
     with contextlib.ExitStack() as stack:
+        native.enable(True)  # autograd's CUDA device guard and hooks (native.cpp)
+        stack.callback(native.enable, False)
+        stack.callback(device_factories()._destroy)  # CUDA kernels for empty/empty_strided
+        # torch.save's location tag for device tensors ("cuda:0"), and torch.load's for it.
+        torch.serialization.register_package(5, saved_location, restored)
+        stack.callback(torch.serialization._package_registry.remove, (5, saved_location, restored))
         for name, value in patches.items():
             stack.enter_context(mock.patch.object(torch.cuda, name, value, create=True))
-        # Module.to makes new Parameters (SimCuda ones) instead of setting `.data` on the old.
-        overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-        torch.__future__.set_overwrite_module_params_on_conversion(True)
-        stack.callback(torch.__future__.set_overwrite_module_params_on_conversion, overwrite)
-        stack.enter_context(mock.patch.object(torch.nn.Module, "to", _to_keeping_ties))
+        for name, value in accelerator.items():
+            stack.enter_context(mock.patch.object(torch.accelerator, name, value))
+        stack.enter_context(mock.patch.object(torch.nn.Module, "_apply", apply_in_place))
         stack.enter_context(Placement())
+        # A backward runs on the thread that calls it: the autograd engine's per-device
+        # threads were sized at the process's first backward, maybe before any guard was here.
+        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
         # The mode is per thread: every thread started inside (the engine's scheduler, an
         # executor's workers) enters it too.
         bootstrap = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
 
         def inside(thread: threading.Thread) -> None:
-            with Placement():
+            with Placement(), torch.autograd.set_multithreading_enabled(False):
                 bootstrap(thread)
 
         stack.enter_context(mock.patch.object(threading.Thread, "_bootstrap_inner", inside))

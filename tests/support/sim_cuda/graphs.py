@@ -47,6 +47,9 @@ class Stream:
     def wait_event(self, *_: Any) -> None:
         pass
 
+    def is_capturing(self) -> bool:
+        return bool(STATE.get("capturing"))
+
     def record_event(self, event: Any = None) -> Event:
         event = event or Event()
         event.record()
@@ -118,10 +121,10 @@ class SimGraph:
 @contextlib.contextmanager
 def capture(graph: SimGraph, *_: Any, **__: Any) -> Iterator[None]:
     recorder = _Recorder()
-    STATE["capturing"] = True
+    STATE["capturing"], STATE["recorded"] = True, recorder.ops
     try:
         with recorder:
             yield
     finally:
-        STATE["capturing"] = False
+        STATE["capturing"], STATE["recorded"] = False, None
     graph.ops = recorder.ops

@@ -27,8 +27,8 @@ class DeviceMismatch(RuntimeError):
 class SimCuda(torch.Tensor):
     """A tensor that says it is on cuda:0 and holds its data in a CPU tensor (`elem`)."""
 
-    elem: torch.Tensor
-    __slots__ = ("elem",)
+    elem: torch.Tensor  # in __dict__, not a slot: a host tensor that becomes a device one
+    # in place (`move_in_place`) has none
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -47,6 +47,12 @@ class SimCuda(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"SimCuda({self.elem!r})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (torch.save) as torch pickles a CUDA tensor: its data, in a storage whose
+        location reads "cuda:0" (`saved_location`)."""
+        DEVICE_STORAGES.add(self.elem.untyped_storage())
+        return self.elem.__reduce_ex__(protocol)
 
     # `param.data = value` reaches no torch function mode: the setter keeps `elem` in step.
     @property  # type: ignore[override]
@@ -121,6 +127,23 @@ def _check_devices(name: str, args: Any, kwargs: Any) -> None:
             )
 
 
+# The storages of device tensors torch.save met: their location is "cuda:0" (`saved_location`).
+DEVICE_STORAGES: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+
+
+def saved_location(storage: Any) -> str | None:
+    """torch.serialization's location tag: "cuda:0" for a device tensor's storage, as a GPU
+    writes it, so that a checkpoint made here loads as one from a GPU does (on the CPU, only
+    with a map_location)."""
+    return "cuda:0" if storage in DEVICE_STORAGES else None
+
+
+def restored(storage: Any, location: str) -> Any:
+    """torch.load of a "cuda" location inside the simulation: the host storage (a plain
+    tensor, where a GPU would give a device one; load_state_dict moves it)."""
+    return storage if location.startswith("cuda") else None
+
+
 # Host tensors made "pinned" (by id: a tensor's == is elementwise), let go with them.
 _PINNED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
@@ -133,7 +156,8 @@ def is_pinned_host(t: torch.Tensor) -> bool:
     return _PINNED.get(id(t)) is t
 
 
-STATE: dict[str, Any] = {}  # "capturing": a graph capture is under way (graphs.py)
+# "capturing": a graph capture is under way, "recorded": its list of ops (graphs.py)
+STATE: dict[str, Any] = {}
 
 _FACTORIES_LIKE = {
     torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
@@ -141,78 +165,7 @@ _FACTORIES_LIKE = {
 }  # fmt: skip
 
 
-_SCALARS = {
-    torch.Tensor.item: lambda v: v,
-    torch.Tensor.__int__: int,
-    torch.Tensor.__index__: int,
-    torch.Tensor.__float__: float,
-    torch.Tensor.__bool__: bool,
-}
 _STORAGE = {torch.Tensor.untyped_storage, torch.Tensor.storage, torch.Tensor.data_ptr}
-_NEW = {"new", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided"}
-
-
-def _basic_index(x: torch.Tensor, index: Any) -> tuple[torch.Tensor, list]:
-    """Python's indexing as torch applies it (ints select, slices narrow, None adds a dim,
-    Ellipsis spans the rest), done with ops that reach __torch_dispatch__: torch's own
-    indexing code wants a CUDA device guard, which its CPU build lacks. Returns the view
-    and, if any index is a tensor or a list, the per-dim indices for aten.index."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    items = [torch.tensor(i) if isinstance(i, list) else i for i in items]
-    used = sum(
-        1 if not isinstance(i, torch.Tensor) or i.dtype != torch.bool else i.dim()
-        for i in items
-        if i is not None and i is not Ellipsis
-    )
-    view, dim, advanced = x, 0, []
-    for item in items:
-        if item is Ellipsis:
-            skip = x.dim() - used
-            dim += skip
-            advanced += [None] * skip
-        elif item is None:
-            view = view.unsqueeze(dim)
-            dim += 1
-            advanced.append(None)
-        elif isinstance(item, bool):
-            raise NotImplementedError("simulated CUDA: a bool as an index")
-        elif isinstance(item, int) or (
-            isinstance(item, torch.Tensor)
-            and item.dim() == 0
-            and item.dtype != torch.bool
-            and not item.is_floating_point()
-            and not isinstance(item, SimCuda)
-        ):
-            view = view.select(dim, int(item))
-        elif isinstance(item, slice):
-            start, stop, step = item.indices(view.shape[dim])
-            view = torch.ops.aten.slice.Tensor(view, dim, start, stop, step)
-            dim += 1
-            advanced.append(None)
-        elif isinstance(item, torch.Tensor):
-            advanced.append(item)
-            dim += item.dim() if item.dtype == torch.bool else 1
-            advanced += [None] * (item.dim() - 1 if item.dtype == torch.bool else 0)
-        else:
-            raise NotImplementedError(f"simulated CUDA: an index of type {type(item)}")
-    while advanced and advanced[-1] is None:
-        advanced.pop()
-    return view, advanced
-
-
-# Calls on a tensor that requires grad which build no autograd graph.
-_NO_GRAPH = {
-    "__get__", "__set__", "__repr__", "__format__", "__len__", "__hash__", "__bool__",
-    "__reduce_ex__", "__deepcopy__", "detach", "detach_", "requires_grad_", "size", "dim",
-    "numel", "stride", "storage_offset", "is_contiguous", "element_size", "untyped_storage",
-    "data_ptr", "item", "tolist", "is_pinned", "is_floating_point", "is_complex", "is_signed",
-    "get_device", "type",
-}  # fmt: skip
-
-
-def _records_grad(args: Any, kwargs: Any) -> bool:
-    flat, _ = tree_flatten((args, kwargs))
-    return any(isinstance(t, SimCuda) and t.requires_grad for t in flat)
 
 
 class Placement(TorchFunctionMode):
@@ -220,49 +173,11 @@ class Placement(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
-        if (
-            torch.is_grad_enabled()
-            and func.__name__ not in _NO_GRAPH
-            and getattr(func, "__module__", None) != "torch.nn.init"  # it runs under no_grad
-            and _records_grad(args, kwargs)
-        ):
-            raise RuntimeError(
-                f"simulated CUDA: {getattr(func, '__name__', func)} would record a device tensor "
-                "for autograd, which torch's CPU build cannot run on a CUDA tensor (it aborts "
-                "the process): run it under torch.no_grad() or on a GPU (make gpu-check)"
-            )
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
             return _move(func, args, kwargs)
-        if func is torch.Tensor.__getitem__ and isinstance(args[0], SimCuda):
-            view, indices = _basic_index(args[0], args[1])
-            return torch.ops.aten.index.Tensor(view, indices) if indices else view
-        if func is torch.Tensor.__setitem__ and isinstance(args[0], SimCuda):
-            view, indices = _basic_index(args[0], args[1])
-            value = args[2]
-            if indices:
-                if not isinstance(value, torch.Tensor):
-                    value = torch.tensor(value, dtype=view.dtype)
-                torch.ops.aten.index_put_(view, indices, value)
-            elif isinstance(value, torch.Tensor):
-                torch.ops.aten.copy_.default(view, value)
-            else:
-                view.fill_(value)
+        if _is_data_setter(func):  # a host tensor's `.data = ` (a SimCuda's is its property)
+            _set_data(*args)
             return None
-        if func.__name__ in _NEW and isinstance(args[0], SimCuda):
-            return _wrap(func(args[0].elem, *args[1:], **_host_kwargs(kwargs)))
-        # Their Python bindings want CUDA's device guard, which torch's CPU build lacks: the
-        # op itself, through the dispatcher.
-        if func is torch.Tensor.copy_:
-            return torch.ops.aten.copy_.default(*args, **kwargs)
-        if func is torch.Tensor.__invert__ and isinstance(args[0], SimCuda):
-            return torch.ops.aten.bitwise_not.default(args[0])
-        if func is torch.Tensor.contiguous and isinstance(args[0], SimCuda):
-            return torch.ops.aten.contiguous.default(*args, **kwargs)
-        if func in _SCALARS and isinstance(args[0], SimCuda):
-            return _SCALARS[func](torch.ops.aten._local_scalar_dense.default(args[0]))
-        if func in (torch.Tensor.nonzero, torch.nonzero) and isinstance(args[0], SimCuda):
-            out = torch.ops.aten.nonzero.default(args[0])
-            return out.unbind(1) if kwargs.get("as_tuple") else out
         if func in _STORAGE and isinstance(args[0], SimCuda):  # identity: the host data's
             return func(args[0].elem, *args[1:], **kwargs)
         if func is torch.Tensor.tolist:
@@ -292,7 +207,14 @@ class Placement(TorchFunctionMode):
                 )
             kwargs["device"] = CPU
             args = tree_map(_unwrap, args)
-            return tree_map(_wrap, func(*args, **kwargs))
+
+            def make() -> Any:
+                return tree_map(_wrap, func(*args, **kwargs))
+
+            out = make()
+            if STATE.get("capturing"):  # a kernel that fills it: each replay makes it again
+                STATE["recorded"].append((make, (), {}, out))
+            return out
         out = func(*args, **kwargs)
         if pin and isinstance(out, torch.Tensor):
             _pin(out)
@@ -316,29 +238,118 @@ def _move(func: Any, args: Any, kwargs: dict) -> Any:
             dtype = a
         elif isinstance(a, torch.Tensor):
             target, dtype = a.device, a.dtype
-    data = _unwrap(x)
-    if dtype is not None and dtype != data.dtype:
-        data = data.to(dtype)
+    cast = {} if dtype is None or dtype == x.dtype else {"dtype": dtype}
     on_cuda = isinstance(x, SimCuda) if target is None else torch.device(target).type == "cuda"
     if on_cuda == isinstance(x, SimCuda):  # no move: as torch, the same tensor unless cast
-        return x if data is _unwrap(x) else _wrap(data) if on_cuda else data
+        return torch.ops.aten._to_copy.default(x, **cast) if cast else x
     if on_cuda:  # host to device: a copy_ the dispatch sees (and a capture records)
-        out = _wrap(torch.empty_like(data))
+        data = x.to(**cast) if cast else x
+        out = _wrap(torch.empty_like(_unwrap(data)))
         torch.ops.aten.copy_.default(out, data)
         return out
-    return torch.ops.aten._to_copy.default(x if data is x.elem else _wrap(data), device=CPU)
+    return torch.ops.aten._to_copy.default(x, device=CPU, **cast)
+
+
+def _is_data_setter(func: Any) -> bool:
+    return (
+        getattr(func, "__name__", None) == "__set__"
+        and getattr(func, "__self__", None) is torch._C.TensorBase.__dict__["data"]
+    )
+
+
+def apply_in_place(module: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+    """Module._apply (`to`, `cuda`, `half`...) as it runs with CUDA: each parameter stays
+    the same object and takes its converted data by `.data =`, across devices too
+    (`move_in_place`), so an optimizer built before the move, a tied lm_head, and hooks
+    added after it all hold the module's parameters. torch's own takes another path for a
+    tensor subclass (a new Parameter, or swapping everything, hooks included)."""
+    if recurse:
+        for child in module.children():
+            child._apply(fn)
+    for param in module._parameters.values():
+        if param is None:
+            continue
+        with torch.no_grad():
+            applied = fn(param)
+        if applied is not param:
+            _set_data(param, applied)
+        if param.grad is not None:
+            with torch.no_grad():
+                grad = fn(param.grad)
+            if grad is not param.grad:
+                _set_data(param.grad, grad)
+    for key, buf in module._buffers.items():
+        if buf is not None:
+            module._buffers[key] = fn(buf)
+    return module
 
 
 def _set_data(target: torch.Tensor, value: torch.Tensor) -> None:
-    """`param.data = value`: a SimCuda keeps its `elem` in step with what it says."""
+    """`param.data = value`: a SimCuda keeps its `elem` in step with what it says; across
+    devices the tensor changes class in place (`move_in_place`)."""
     if isinstance(target, SimCuda) != isinstance(value, SimCuda):
-        raise RuntimeError(
-            "simulated CUDA: `.data =` across devices changes a tensor's class; "
-            f"{target.device} <- {value.device}"
-        )
+        move_in_place(target, value)
+        return
     torch._C.TensorBase.data.__set__(target, value)
     if isinstance(target, SimCuda):
         target.elem = value.elem
+
+
+def move_in_place(target: torch.Tensor, value: torch.Tensor) -> None:
+    """`target.data = value` between the host and the device: `target` stays the same Python
+    object (the Parameter an optimizer or a tied module holds, with its attributes) and takes
+    `value`'s data, device and class, as `.data =` moves a tensor between devices on a GPU.
+
+    torch's CPU build cannot put a device tensor's data under a host tensor's autograd
+    identity (they are different tensor types), so the two exchange their insides
+    (torch.utils.swap_tensors) and `target` keeps its own attributes and its post-accumulate
+    hooks (--bf16's, precision.py). What that cannot carry over is refused: a gradient and
+    backward hooks (a GPU keeps them)."""
+    if target.grad is not None or target._backward_hooks:
+        raise RuntimeError(
+            "simulated CUDA: moving a tensor between the host and the device in place keeps "
+            "neither its .grad nor its backward hooks here (a GPU would)"
+        )
+    was_param = isinstance(target, torch.nn.Parameter)
+    _PINNED.pop(id(target), None)  # (a weak reference: swap_tensors refuses those)
+    pinned = is_pinned_host(value)
+    own = {k: v for k, v in target.__dict__.items() if k != "elem"}
+    hooks = target._post_accumulate_grad_hooks
+    carrier = value.detach().requires_grad_(target.requires_grad)
+    torch.utils.swap_tensors(target, carrier)
+    target.__dict__.update(own)
+    if pinned:  # pinned is a property of the memory, which `target` now holds
+        _pin(target)
+    if hooks is not None:  # registered on the tensor's insides, which went to the carrier
+        carrier._post_accumulate_grad_hooks = None
+        target._post_accumulate_grad_hooks = hooks
+    if isinstance(target, SimCuda):
+        target._is_param = was_param  # torch's mark of a Parameter that is a subclass
+    else:
+        target.__dict__.pop("elem", None)
+        target.__dict__.pop("_is_param", None)
+        if was_param:
+            target.__class__ = torch.nn.Parameter
+
+
+def device_factories() -> torch.library.Library:
+    """CUDA kernels for torch's two allocating ops, which make SimCuda tensors. A composite
+    op's C++ (scaled_dot_product_attention's, say) makes its new tensors from its inputs'
+    options, a call no Python mode sees, which torch's CPU build has no CUDA kernel for.
+    Registered until the library is destroyed."""
+    lib = torch.library.Library("aten", "IMPL", "CUDA")
+
+    def empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
+              pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:  # fmt: skip
+        return _wrap(torch.empty(size, dtype=dtype, memory_format=memory_format))
+
+    def empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None,
+                      device: Any = None, pin_memory: Any = None) -> torch.Tensor:  # fmt: skip
+        return _wrap(torch.empty_strided(size, stride, dtype=dtype))
+
+    lib.impl("empty.memory_format", empty)
+    lib.impl("empty_strided", empty_strided)
+    return lib
 
 
 class CaptureError(RuntimeError):
