@@ -229,6 +229,10 @@ def prepare(cfg: RunConfig) -> Prepared:
     resume_from = resume_iteration(cfg)
     state = checkpoint.load_state(cfg.ckpt.load, resume_from) if resume_from is not None else None  # type: ignore[arg-type]
     backend: StepLoop | DataParallel = build_backend(cfg, total)
+    dtype = str(backend.dtype).removeprefix("torch.") + (
+        " (fp32 masters)" if backend.keeps_masters else ""
+    )
+    print(f"[trainer] the actor on {backend.device}, {dtype}", flush=True)
     backend.profiler = TrainProfiler.from_config(cfg)  # rank 0 only, as Megatron's default
     if distributed.world_size_from_env() > 1:
         if state is not None and cfg.ckpt.train_backend == "fsdp":  # before sharding
