@@ -53,7 +53,9 @@ struct Hooks final : at::CUDAHooksInterface {
   int getNumGPUs() const override { return 1; }
 };
 
-const Guard guard;
+// Never destroyed: a process that exits inside a simulation still has it registered when
+// torch's own statics go.
+const Guard* const guard = new Guard();
 const c10::impl::DeviceGuardImplInterface* saved_guard = nullptr;
 bool enabled = false;
 
@@ -72,7 +74,7 @@ extern "C" int millstream_sim_cuda_enable(int on) {
   if (on && !enabled) {
     if (typeid(h) != typeid(at::CUDAHooksInterface)) return -1;  // a CUDA build: not ours
     saved_guard = slot.load();
-    slot.store(&guard);
+    slot.store(guard);
     h.~CUDAHooksInterface();
     new (&h) Hooks();
     enabled = true;
